@@ -1,0 +1,18 @@
+"""mixprec: mixed-precision training on PyTorch."""
+
+from mixprec.config import Config, build_policy, load_config
+from mixprec.errors import UserError
+from mixprec.models.llama import Llama, ModelArgs, build_model, model_args
+from mixprec.precision import ALIASES, PRESETS, Policy, dtype_name, has_fast_bf16, parse_dtype
+
+__all__ = [
+    # precision policy
+    "Policy", "PRESETS", "ALIASES", "has_fast_bf16", "parse_dtype", "dtype_name",
+    # model
+    "Llama", "ModelArgs", "model_args", "build_model",
+    # config
+    "Config", "load_config", "build_policy",
+    # errors
+    "UserError",
+]
+__version__ = "0.1.0"

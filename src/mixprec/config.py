@@ -1,0 +1,302 @@
+"""The job config: one TOML table per component, one frozen dataclass per table.
+
+Precedence: command line (`--section.key value`) > TOML file (`--config`) > defaults.
+Each field's docstring is its documentation in `mixprec train --help` and the README.
+"""
+
+import ast
+import dataclasses
+import inspect
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from mixprec.errors import UserError
+from mixprec.precision import Policy, parse_dtype
+
+
+def _check(ok: bool, field: str, value, accepted: str) -> None:
+    if not ok:
+        raise UserError(f"{field}: bad value {value!r}; accepted: {accepted}")
+
+
+@dataclass(frozen=True)
+class Job:
+    dump_folder: str = "outputs/run"
+    """Run folder: config, metrics, checkpoints, plots and summary.json are written here."""
+    description: str = ""
+    """Free text kept with the run."""
+
+
+@dataclass(frozen=True)
+class Model:
+    flavor: str = "small"
+    """Model shape: debug (tests, seconds on a CPU), small (~30M parameters), 1B, 8B, 70B (Llama-3 shapes)."""
+    n_kv_heads: int = 0
+    """Key/value heads for grouped-query attention; 0 keeps the flavor's."""
+    tie_embeddings: str = "flavor"
+    """Share the embedding and output weights: true, false, or flavor (the flavor's choice)."""
+
+    def __post_init__(self):
+        _check(self.n_kv_heads >= 0, "model.n_kv_heads", self.n_kv_heads, "0 (flavor's) or a divisor of n_heads")
+        _check(self.tie_embeddings in ("true", "false", "flavor"), "model.tie_embeddings",
+               self.tie_embeddings, "true, false, flavor")
+
+
+@dataclass(frozen=True)
+class Data:
+    source: str = "stdlib"
+    """Training text: stdlib (this Python's standard-library sources, no download) or a text file or folder."""
+    tokenizer: str = "byte"
+    """byte (UTF-8 bytes, vocabulary 256) or bpe (trained on the training split, cached in the run folder)."""
+    bpe_vocab_size: int = 4096
+    """Vocabulary size of the BPE tokenizer."""
+    val_fraction: float = 0.05
+    """Share of the files (or of the text, for one file) held out for validation."""
+
+    def __post_init__(self):
+        _check(self.tokenizer in ("byte", "bpe"), "data.tokenizer", self.tokenizer, "byte, bpe")
+        _check(self.bpe_vocab_size >= 260, "data.bpe_vocab_size", self.bpe_vocab_size, "an integer >= 260")
+        _check(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "a number in (0, 1)")
+        _check(bool(self.source.strip()), "data.source", self.source, "stdlib, or a path to a text file or folder")
+
+
+@dataclass(frozen=True)
+class Training:
+    steps: int = 100
+    """Optimizer steps to train."""
+    seq_len: int = 256
+    """Tokens per sequence."""
+    local_batch_size: int = 4
+    """Sequences per micro-batch."""
+    global_batch_size: int = -1
+    """Sequences per optimizer step; a multiple of local_batch_size (gradient accumulation). -1: local_batch_size."""
+    lr: float = 1e-3
+    """Peak learning rate of AdamW."""
+    warmup_steps: int = 10
+    """Linear warm-up steps, then cosine decay to lr * min_lr_factor."""
+    min_lr_factor: float = 0.1
+    """Final learning rate as a fraction of lr."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to norm weights)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    seed: int = 0
+    """Seed for weights and data order."""
+    device: str = "auto"
+    """cpu, cuda, or auto (cuda when available)."""
+    eval_interval: int = 50
+    """Validate every this many steps (and at the end); 0: only at the end."""
+    eval_batches: int = 4
+    """Validation micro-batches per evaluation."""
+    early_stopping_patience: int = 0
+    """Stop after this many evaluations without a lower validation loss; 0 disables."""
+    dtype: str = ""
+    """TorchTitan's training.dtype: bfloat16 stores parameters and optimizer states in bfloat16 (bf16-true)."""
+    mixed_precision_param: str = ""
+    """TorchTitan's compute dtype (bfloat16 or float32); same as precision.param_dtype."""
+    mixed_precision_reduce: str = ""
+    """TorchTitan's reduction dtype; same as precision.reduce_dtype."""
+
+    def __post_init__(self):
+        for name in ("steps", "seq_len", "local_batch_size", "eval_batches"):
+            _check(getattr(self, name) > 0, f"training.{name}", getattr(self, name), "a positive integer")
+        for name in ("warmup_steps", "eval_interval", "early_stopping_patience"):
+            _check(getattr(self, name) >= 0, f"training.{name}", getattr(self, name), "an integer >= 0")
+        gbs, lbs = self.global_batch_size, self.local_batch_size
+        _check(gbs == -1 or (gbs > 0 and gbs % lbs == 0), "training.global_batch_size", gbs,
+               f"-1 or a positive multiple of local_batch_size ({lbs})")
+        _check(self.lr > 0, "training.lr", self.lr, "a positive number")
+        _check(0 <= self.min_lr_factor <= 1, "training.min_lr_factor", self.min_lr_factor, "a number in [0, 1]")
+        _check(self.weight_decay >= 0, "training.weight_decay", self.weight_decay, "a number >= 0")
+        for name in ("beta1", "beta2"):
+            _check(0 <= getattr(self, name) < 1, f"training.{name}", getattr(self, name), "a number in [0, 1)")
+        _check(self.max_norm >= 0, "training.max_norm", self.max_norm, "a number >= 0 (0 disables)")
+        _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+               "training.device", self.device, "auto, cpu, cuda, cuda:N")
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return 1 if self.global_batch_size == -1 else self.global_batch_size // self.local_batch_size
+
+
+@dataclass(frozen=True)
+class Precision:
+    preset: str = ""
+    """fp32, bf16-mixed or bf16-true (aliases: 32-true, no, bf16). Empty: built from the dtype keys, which default to bf16-mixed."""
+    param_dtype: str = ""
+    """Compute dtype (float32 or bfloat16); empty: the preset's."""
+    reduce_dtype: str = ""
+    """Gradient reduction dtype across ranks; empty: float32."""
+    storage_dtype: str = ""
+    """Dtype of stored parameters, gradients and optimizer states; empty: the preset's."""
+    emulate_bf16: str = "auto"
+    """bfloat16 matmuls as float32 GEMMs on bfloat16 operands: true, false, or auto (when the device has no native bfloat16 GEMM)."""
+
+    def __post_init__(self):
+        _check(self.emulate_bf16 in ("auto", "true", "false"), "precision.emulate_bf16", self.emulate_bf16,
+               "auto, true, false")
+
+    @property
+    def emulate(self) -> bool | None:
+        return None if self.emulate_bf16 == "auto" else self.emulate_bf16 == "true"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    enable: bool = True
+    """Write checkpoints, and resume from the run folder's latest one when it has one."""
+    folder: str = "checkpoint"
+    """Checkpoint folder inside the run folder."""
+    interval: int = 100
+    """Save every this many steps (and at the end)."""
+    keep_latest_k: int = 2
+    """Keep this many newest checkpoints; 0 keeps all."""
+    load_step: int = -1
+    """Resume from this step's checkpoint; -1: the latest, if any."""
+
+    def __post_init__(self):
+        _check(self.interval > 0, "checkpoint.interval", self.interval, "a positive integer")
+        _check(self.keep_latest_k >= 0, "checkpoint.keep_latest_k", self.keep_latest_k, "an integer >= 0")
+        _check(self.load_step >= -1, "checkpoint.load_step", self.load_step, "-1 (latest) or a step number")
+
+
+@dataclass(frozen=True)
+class Metrics:
+    log_freq: int = 10
+    """Print a log line every this many steps."""
+    enable_tensorboard: bool = False
+    """Also write TensorBoard events to the run folder (needs the tensorboard package)."""
+    plot: bool = True
+    """Write loss_curve.png at the end (needs matplotlib)."""
+    progress_bar: bool = True
+    """Show a progress bar on a terminal."""
+
+    def __post_init__(self):
+        _check(self.log_freq > 0, "metrics.log_freq", self.log_freq, "a positive integer")
+
+
+TABLES = {"job": Job, "model": Model, "data": Data, "training": Training,
+          "precision": Precision, "checkpoint": Checkpoint, "metrics": Metrics}
+
+
+@dataclass(frozen=True)
+class Config:
+    job: Job
+    model: Model
+    data: Data
+    training: Training
+    precision: Precision
+    checkpoint: Checkpoint
+    metrics: Metrics
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring under each field of a dataclass, read from its source."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = nxt.value.value
+    return docs
+
+
+def _convert(table: str, f: dataclasses.Field, value):
+    """A TOML or command-line value converted to the field's type."""
+    name = f"{table}.{f.name}"
+    if isinstance(value, str) and f.type is not str:
+        text = value.strip().lower()
+        try:
+            if f.type is bool:
+                value = {"true": True, "false": False, "1": True, "0": False}[text]
+            else:
+                value = f.type(text)
+        except (KeyError, ValueError):
+            kind = {bool: "true or false", int: "an integer", float: "a number"}[f.type]
+            raise UserError(f"{name}: bad value {value!r}; accepted: {kind}") from None
+    if f.type is float and type(value) is int:
+        value = float(value)
+    if type(value) is not f.type:
+        raise UserError(f"{name}: bad value {value!r}; accepted: a {f.type.__name__}")
+    return value
+
+
+def load_config(path: str | None = None, overrides: dict[str, str] | None = None) -> Config:
+    """Defaults, then the TOML file, then `overrides` ({"section.key": "value"})."""
+    raw: dict[str, dict] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise UserError(f"--config: no such file {path!r}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError, IsADirectoryError) as e:
+            raise UserError(f"--config: {path} is not valid TOML ({e})") from None
+    for key, value in (overrides or {}).items():
+        table, _, name = key.partition(".")
+        raw.setdefault(table, {})[name] = value
+    sections = {}
+    for table, values in raw.items():
+        if table not in TABLES:
+            raise UserError(f"unknown config table [{table}]; accepted: {', '.join(TABLES)}")
+        if not isinstance(values, dict):
+            raise UserError(f"config: {table} must be a table; accepted tables: {', '.join(TABLES)}")
+    for table, cls in TABLES.items():
+        known = {f.name: f for f in fields(cls)}
+        values = raw.get(table, {})
+        for key in values:
+            if key not in known:
+                raise UserError(f"unknown config key {table}.{key}; accepted: {', '.join(known)}")
+        sections[table] = cls(**{k: _convert(table, known[k], v) for k, v in values.items()})
+    return Config(**sections)
+
+
+def build_policy(precision: Precision, training: Training) -> Policy:
+    """The precision policy from [precision] and TorchTitan's [training] dtype keys.
+    The same field given twice with different values is an error naming both keys."""
+    sources = {
+        "storage_dtype": [("precision.storage_dtype", precision.storage_dtype), ("training.dtype", training.dtype)],
+        "param_dtype": [("precision.param_dtype", precision.param_dtype),
+                        ("training.mixed_precision_param", training.mixed_precision_param)],
+        "reduce_dtype": [("precision.reduce_dtype", precision.reduce_dtype),
+                         ("training.mixed_precision_reduce", training.mixed_precision_reduce)],
+    }
+    given, labels = {}, {"preset": "precision.preset"}
+    for field, pairs in sources.items():
+        pairs = [(label, value) for label, value in pairs if value]
+        dtypes = {parse_dtype(value, label) for label, value in pairs}
+        if len(dtypes) > 1:
+            (l1, v1), (l2, v2) = pairs
+            raise UserError(f"{l1} = {v1!r} contradicts {l2} = {v2!r}; give one")
+        if pairs:
+            labels[field], given[field] = pairs[0]
+    if precision.preset:
+        return Policy.from_preset(precision.preset, labels=labels, emulate_bf16=precision.emulate, **given)
+    # TorchTitan's defaults: training.dtype float32, mixed_precision_param bfloat16.
+    storage = parse_dtype(given.get("storage_dtype", "float32"), labels.get("storage_dtype", ""))
+    param = given.get("param_dtype", "bfloat16")
+    if "param_dtype" not in given and storage != parse_dtype("float32", ""):
+        param = storage  # full-bf16 (training.dtype = "bfloat16") computes in bfloat16
+    return Policy(param_dtype=param, reduce_dtype=given.get("reduce_dtype", "float32"), storage_dtype=storage,
+                  emulate_bf16=precision.emulate)
+
+
+def to_toml(config: Config) -> str:
+    """The resolved config as TOML that `--config` reads back."""
+    lines = []
+    for table in TABLES:
+        lines.append(f"[{table}]")
+        for f in fields(TABLES[table]):
+            value = getattr(getattr(config, table), f.name)
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str):
+                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            else:
+                text = repr(value)
+            lines.append(f"{f.name} = {text}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""Batches of token windows in a deterministic, resumable order.
+
+The training stream is cut into non-overlapping windows of seq_len + 1 tokens,
+visited in a fresh permutation each epoch; the position (epoch, index) is all the
+state, and it goes into the checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec.errors import UserError
+
+
+def _windows(tokens: torch.Tensor, seq_len: int, split: str) -> int:
+    n = (len(tokens) - 1) // seq_len
+    if n < 1:
+        raise UserError(
+            f"data: the {split} split has {len(tokens)} tokens, shorter than one sequence of "
+            f"training.seq_len {seq_len} + 1; accepted: more text or a smaller training.seq_len"
+        )
+    return n
+
+
+def _gather(tokens: torch.Tensor, starts: torch.Tensor, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = tokens[starts[:, None] + torch.arange(seq_len + 1)]  # (B, T + 1)
+    rows = rows.to(device)
+    return rows[:, :-1], rows[:, 1:]  # inputs, next-token targets: (B, T) each
+
+
+class TrainLoader:
+    def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int, device="cpu"):
+        self.tokens, self.seq_len, self.batch_size, self.seed, self.device = tokens, seq_len, batch_size, seed, device
+        self.n_windows = _windows(tokens, seq_len, "training")
+        self.epoch, self.index = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.n_windows, generator=gen)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        picked, count = [], 0
+        while count < self.batch_size:
+            if self.index == self.n_windows:
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            take = min(self.batch_size - count, self.n_windows - self.index)
+            picked.append(self._order[self.index:self.index + take])
+            self.index, count = self.index + take, count + take
+        starts = torch.cat(picked) * self.seq_len
+        return _gather(self.tokens, starts, self.seq_len, self.device)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "n_windows": self.n_windows}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["n_windows"] != self.n_windows:
+            raise UserError(
+                f"checkpoint: the data has {self.n_windows} windows, the checkpoint was made on "
+                f"{state['n_windows']}; resume with the same data.source, tokenizer and seq_len"
+            )
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self._order = self._permutation(self.epoch)
+
+
+def val_batches(tokens: torch.Tensor, seq_len: int, batch_size: int, n_batches: int, device="cpu"):
+    """The first n_batches * batch_size validation windows in order (fewer if the split is short)."""
+    n = min(_windows(tokens, seq_len, "validation"), n_batches * batch_size)
+    starts = torch.arange(n) * seq_len
+    return [_gather(tokens, chunk, seq_len, device) for chunk in starts.split(batch_size)]

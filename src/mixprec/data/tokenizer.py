@@ -1,0 +1,84 @@
+"""Tokenizers: UTF-8 bytes (vocabulary 256), or byte-level BPE trained locally with
+the `tokenizers` library and cached in the run folder."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from mixprec.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+class ByteTokenizer:
+    vocab_size = 256
+
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class BPETokenizer:
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size()
+
+    @classmethod
+    def train_or_load(cls, text: str, vocab_size: int, cache: Path) -> "BPETokenizer":
+        try:
+            from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        except ImportError:
+            raise UserError("data.tokenizer bpe needs the tokenizers package: pip install tokenizers") from None
+        if cache.exists():
+            try:
+                tok = Tokenizer.from_file(str(cache))
+            except Exception as e:  # the library raises a bare Exception on a bad file
+                raise UserError(f"{cache} is not a tokenizer file ({e}); delete it or use another job.dump_folder") from None
+            if tok.get_vocab_size() != vocab_size:
+                raise UserError(
+                    f"data.bpe_vocab_size {vocab_size} differs from the run folder's tokenizer "
+                    f"({tok.get_vocab_size()} in {cache}); use {tok.get_vocab_size()} or another job.dump_folder"
+                )
+            logger.info("tokenizer: loaded BPE (%d tokens) from %s", vocab_size, cache)
+            return cls(tok)
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        )
+        logger.info("tokenizer: training BPE with %d tokens on %d characters", vocab_size, len(text))
+        tok.train_from_iterator(_chunks(text), trainer=trainer)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        tok.save(str(tmp))
+        tmp.replace(cache)
+        return cls(tok)
+
+    def encode(self, text: str) -> torch.Tensor:
+        ids = [i for enc in self._tok.encode_batch(list(_chunks(text))) for i in enc.ids]
+        return torch.tensor(ids, dtype=torch.long)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+def _chunks(text: str, size: int = 1 << 16):
+    """Pieces of about `size` characters, cut after a newline so no token spans two."""
+    start = 0
+    while start < len(text):
+        end = text.find("\n", start + size)
+        end = len(text) if end == -1 else end + 1
+        yield text[start:end]
+        start = end
+
+
+def build_tokenizer(kind: str, train_text: str, vocab_size: int, cache: Path):
+    if kind == "byte":
+        return ByteTokenizer()
+    return BPETokenizer.train_or_load(train_text, vocab_size, cache)

@@ -1,0 +1,9 @@
+"""Errors for users: bad config, CLI, data or checkpoint.
+
+The CLI prints a UserError as one line and exits with code 2; anything else is a
+bug and keeps its traceback.
+"""
+
+
+class UserError(Exception):
+    """Bad input from the user; the message names what is wrong and what is accepted."""

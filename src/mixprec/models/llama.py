@@ -1,0 +1,236 @@
+"""A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention.
+
+Shapes: B batch, T sequence, D model dim, H query heads, K key/value heads,
+hd head dim, F feed-forward dim, V vocabulary.
+
+Precision contract (checked by tests/precision/test_op_dtypes.py):
+- RMSNorm, softmax and RoPE compute in FP32 whatever the input dtype;
+- the logits are upcast to FP32 before the loss;
+- everything else runs in the dtype of its inputs (or autocast's).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec.errors import UserError
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int = 512
+    n_layers: int = 8
+    n_heads: int = 8
+    n_kv_heads: int = 4  # < n_heads: grouped-query attention
+    vocab_size: int = 256
+    multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.dim % self.n_heads:
+            raise UserError(f"model: dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise UserError(
+                f"model: n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}"
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise UserError(f"model: head dim {self.dim // self.n_heads} must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        # Llama's rule: 2/3 of 4*dim, times an optional multiplier, rounded up.
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+
+# vocab_size None: taken from the tokenizer. The Llama-3 shapes keep their
+# 128256-token vocabulary so that parameter and memory counts are the real ones.
+FLAVORS: dict[str, dict] = {
+    "debug": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, max_seq_len=512),
+    "small": dict(dim=512, n_layers=10, n_heads=8, n_kv_heads=4, multiple_of=256),
+    "1B": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
+               ffn_dim_multiplier=1.5, multiple_of=256, rope_theta=500000.0,
+               max_seq_len=8192, tie_embeddings=True),
+    "8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+               ffn_dim_multiplier=1.3, multiple_of=1024, rope_theta=500000.0, max_seq_len=8192),
+    "70B": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                ffn_dim_multiplier=1.3, multiple_of=4096, rope_theta=500000.0, max_seq_len=8192),
+}
+
+
+def model_args(flavor: str, vocab_size: int, **overrides) -> ModelArgs:
+    """The flavor's shape; the tokenizer's vocab unless the flavor fixes its own."""
+    if flavor not in FLAVORS:
+        raise UserError(f"model.flavor: unknown flavor {flavor!r}; accepted: {', '.join(FLAVORS)}")
+    fields = dict(FLAVORS[flavor])
+    if fields.setdefault("vocab_size", vocab_size) < vocab_size:
+        raise UserError(
+            f"model.flavor {flavor!r} has {fields['vocab_size']} token ids, "
+            f"the tokenizer needs {vocab_size}"
+        )
+    return replace(ModelArgs(**fields), **overrides)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Computed in FP32: the mean of squares of a BF16 activation loses the
+        # small components (bf16 has 8 bits of mantissa).
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (T, hd/2), always FP32: positions up to 8192 need more than
+    bf16's 8 mantissa bits (position 257 * freq would round to 256 * freq)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, T, heads, hd), rotated as pairs (x[2i], x[2i+1]) in FP32.
+    x32 = x.float().unflatten(-1, (-1, 2))
+    x1, x2 = x32[..., 0], x32[..., 1]  # (B, T, heads, hd/2)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hd/2)
+    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Grouped-query attention: each key/value head serves n_heads / n_kv_heads query heads.
+        repeats = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, H, T, T)
+        # Softmax in FP32: exp() of BF16 scores overflows or rounds the small
+        # probabilities away; autocast on CPU would leave it in BF16.
+        probs = F.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1).type_as(q)
+        out = (probs @ v).transpose(1, 2).reshape(B, T, -1)  # (B, T, H*hd)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # SwiGLU: (B, T, F) -> (B, T, D)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x, cos, sin, mask):
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, V) in FP32, or the mean loss when targets are given."""
+        T = tokens.shape[1]
+        if T > self.args.max_seq_len:
+            raise UserError(f"sequence length {T} exceeds the model's max_seq_len {self.args.max_seq_len}")
+        cos, sin = rope_tables(T, self.args.head_dim, self.args.rope_theta, tokens.device)
+        mask = torch.ones(T, T, dtype=torch.bool, device=tokens.device).triu(1)  # True above the diagonal
+        h = self.tok_embeddings(tokens)  # (B, T, D)
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask)
+        logits = self.output(self.norm(h)).float()  # upcast before the loss: log-softmax of BF16 logits is coarse
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Normal(0, 0.02) weights, output projections scaled by 1/sqrt(2 * n_layers) (GPT-2),
+        norms at one. Values are drawn in FP32 and then stored, so every storage dtype
+        starts from the same weights (rounded)."""
+        gen = torch.Generator().manual_seed(seed)
+        residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_embeddings.weight.numel() if exclude_embedding else n
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 per non-embedding parameter plus attention's
+        score and value matmuls (PaLM appendix B)."""
+        a = self.args
+        return 6 * self.num_params(exclude_embedding=True) + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
+
+
+def build_model(args: ModelArgs, *, device: torch.device | str, storage_dtype: torch.dtype, seed: int) -> Llama:
+    """Build on the meta device under the storage dtype (no memory touched), then
+    materialise on `device` and initialise."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(storage_dtype)
+    try:
+        with torch.device("meta"):
+            model = Llama(args)
+    finally:
+        torch.set_default_dtype(previous)
+    model.to_empty(device=device)
+    if args.tie_embeddings:  # to_empty makes one tensor per module, re-tie them
+        model.output.weight = model.tok_embeddings.weight
+    model.init_weights(seed)
+    return model

@@ -1,0 +1,112 @@
+"""Per-step metrics (metrics.jsonl, optional TensorBoard), throughput and memory
+measurements, and the loss-curve plot."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from mixprec.errors import UserError
+
+# Dense peak FLOP/s of GPUs by name and compute dtype (vendor data sheets, no sparsity).
+_GPU_PEAK = {
+    "H100": {torch.bfloat16: 989e12, torch.float32: 494e12},  # float32 matmuls run as TF32
+    "H200": {torch.bfloat16: 989e12, torch.float32: 494e12},
+    "A100": {torch.bfloat16: 312e12, torch.float32: 156e12},
+}
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """Peak matmul FLOP/s for MFU. GPUs: the data sheet. CPUs have no useful data sheet
+    number: the best of ten 1024x1024 FP32 matmuls, measured here (about 0.2 s). FP32
+    because BF16 is either emulated by FP32 GEMMs or, natively, no faster here."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return next((p[dtype] for k, p in _GPU_PEAK.items() if k in name), None)
+    a = torch.randn(1024, 1024)
+    best = float("inf")
+    for _ in range(11):
+        start = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - start)
+    return 2 * 1024**3 / best
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: peak allocated by tensors. CPU: peak resident set size of the process."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class MetricsLogger:
+    """Appends one JSON object per step to metrics.jsonl (and TensorBoard when enabled)."""
+
+    def __init__(self, folder: Path, resume_step: int, tensorboard: bool):
+        self.path = folder / "metrics.jsonl"
+        # On resume, drop records past the checkpoint: they will be recomputed.
+        kept = [line for line in _read_lines(self.path) if json.loads(line).get("step", 0) <= resume_step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(self.path)
+        self._file = open(self.path, "a")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise UserError("metrics.enable_tensorboard needs tensorboard: pip install tensorboard") from None
+            self._tb = SummaryWriter(str(folder / "tb"))
+
+    def log(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                    self._tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _read_lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in _read_lines(path)]
+
+
+def plot_loss_curve(metrics_path: Path, out: Path, title: str) -> Path:
+    """Training and validation loss over steps, from metrics.jsonl."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("metrics.plot needs matplotlib: pip install matplotlib (or set metrics.plot false)") from None
+    records = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss", linewidth=1)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

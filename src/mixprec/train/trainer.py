@@ -1,0 +1,251 @@
+"""The training loop: a Llama model on real text, under a precision policy.
+
+The loop never looks at a dtype: it calls the policy's hooks (setup, autocast,
+backward, step, state_dict). Each component gets its own config table.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from mixprec.config import Config, build_policy, to_toml
+from mixprec.data.corpus import load_corpus
+from mixprec.data.loader import TrainLoader, val_batches
+from mixprec.data.tokenizer import build_tokenizer
+from mixprec.errors import UserError
+from mixprec.models.llama import build_model, model_args
+from mixprec.precision import Policy
+from mixprec.train.checkpoint import CheckpointManager, check_compatible
+from mixprec.train.metrics import MetricsLogger, peak_flops, peak_memory_bytes, plot_loss_curve
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"training.device {name!r}: no CUDA device here; accepted: cpu, auto")
+    return torch.device(name)
+
+
+def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on norm weights)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # The fused kernel updates all tensors in one pass on CPU and CUDA.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
+
+
+def lr_lambda(cfg):
+    """Linear warm-up to 1, then cosine decay to min_lr_factor at the last step."""
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return cfg.min_lr_factor + (1 - cfg.min_lr_factor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+@torch.no_grad()
+def evaluate(model, policy: Policy, batches) -> float:
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        with policy.autocast():
+            total += model(x, y).item()
+    model.train()
+    return total / len(batches)
+
+
+class Trainer:
+    def __init__(self, config: Config):
+        """Everything that can fail on bad input is checked here, before anything is written."""
+        self.config = config
+        tcfg = config.training
+        self.device = resolve_device(tcfg.device)
+        self.policy = build_policy(config.precision, tcfg)
+        self.folder = Path(config.job.dump_folder)
+        torch.manual_seed(tcfg.seed)
+
+        corpus = load_corpus(config.data.source, config.data.val_fraction)
+        self.tokenizer = build_tokenizer(config.data.tokenizer, corpus.train, config.data.bpe_vocab_size,
+                                         self.folder / "tokenizer.json")
+        train_tokens, val_tokens = self.tokenizer.encode(corpus.train), self.tokenizer.encode(corpus.val)
+        logger.info("data: %s: %d training and %d validation tokens (%s tokenizer, vocabulary %d)",
+                    corpus.name, len(train_tokens), len(val_tokens), config.data.tokenizer, self.tokenizer.vocab_size)
+        self.loader = TrainLoader(train_tokens, tcfg.seq_len, tcfg.local_batch_size, tcfg.seed, self.device)
+        self.val = val_batches(val_tokens, tcfg.seq_len, tcfg.local_batch_size, tcfg.eval_batches, self.device)
+
+        mcfg = config.model
+        overrides = {}
+        if mcfg.n_kv_heads:
+            overrides["n_kv_heads"] = mcfg.n_kv_heads
+        if mcfg.tie_embeddings != "flavor":
+            overrides["tie_embeddings"] = mcfg.tie_embeddings == "true"
+        self.args = model_args(mcfg.flavor, self.tokenizer.vocab_size, **overrides)
+        if tcfg.seq_len > self.args.max_seq_len:
+            raise UserError(f"training.seq_len {tcfg.seq_len} exceeds the {mcfg.flavor} flavor's "
+                            f"max_seq_len {self.args.max_seq_len}")
+        self.model = build_model(self.args, device=self.device, storage_dtype=self.policy.storage_dtype,
+                                 seed=tcfg.seed)
+        self.optimizer = build_optimizer(self.model, tcfg)
+        self.model, self.optimizer = self.policy.setup(self.model, self.optimizer)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(tcfg))
+        logger.info("model: %s flavor, %.2fM parameters, %s", mcfg.flavor, self.model.num_params() / 1e6, self.policy)
+
+        self.meta = {**asdict(self.args), "tokenizer": config.data.tokenizer}
+        self.step, self.best_val, self.bad_evals = 0, math.inf, 0
+        self.checkpoints = None
+        if config.checkpoint.enable:
+            self.checkpoints = CheckpointManager(self.folder / config.checkpoint.folder, config.checkpoint.keep_latest_k)
+            state = self.checkpoints.load(config.checkpoint.load_step)
+            if state is not None:
+                self._restore(state)
+
+    # ---- checkpoint state ---------------------------------------------------------------
+    def _state(self) -> dict:
+        return {
+            "format": 1,
+            "meta": self.meta,
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.loader.state_dict(),
+            "policy": self.policy.state_dict(),
+            "rng": torch.get_rng_state(),
+            "trainer": {"best_val": self.best_val, "bad_evals": self.bad_evals},
+        }
+
+    def _restore(self, state: dict) -> None:
+        check_compatible(state, self.meta, self.checkpoints.path(state["step"]))
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(state["data"])
+        self.policy.load_state_dict(state["policy"])
+        torch.set_rng_state(state["rng"])
+        self.step = state["step"]
+        self.best_val, self.bad_evals = state["trainer"]["best_val"], state["trainer"]["bad_evals"]
+        logger.info("checkpoint: resumed at step %d", self.step)
+
+    # ---- the loop -------------------------------------------------------------------------
+    def train(self) -> dict:
+        cfg, tcfg = self.config, self.config.training
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / "config.toml").write_text(to_toml(cfg))
+        metrics = MetricsLogger(self.folder, self.step, cfg.metrics.enable_tensorboard)
+        accum = tcfg.grad_accum_steps
+        tokens_per_step = tcfg.local_batch_size * accum * tcfg.seq_len
+        flops_per_token = self.model.flops_per_token(tcfg.seq_len)
+        peak = peak_flops(self.device, self.policy.param_dtype)
+        logger.info("training %d steps of %d tokens (%d micro-batches of %d x %d) into %s",
+                    tcfg.steps, tokens_per_step, accum, tcfg.local_batch_size, tcfg.seq_len, self.folder)
+        bar = _progress(cfg.metrics.progress_bar, self.step, tcfg.steps)
+        speeds, loss, val_loss, stopped_early, start_step = [], math.nan, None, False, self.step
+        while self.step < tcfg.steps:
+            t0 = time.perf_counter()
+            loss_sum = torch.zeros((), device=self.device)
+            for _ in range(accum):
+                x, y = self.loader.next_batch()
+                with self.policy.autocast():
+                    micro_loss = self.model(x, y) / accum  # equal tokens per micro-batch: mean of means
+                self.policy.backward(micro_loss)
+                loss_sum += micro_loss.detach()
+            lr = self.scheduler.get_last_lr()[0]
+            applied = self.policy.step(self.optimizer, tcfg.max_norm)
+            if applied:
+                self.scheduler.step()
+            loss = loss_sum.item()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            dt = time.perf_counter() - t0
+            self.step += 1
+            speeds.append(tokens_per_step / dt)
+            stats = self.policy.stats()
+            record = {
+                "step": self.step, "loss": loss, "lr": lr, "grad_norm": stats["grad_norm"],
+                "tokens_per_sec": speeds[-1],
+                "mfu": flops_per_token * speeds[-1] / peak if peak else None,
+                "peak_memory_bytes": peak_memory_bytes(self.device),
+                "precision": stats["precision"], "skipped": not applied,
+            }
+            last = self.step == tcfg.steps
+            if last or (tcfg.eval_interval and self.step % tcfg.eval_interval == 0):
+                val_loss = evaluate(self.model, self.policy, self.val)
+                record.update(val_loss=val_loss, val_perplexity=math.exp(val_loss))
+                if val_loss < self.best_val:
+                    self.best_val, self.bad_evals = val_loss, 0
+                else:
+                    self.bad_evals += 1
+                if tcfg.early_stopping_patience and self.bad_evals >= tcfg.early_stopping_patience:
+                    logger.info("early stopping at step %d: validation loss has not improved below %.4f "
+                                "for %d evaluations", self.step, self.best_val, self.bad_evals)
+                    stopped_early = last = True
+            metrics.log(record)
+            _report(bar, record, self.step % cfg.metrics.log_freq == 0 or last)
+            if self.checkpoints and (last or self.step % cfg.checkpoint.interval == 0):
+                self.checkpoints.save(self.step, self._state())
+            if stopped_early:
+                break
+        if bar is not None:
+            bar.close()
+        metrics.close()
+        if val_loss is None:  # resumed at the end: nothing trained, evaluate what is there
+            val_loss = evaluate(self.model, self.policy, self.val)
+        # Median over steps after warm-up (the first steps pay for allocation and caching).
+        warm = speeds[min(len(speeds) - 1, max(1, len(speeds) // 5)):] if speeds else []
+        summary = {
+            **{k: v for k, v in self.policy.stats().items() if k != "grad_norm"},
+            "steps": self.step,
+            "steps_this_run": self.step - start_step,
+            "final_train_loss": loss,
+            "final_val_loss": val_loss,
+            "val_perplexity": math.exp(val_loss),
+            "tokens_per_sec": statistics.median(warm) if warm else None,
+            "peak_memory_bytes": peak_memory_bytes(self.device),
+            "skipped_steps": self.policy.stats()["skipped"],
+            "stopped_early": stopped_early,
+            "parameters": self.model.num_params(),
+            "param_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            "optimizer_state_bytes": sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
+                                         for t in s.values() if torch.is_tensor(t)),
+            "model_flavor": cfg.model.flavor,
+            "device": str(self.device),
+        }
+        (self.folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if cfg.metrics.plot:
+            plot_loss_curve(self.folder / "metrics.jsonl", self.folder / "loss_curve.png",
+                            f"{cfg.model.flavor}, {self.policy.name}")
+        return summary
+
+
+def _progress(enabled: bool, initial: int, total: int):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    # disable=None: shown on a terminal, silent in logs and CI.
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, disable=None)
+
+
+def _report(bar, record: dict, log_line: bool) -> None:
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}", refresh=False)
+    if log_line:
+        val = f"  val_loss {record['val_loss']:.4f}  val_ppl {record['val_perplexity']:.2f}" if "val_loss" in record else ""
+        logger.info("step %d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s%s", record["step"], record["loss"],
+                    record["lr"], record["grad_norm"], record["tokens_per_sec"], val)

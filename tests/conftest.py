@@ -1,0 +1,32 @@
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+
+from mixprec.cli import main
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory) -> Path:
+    """About 300 KB of real text: the sources of a few standard-library modules."""
+    import argparse, difflib, json as json_mod, pathlib, textwrap  # noqa: E401
+
+    text = "\n".join(inspect.getsource(m) for m in (argparse, difflib, json_mod.decoder, pathlib, textwrap))
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text(text)
+    return path
+
+
+def tiny_args(folder: Path, source: Path, *extra: str) -> list[str]:
+    """`mixprec train` arguments for the debug flavor: a few steps in a second or two."""
+    return ["train", "--model.flavor", "debug", "--data.source", str(source), "--job.dump_folder", str(folder),
+            "--training.steps", "6", "--training.seq_len", "32", "--training.local_batch_size", "4",
+            "--training.warmup_steps", "2", "--training.eval_interval", "3", "--training.eval_batches", "2",
+            "--metrics.progress_bar", "false", "--metrics.plot", "false", *extra]
+
+
+def run_train(folder: Path, source: Path, *extra: str) -> list[dict]:
+    """Train and return the records of metrics.jsonl."""
+    assert main(tiny_args(folder, source, *extra)) == 0
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]

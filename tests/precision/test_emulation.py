@@ -1,0 +1,37 @@
+import pytest
+import torch
+
+from mixprec.precision.emulation import EmulatedBF16Matmul
+
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("op", [
+    lambda a, b, c: a @ b,
+    lambda a, b, c: torch.addmm(c, a, b),
+    lambda a, b, c: torch.nn.functional.linear(a, b.t(), c[0]),
+    lambda a, b, c: torch.bmm(a.unsqueeze(0).expand(3, -1, -1), b.unsqueeze(0).expand(3, -1, -1)),
+])
+def test_matches_the_native_bf16_kernel(op):
+    torch.manual_seed(0)
+    a, b, c = torch.randn(48, 96, dtype=BF16), torch.randn(96, 40, dtype=BF16), torch.randn(48, 40, dtype=BF16)
+    native = op(a, b, c)
+    with EmulatedBF16Matmul():
+        emulated = op(a, b, c)
+    assert emulated.dtype == BF16
+    # Both accumulate in FP32 and round once: at most one BF16 ulp apart (2^-7 relative).
+    assert torch.allclose(emulated.float(), native.float(), rtol=2**-7, atol=1e-6)
+
+
+def test_leaves_other_dtypes_alone():
+    a = torch.randn(8, 8)
+    with EmulatedBF16Matmul():
+        assert torch.equal(a @ a, a @ a) and (a @ a).dtype == torch.float32
+
+
+def test_products_are_exact_in_fp32():
+    """Why emulation is faithful: a product of two BF16 numbers needs 16 significand bits."""
+    a = torch.randn(10000).to(BF16)
+    b = torch.randn(10000).to(BF16)
+    exact = a.double() * b.double()
+    assert torch.equal((a.float() * b.float()).double(), exact)

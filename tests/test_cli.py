@@ -1,0 +1,118 @@
+"""The command line: its surface is frozen, bad input is one line and exit code 2."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import tiny_args
+from mixprec.cli import build_parser, main
+
+# Changing this list changes what users type: update the README with it.
+SURFACE = """
+--config
+--job.dump_folder --job.description
+--model.flavor --model.n_kv_heads --model.tie_embeddings
+--data.source --data.tokenizer --data.bpe_vocab_size --data.val_fraction
+--training.steps --training.seq_len --training.local_batch_size --training.global_batch_size --training.lr
+--training.warmup_steps --training.min_lr_factor --training.weight_decay --training.beta1 --training.beta2
+--training.max_norm --training.seed --training.device --training.eval_interval --training.eval_batches
+--training.early_stopping_patience --training.dtype --training.mixed_precision_param
+--training.mixed_precision_reduce
+--precision.preset --precision.param_dtype --precision.reduce_dtype --precision.storage_dtype
+--precision.emulate_bf16
+--checkpoint.enable --checkpoint.folder --checkpoint.interval --checkpoint.keep_latest_k --checkpoint.load_step
+--metrics.log_freq --metrics.enable_tensorboard --metrics.plot --metrics.progress_bar
+""".split()
+
+
+def test_cli_surface_is_frozen():
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    flags = [o for a in train._actions for o in a.option_strings if o not in ("-h", "--help")]
+    assert flags == SURFACE
+
+
+def test_help_lists_every_key_with_doc_and_default():
+    text = subprocess.run([sys.executable, "-m", "mixprec", "train", "--help"], capture_output=True, text=True,
+                          check=True).stdout
+    for flag in SURFACE:
+        assert flag in text
+    assert "default: 'bf16-mixed'" not in text  # the preset's default is empty: built from the dtype keys
+    assert "Peak learning rate of AdamW. (default: 0.001)" in " ".join(text.split())
+
+
+def one_line_error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        code = main(argv)
+        raise SystemExit(code)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--model.flavr", "debug"], ["--model.flavr", "did you mean --model.flavor"]),
+    (["--training.steps", "ten"], ["training.steps", "'ten'", "an integer"]),
+    (["--training.steps", "0"], ["training.steps", "positive"]),
+    (["--precision.preset", "fp8"], ["fp8", "accepted"]),
+    (["--precision.param_dtype", "bfloat17"], ["bfloat17", "accepted"]),
+    (["--precision.preset", "bf16-mixed", "--training.mixed_precision_param", "float32"],
+     ["precision.preset", "training.mixed_precision_param"]),
+    (["--training.global_batch_size", "6"], ["global_batch_size", "multiple of local_batch_size"]),
+    (["--training.seq_len", "1024"], ["seq_len", "max_seq_len"]),
+    (["--model.flavor", "huge"], ["huge", "accepted"]),
+])
+def test_bad_values(tmp_path, text_file, capsys, extra, words):
+    err = one_line_error(capsys, tiny_args(tmp_path / "r", text_file, *extra))
+    assert all(w in err for w in words), err
+    assert not (tmp_path / "r").exists()  # nothing written
+
+
+def test_bad_data_paths(tmp_path, text_file, capsys):
+    err = one_line_error(capsys, tiny_args(tmp_path / "r", tmp_path / "nope"))
+    assert "does not exist" in err
+    (tmp_path / "empty").mkdir()
+    assert "no UTF-8 text" in one_line_error(capsys, tiny_args(tmp_path / "r", tmp_path / "empty"))
+    short = tmp_path / "short.txt"
+    short.write_text("x = 1\n" * 3)
+    assert "shorter than one sequence" in one_line_error(capsys, tiny_args(tmp_path / "r", short))
+
+
+def test_bad_config_files(tmp_path, text_file, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training\nsteps = 3")
+    assert "not valid TOML" in one_line_error(capsys, tiny_args(tmp_path / "r", text_file, "--config", str(bad)))
+    bad.write_text("[optimiser]\nlr = 1.0\n")
+    assert "unknown config table [optimiser]" in one_line_error(
+        capsys, tiny_args(tmp_path / "r", text_file, "--config", str(bad)))
+    bad.write_text("[training]\nstep = 3\n")
+    assert "unknown config key training.step" in one_line_error(
+        capsys, tiny_args(tmp_path / "r", text_file, "--config", str(bad)))
+    bad.write_text('[training]\nlr = "fast"\n')
+    assert "training.lr" in one_line_error(capsys, tiny_args(tmp_path / "r", text_file, "--config", str(bad)))
+
+
+def test_corrupt_and_mismatched_checkpoints_keep_what_is_saved(tmp_path, text_file, capsys):
+    folder = tmp_path / "run"
+    assert main(tiny_args(folder, text_file, "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0")) == 0
+    saved = {p.name: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    # A model that does not match the checkpoint.
+    err = one_line_error(capsys, tiny_args(folder, text_file, "--model.n_kv_heads", "4", "--training.steps", "9"))
+    assert "does not match" in err and "n_kv_heads" in err
+    # A truncated checkpoint.
+    ckpt = folder / "checkpoint" / "step-6.pt"
+    ckpt.write_bytes(saved["step-6.pt"][:1000])
+    err = one_line_error(capsys, tiny_args(folder, text_file, "--training.steps", "9"))
+    assert "corrupt" in err and "step-6.pt" in err
+    ckpt.write_bytes(saved["step-6.pt"])
+    assert "no checkpoint at that step" in one_line_error(
+        capsys, tiny_args(folder, text_file, "--checkpoint.load_step", "5"))
+    after = {p.name: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    assert after == saved
+
+
+def test_python_dash_m_exit_code():
+    proc = subprocess.run([sys.executable, "-m", "mixprec", "train", "--training.steps", "-1"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "training.steps" in proc.stderr

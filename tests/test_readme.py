@@ -1,0 +1,23 @@
+"""The README's library example runs as written, and its numeric facts hold."""
+
+import re
+from pathlib import Path
+
+import torch
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_library_example_runs():
+    code = re.search(r"## The library\n\n```python\n(.*?)```", README.read_text(), re.S).group(1)
+    scope = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    stats = scope["policy"].stats()
+    assert stats["precision"] == "bf16-mixed" and stats["steps"] == 10 and scope["state"]["steps"] == 10
+
+
+def test_bf16_facts_stated_in_the_readme():
+    bf16 = torch.bfloat16
+    assert torch.tensor(0.125, dtype=bf16).item() == 0.125  # powers of two are exact
+    assert torch.tensor(256.0, dtype=bf16) + 1 == 256  # 8 bits of significand
+    assert torch.tensor(1.0, dtype=bf16) + 2**-9 == 1

@@ -1,0 +1,72 @@
+import json
+
+import pytest
+import torch
+
+from conftest import run_train, tiny_args
+from mixprec.cli import main
+
+
+def losses(records):
+    return [r["loss"] for r in records]
+
+
+def test_same_seed_same_losses(tmp_path, text_file):
+    a = run_train(tmp_path / "a", text_file, "--precision.preset", "bf16-mixed")
+    b = run_train(tmp_path / "b", text_file, "--precision.preset", "bf16-mixed")
+    assert losses(a) == losses(b)
+    assert losses(a)[-1] < losses(a)[0]
+
+
+def test_resume_gives_the_uninterrupted_losses_exactly(tmp_path, text_file):
+    flags = ("--precision.preset", "fp32", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0")
+    full = run_train(tmp_path / "run", text_file, *flags)
+    # Lose everything after step 3, as a crash would, then resume.
+    (tmp_path / "run" / "checkpoint" / "step-6.pt").unlink()
+    resumed = run_train(tmp_path / "run", text_file, *flags)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert losses(resumed) == losses(full)
+    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in full]
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path, text_file):
+    big = run_train(tmp_path / "big", text_file, "--precision.preset", "fp32", "--training.local_batch_size", "4")
+    acc = run_train(tmp_path / "acc", text_file, "--precision.preset", "fp32", "--training.local_batch_size", "2",
+                    "--training.global_batch_size", "4")
+    for a, b in zip(losses(big), losses(acc)):
+        assert abs(a - b) / a < 1e-5
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16-mixed", "bf16-true"])
+def test_run_folder_holds_everything(tmp_path, text_file, preset):
+    folder = tmp_path / preset
+    assert main(tiny_args(folder, text_file, "--precision.preset", preset, "--metrics.plot", "true")) == 0
+    summary = json.loads((folder / "summary.json").read_text())
+    for key in ("precision", "steps", "final_train_loss", "final_val_loss", "val_perplexity", "tokens_per_sec",
+                "peak_memory_bytes", "skipped_steps"):
+        assert summary[key] is not None, key
+    assert summary["precision"] == preset and summary["steps"] == 6 and summary["skipped_steps"] == 0
+    assert summary["val_perplexity"] == pytest.approx(torch.tensor(summary["final_val_loss"]).exp().item())
+    record = json.loads((folder / "metrics.jsonl").read_text().splitlines()[0])
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "peak_memory_bytes", "precision",
+            "skipped"} <= set(record)
+    assert (folder / "loss_curve.png").stat().st_size > 1000
+    assert (folder / "checkpoint" / "step-6.pt").exists()
+    # The resolved config reads back as a config.
+    assert main(tiny_args(tmp_path / "again", text_file, "--config", str(folder / "config.toml"))) == 0
+    assert json.loads((tmp_path / "again" / "summary.json").read_text())["final_train_loss"] == \
+        summary["final_train_loss"]
+
+
+def test_early_stopping(tmp_path, text_file):
+    # lr so large that validation loss cannot keep improving
+    records = run_train(tmp_path / "es", text_file, "--training.lr", "1.0", "--training.steps", "30",
+                        "--training.eval_interval", "1", "--training.early_stopping_patience", "2",
+                        "--training.max_norm", "0")
+    summary = json.loads((tmp_path / "es" / "summary.json").read_text())
+    assert summary["stopped_early"] and len(records) < 30
+
+
+def test_bpe_tokenizer_run(tmp_path, text_file):
+    run_train(tmp_path / "bpe", text_file, "--data.tokenizer", "bpe", "--data.bpe_vocab_size", "300")
+    assert (tmp_path / "bpe" / "tokenizer.json").exists()
