@@ -63,6 +63,7 @@ def _setup_logging() -> None:
                 tqdm.write(self.format(record), file=sys.stdout)
             except ImportError:
                 print(self.format(record))
+            sys.stdout.flush()  # log lines arrive as they happen when stdout is a file
 
     handler = TqdmHandler()
     handler.setFormatter(logging.Formatter("[mixprec] %(levelname)s %(message)s"))
