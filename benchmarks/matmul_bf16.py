@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from mixprec.precision.emulation import EmulatedBF16Matmul
+from mixprec.precision.emulation import EmulatedMatmul
 
 
 def gflops(fn, flops: float, min_time: float = 0.3) -> float:
@@ -37,7 +37,7 @@ def main() -> None:
             b = torch.randn(k, n, dtype=dtype) if layout[1] == "n" else torch.randn(n, k, dtype=dtype).t()
             row[name] = gflops(lambda: a @ b, flops)
             if dtype == torch.bfloat16:
-                with EmulatedBF16Matmul():
+                with EmulatedMatmul():
                     row["emulated"] = gflops(lambda: a @ b, flops)
         print(f"{layout:<8}{row['fp32']:>9.1f}{row['bf16']:>13.1f}{row['emulated']:>15.1f}"
               f"{row['bf16'] / row['fp32']:>13.2f}{row['emulated'] / row['fp32']:>15.2f}")

@@ -47,7 +47,7 @@ def main() -> None:
     if args.native_steps:
         native = argparse.Namespace(**{**vars(args), "steps": args.native_steps})
         results["bf16-mixed+native"] = run("bf16-mixed+native", out / "bf16-mixed-native", native,
-                                           ["--precision.emulate_bf16", "false"])
+                                           ["--precision.emulate_matmul", "false"])
     base = results["fp32"]
     print(f"\n{'mode':<20}{'val loss':>10}{'rel diff':>10}{'tok/s':>10}{'speed x':>9}"
           f"{'peak RSS MiB':>14}{'mem x':>7}{'param+opt MiB':>15}{'x':>6}")

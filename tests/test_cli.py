@@ -20,7 +20,10 @@ SURFACE = """
 --training.early_stopping_patience --training.dtype --training.mixed_precision_param
 --training.mixed_precision_reduce
 --precision.preset --precision.param_dtype --precision.reduce_dtype --precision.storage_dtype
---precision.emulate_bf16
+--precision.emulate_matmul
+--loss_scale.init_scale --loss_scale.growth_factor --loss_scale.backoff_factor --loss_scale.growth_interval
+--loss_scale.min_scale --loss_scale.max_scale --loss_scale.hysteresis --loss_scale.fallback_after
+--loss_scale.fallback_to
 --checkpoint.enable --checkpoint.folder --checkpoint.interval --checkpoint.keep_latest_k --checkpoint.load_step
 --metrics.log_freq --metrics.enable_tensorboard --metrics.plot --metrics.progress_bar
 """.split()
@@ -62,6 +65,11 @@ def one_line_error(capsys, argv) -> str:
     (["--training.global_batch_size", "6"], ["global_batch_size", "multiple of local_batch_size"]),
     (["--training.seq_len", "1024"], ["seq_len", "max_seq_len"]),
     (["--model.flavor", "huge"], ["huge", "accepted"]),
+    (["--loss_scale.growth_factor", "1.0"], ["loss_scale.growth_factor", "> 1"]),
+    (["--loss_scale.backoff_factor", "1.5"], ["loss_scale.backoff_factor", "(0, 1)"]),
+    (["--loss_scale.min_scale", "8", "--loss_scale.max_scale", "4"], ["min_scale", "max_scale"]),
+    (["--loss_scale.init_scale", "1e30"], ["loss_scale.init_scale", "[min_scale, max_scale]"]),
+    (["--loss_scale.fallback_to", "fp8"], ["loss_scale.fallback_to", "fp32, bf16-mixed"]),
 ])
 def test_bad_values(tmp_path, text_file, capsys, extra, words):
     err = one_line_error(capsys, tiny_args(tmp_path / "r", text_file, *extra))

@@ -8,7 +8,7 @@ import logging
 import sys
 from dataclasses import MISSING, fields
 
-from mixprec.config import TABLES, field_docs, load_config
+from mixprec.config import TABLES, field_docs, field_types, load_config
 from mixprec.errors import UserError
 
 
@@ -36,13 +36,13 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE.toml", help="TOML file with [job], [model], ... tables")
     for table, cls in TABLES.items():
         group = p.add_argument_group(f"[{table}]")
-        docs = field_docs(cls)
+        docs, types = field_docs(cls), field_types(cls)
         for f in fields(cls):
             default = f.default if f.default is not MISSING else None
             # Values stay strings here; load_config converts and checks them by the field's type.
-            group.add_argument(f"--{table}.{f.name}", dest=f"{table}.{f.name}", metavar=f.type.__name__.upper(),
-                               default=argparse.SUPPRESS, nargs="?" if f.type is bool else None,
-                               const="true" if f.type is bool else None,
+            group.add_argument(f"--{table}.{f.name}", dest=f"{table}.{f.name}", metavar=types[f.name].__name__.upper(),
+                               default=argparse.SUPPRESS, nargs="?" if types[f.name] is bool else None,
+                               const="true" if types[f.name] is bool else None,
                                help=f"{docs.get(f.name, '')} (default: {default!r})".replace("%", "%%"))
     return p
 

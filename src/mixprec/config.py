@@ -5,14 +5,14 @@ Each field's docstring is its documentation in `mixprec train --help` and the RE
 """
 
 import ast
-import dataclasses
 import inspect
 import tomllib
+import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from mixprec.errors import UserError
-from mixprec.precision import Policy, parse_dtype
+from mixprec.precision import LossScaleConfig, Policy, parse_dtype
 
 
 def _check(ok: bool, field: str, value, accepted: str) -> None:
@@ -127,23 +127,23 @@ class Training:
 @dataclass(frozen=True)
 class Precision:
     preset: str = ""
-    """fp32, bf16-mixed or bf16-true (aliases: 32-true, no, bf16). Empty: built from the dtype keys, which default to bf16-mixed."""
+    """fp32, bf16-mixed, bf16-true, fp16-mixed, fp16-master, bf16-master, fp16-true, or an alias (32-true, no, bf16, 16-mixed, fp16, 16-true, O0-O3). Empty: built from the dtype keys, which default to bf16-mixed."""
     param_dtype: str = ""
-    """Compute dtype (float32 or bfloat16); empty: the preset's."""
+    """Compute dtype (float32, bfloat16 or float16); empty: the preset's."""
     reduce_dtype: str = ""
     """Gradient reduction dtype across ranks; empty: float32."""
     storage_dtype: str = ""
     """Dtype of stored parameters, gradients and optimizer states; empty: the preset's."""
-    emulate_bf16: str = "auto"
-    """bfloat16 matmuls as float32 GEMMs on bfloat16 operands: true, false, or auto (when the device has no native bfloat16 GEMM)."""
+    emulate_matmul: str = "auto"
+    """bfloat16/float16 matmuls as float32 GEMMs on the rounded operands: true, false, or auto (when the device has no native kernel)."""
 
     def __post_init__(self):
-        _check(self.emulate_bf16 in ("auto", "true", "false"), "precision.emulate_bf16", self.emulate_bf16,
+        _check(self.emulate_matmul in ("auto", "true", "false"), "precision.emulate_matmul", self.emulate_matmul,
                "auto, true, false")
 
     @property
     def emulate(self) -> bool | None:
-        return None if self.emulate_bf16 == "auto" else self.emulate_bf16 == "true"
+        return None if self.emulate_matmul == "auto" else self.emulate_matmul == "true"
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ class Metrics:
 
 
 TABLES = {"job": Job, "model": Model, "data": Data, "training": Training,
-          "precision": Precision, "checkpoint": Checkpoint, "metrics": Metrics}
+          "precision": Precision, "loss_scale": LossScaleConfig, "checkpoint": Checkpoint, "metrics": Metrics}
 
 
 @dataclass(frozen=True)
@@ -191,6 +191,7 @@ class Config:
     data: Data
     training: Training
     precision: Precision
+    loss_scale: LossScaleConfig
     checkpoint: Checkpoint
     metrics: Metrics
 
@@ -205,23 +206,28 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
-def _convert(table: str, f: dataclasses.Field, value):
+def field_types(cls) -> dict[str, type]:
+    """Each field's type (resolved, also where annotations are strings)."""
+    return typing.get_type_hints(cls)
+
+
+def _convert(table: str, name: str, kind: type, value):
     """A TOML or command-line value converted to the field's type."""
-    name = f"{table}.{f.name}"
-    if isinstance(value, str) and f.type is not str:
+    key = f"{table}.{name}"
+    if isinstance(value, str) and kind is not str:
         text = value.strip().lower()
         try:
-            if f.type is bool:
+            if kind is bool:
                 value = {"true": True, "false": False, "1": True, "0": False}[text]
             else:
-                value = f.type(text)
+                value = kind(text)
         except (KeyError, ValueError):
-            kind = {bool: "true or false", int: "an integer", float: "a number"}[f.type]
-            raise UserError(f"{name}: bad value {value!r}; accepted: {kind}") from None
-    if f.type is float and type(value) is int:
+            accepted = {bool: "true or false", int: "an integer", float: "a number"}[kind]
+            raise UserError(f"{key}: bad value {value!r}; accepted: {accepted}") from None
+    if kind is float and type(value) is int:
         value = float(value)
-    if type(value) is not f.type:
-        raise UserError(f"{name}: bad value {value!r}; accepted: a {f.type.__name__}")
+    if type(value) is not kind:
+        raise UserError(f"{key}: bad value {value!r}; accepted: a {kind.__name__}")
     return value
 
 
@@ -245,16 +251,17 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
         if not isinstance(values, dict):
             raise UserError(f"config: {table} must be a table; accepted tables: {', '.join(TABLES)}")
     for table, cls in TABLES.items():
-        known = {f.name: f for f in fields(cls)}
+        known = field_types(cls)
         values = raw.get(table, {})
         for key in values:
             if key not in known:
                 raise UserError(f"unknown config key {table}.{key}; accepted: {', '.join(known)}")
-        sections[table] = cls(**{k: _convert(table, known[k], v) for k, v in values.items()})
+        sections[table] = cls(**{k: _convert(table, k, known[k], v) for k, v in values.items()})
     return Config(**sections)
 
 
-def build_policy(precision: Precision, training: Training) -> Policy:
+def build_policy(precision: Precision, training: Training,
+                 loss_scale: LossScaleConfig = LossScaleConfig()) -> Policy:
     """The precision policy from [precision] and TorchTitan's [training] dtype keys.
     The same field given twice with different values is an error naming both keys."""
     sources = {
@@ -274,14 +281,18 @@ def build_policy(precision: Precision, training: Training) -> Policy:
         if pairs:
             labels[field], given[field] = pairs[0]
     if precision.preset:
-        return Policy.from_preset(precision.preset, labels=labels, emulate_bf16=precision.emulate, **given)
+        return Policy.from_preset(precision.preset, labels=labels, emulate_matmul=precision.emulate,
+                                  loss_scale=loss_scale, **given)
     # TorchTitan's defaults: training.dtype float32, mixed_precision_param bfloat16.
     storage = parse_dtype(given.get("storage_dtype", "float32"), labels.get("storage_dtype", ""))
     param = given.get("param_dtype", "bfloat16")
     if "param_dtype" not in given and storage != parse_dtype("float32", ""):
         param = storage  # full-bf16 (training.dtype = "bfloat16") computes in bfloat16
+    # float16 compute over float32 storage is fp16-mixed: it comes with loss scaling.
+    fp16_mixed = parse_dtype(param, labels.get("param_dtype", "")) == parse_dtype("float16", "") and \
+        storage == parse_dtype("float32", "")
     return Policy(param_dtype=param, reduce_dtype=given.get("reduce_dtype", "float32"), storage_dtype=storage,
-                  emulate_bf16=precision.emulate)
+                  emulate_matmul=precision.emulate, loss_scale=loss_scale if fp16_mixed else None)
 
 
 def to_toml(config: Config) -> str:

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from mixprec.precision.emulation import EmulatedBF16Matmul
+from mixprec.precision.emulation import EmulatedMatmul
 
 BF16 = torch.bfloat16
 
@@ -16,7 +16,7 @@ def test_matches_the_native_bf16_kernel(op):
     torch.manual_seed(0)
     a, b, c = torch.randn(48, 96, dtype=BF16), torch.randn(96, 40, dtype=BF16), torch.randn(48, 40, dtype=BF16)
     native = op(a, b, c)
-    with EmulatedBF16Matmul():
+    with EmulatedMatmul():
         emulated = op(a, b, c)
     assert emulated.dtype == BF16
     # Both accumulate in FP32 and round once: at most one BF16 ulp apart (2^-7 relative).
@@ -25,7 +25,7 @@ def test_matches_the_native_bf16_kernel(op):
 
 def test_leaves_other_dtypes_alone():
     a = torch.randn(8, 8)
-    with EmulatedBF16Matmul():
+    with EmulatedMatmul():
         assert torch.equal(a @ a, a @ a) and (a @ a).dtype == torch.float32
 
 

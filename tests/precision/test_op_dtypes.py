@@ -34,7 +34,7 @@ class OpDtypes(TorchDispatchMode):
 def one_step(preset: str, emulate: bool = False):
     """A debug model's forward, backward and optimizer step, recording op dtypes
     (native BF16 kernels: the recorder must see the ops as they are dispatched)."""
-    policy = Policy.from_preset(preset, emulate_bf16=emulate)
+    policy = Policy.from_preset(preset, emulate_matmul=emulate)
     model = build_model(model_args("debug", 256), device="cpu", storage_dtype=policy.storage_dtype, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = policy.setup(model, opt)
@@ -86,7 +86,7 @@ def test_emulation_keeps_the_dtypes_users_see(preset):
     equal the native kernel's up to summation order."""
     outs = {}
     for emulate in (False, True):
-        policy = Policy.from_preset(preset, emulate_bf16=emulate)
+        policy = Policy.from_preset(preset, emulate_matmul=emulate)
         model = build_model(model_args("debug", 256), device="cpu", storage_dtype=policy.storage_dtype, seed=0)
         policy.setup(model)
         linear_dtypes = set()

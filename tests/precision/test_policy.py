@@ -28,7 +28,7 @@ def test_explicit_fields_name_the_mode():
 
 @pytest.mark.parametrize("bad, words", [
     (lambda: Policy.from_preset("fp8-mixed"), ["fp8-mixed", "accepted", "bf16-mixed"]),
-    (lambda: Policy(param_dtype="half"), ["param_dtype", "'half'", "accepted"]),
+    (lambda: Policy(param_dtype="bfloat17"), ["param_dtype", "'bfloat17'", "accepted"]),
     (lambda: Policy(param_dtype=FP32, storage_dtype=BF16), ["param_dtype float32", "storage_dtype bfloat16"]),
     (lambda: Policy.from_preset("bf16-mixed", param_dtype="float32"), ["bf16-mixed", "param_dtype", "float32"]),
 ])
@@ -138,7 +138,7 @@ def test_stats_and_state_dict_round_trip():
         policy.backward(loss)
         policy.step(opt)
     stats = policy.stats()
-    assert stats["precision"] == "bf16-mixed" and stats["steps"] == 3 and stats["skipped"] == 0
+    assert stats["precision"] == "bf16-mixed" and stats["steps"] == 3 and stats["skipped_steps"] == 0
     restored = Policy.from_preset("bf16-mixed")
     restored.load_state_dict(policy.state_dict())
     assert restored.stats()["steps"] == 3
@@ -147,4 +147,6 @@ def test_stats_and_state_dict_round_trip():
 def test_describe_matches_the_mode():
     assert Policy.from_preset("bf16-mixed").describe()["gradients"] == "float32"
     assert Policy.from_preset("bf16-true").describe()["optimizer states"] == "bfloat16"
-    assert set(Policy.from_preset("fp32").describe().values()) == {"float32"}
+    assert set(Policy.from_preset("fp32").describe().values()) == {"float32", "none"}
+    o2 = Policy.from_preset("O2").describe()
+    assert o2["parameters"] == "float16 (norms float32)" and o2["master weights"] == o2["optimizer states"] == "float32"

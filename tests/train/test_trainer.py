@@ -70,3 +70,33 @@ def test_early_stopping(tmp_path, text_file):
 def test_bpe_tokenizer_run(tmp_path, text_file):
     run_train(tmp_path / "bpe", text_file, "--data.tokenizer", "bpe", "--data.bpe_vocab_size", "300")
     assert (tmp_path / "bpe" / "tokenizer.json").exists()
+
+
+def test_fp16_run_resumes_exactly_with_its_loss_scale(tmp_path, text_file):
+    flags = ("--precision.preset", "fp16-mixed", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0",
+             "--loss_scale.init_scale", "1e9", "--loss_scale.max_scale", "1e9", "--loss_scale.growth_interval", "2",
+             "--loss_scale.fallback_after", "0", "--metrics.plot", "true")
+    full = run_train(tmp_path / "run", text_file, *flags)
+    assert any(r["skipped"] for r in full)  # 1e9 overflows float16 activations' gradients at first
+    assert all(r["loss_scale"] is not None for r in full)
+    (tmp_path / "run" / "checkpoint" / "step-6.pt").unlink()
+    resumed = run_train(tmp_path / "run", text_file, *flags)
+    assert losses(resumed) == losses(full)
+    assert [r["loss_scale"] for r in resumed] == [r["loss_scale"] for r in full]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["overflow_count"] == sum(r["skipped"] for r in full) == summary["skipped_steps"]
+    assert summary["overflow_rate"] == pytest.approx(summary["overflow_count"] / 6)
+    assert (tmp_path / "run" / "loss_scale.png").stat().st_size > 1000
+
+
+def test_fallback_is_recorded_and_training_goes_on(tmp_path, text_file):
+    # A scale pinned at 1e9 makes every float16 gradient overflow: at the minimum scale, fall back.
+    records = run_train(tmp_path / "fb", text_file, "--precision.preset", "fp16-master", "--training.steps", "12",
+                        "--loss_scale.init_scale", "1e9", "--loss_scale.min_scale", "1e9",
+                        "--loss_scale.max_scale", "1e9", "--loss_scale.fallback_to", "fp32")
+    summary = json.loads((tmp_path / "fb" / "summary.json").read_text())
+    assert summary["fallback_triggered"] and summary["fallback_step"] == 1
+    assert summary["precision"] == "fp16-master" and summary["precision_final"] == "fp32"
+    assert records[0]["skipped"] and not any(r["skipped"] for r in records[1:])
+    assert [r["precision"] for r in records[1:]] == ["fp32"] * 11
+    assert records[-1]["loss"] < records[1]["loss"]

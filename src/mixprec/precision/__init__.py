@@ -1,4 +1,7 @@
 from mixprec.precision.dtypes import dtype_name, parse_dtype
-from mixprec.precision.policy import ALIASES, PRESETS, Policy, has_fast_bf16
+from mixprec.precision.loss_scaler import LossScaleConfig, LossScaler
+from mixprec.precision.policy import Policy, has_fast_bf16, has_fast_matmul
+from mixprec.precision.presets import ALIASES, APEX_LEVELS, PRESETS
 
-__all__ = ["Policy", "PRESETS", "ALIASES", "has_fast_bf16", "parse_dtype", "dtype_name"]
+__all__ = ["Policy", "PRESETS", "ALIASES", "APEX_LEVELS", "LossScaler", "LossScaleConfig", "has_fast_bf16",
+           "has_fast_matmul", "parse_dtype", "dtype_name"]

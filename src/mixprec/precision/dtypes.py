@@ -12,8 +12,11 @@ _BY_NAME = {
     "fp32": torch.float32,
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
 }
-_CANONICAL = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+_CANONICAL = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def parse_dtype(value: str | torch.dtype, field: str) -> torch.dtype:

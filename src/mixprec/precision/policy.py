@@ -13,108 +13,89 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from mixprec.errors import UserError
 from mixprec.precision.dtypes import dtype_name, parse_dtype
-from mixprec.precision.emulation import EmulatedBF16Matmul
+from mixprec.precision.emulation import EmulatedMatmul
+from mixprec.precision.loss_scaler import LossScaleConfig, LossScaler
+from mixprec.precision.master import MasterWeights, cast_parameters, is_norm
+from mixprec.precision.monitor import ScaleMonitor
+from mixprec.precision.presets import BF16, FP16, FP32, PRESETS, resolve_preset_name
 
 logger = logging.getLogger(__name__)
 
-FP32, BF16 = torch.float32, torch.bfloat16
-
-
-@dataclass(frozen=True)
-class _Preset:
-    storage_dtype: torch.dtype  # parameters, gradients, optimizer states (TorchTitan's training.dtype)
-    param_dtype: torch.dtype  # compute (TorchTitan's mixed_precision_param)
-    reduce_dtype: torch.dtype = FP32  # gradient reduction across ranks; a default a preset lets you override
-    summary: str = ""
-
-
-PRESETS: dict[str, _Preset] = {
-    "fp32": _Preset(FP32, FP32, summary="everything in float32"),
-    "bf16-mixed": _Preset(
-        FP32, BF16, summary="float32 parameters and optimizer states, torch.autocast bfloat16 compute"
-    ),
-    "bf16-true": _Preset(
-        BF16, BF16,
-        summary="parameters, gradients and optimizer states in bfloat16, no float32 copy; RoPE and logits in float32",
-    ),
-}
-
-# What users of Lightning (precision=...) and Accelerate (mixed_precision=...) already type.
-ALIASES: dict[str, str] = {
-    "32-true": "fp32", "32": "fp32", "no": "fp32", "float32": "fp32",
-    "bf16": "bf16-mixed",
-    "bf16-true": "bf16-true", "bf16-mixed": "bf16-mixed", "fp32": "fp32",
-}
-
-
-def resolve_preset_name(name: str, field: str = "precision.preset") -> str:
-    key = str(name).strip().lower()
-    if key not in ALIASES:
-        raise UserError(
-            f"{field}: unknown precision {name!r}; accepted: {', '.join(PRESETS)} "
-            f"(aliases: {', '.join(k for k in ALIASES if k not in PRESETS)})"
-        )
-    return ALIASES[key]
+def has_fast_matmul(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether `dtype` matmuls have a native fast kernel on this device. A CPU without
+    AVX512-BF16 or AMX emulates BF16 (measured on an AVX2 CPU: 16 GFLOP/s vs 140 in
+    FP32); FP16 needs AMX-FP16."""
+    if dtype == FP32:
+        return True
+    if device_type == "cuda":
+        return torch.cuda.is_available() and (dtype == FP16 or torch.cuda.is_bf16_supported())
+    if device_type == "cpu":
+        if dtype == BF16:
+            return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        return torch.cpu._is_amx_fp16_supported()
+    return True
 
 
 def has_fast_bf16(device_type: str) -> bool:
-    """Whether bfloat16 matmuls have a native kernel on this device. Without AVX512-BF16
-    or AMX a CPU emulates them (measured on an AVX2 CPU: 16 GFLOP/s vs 140 in float32)."""
-    if device_type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if device_type == "cpu":
-        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return True
+    return has_fast_matmul(device_type, BF16)
 
 
 class Policy:
     """Where each tensor lives, in which dtype, and the hooks that keep it there.
 
-    storage_dtype: parameters, gradients and optimizer states.
-    param_dtype: compute. Narrower than storage_dtype: torch.autocast does the cast.
+    storage_dtype: the model's parameters (and, without master weights, gradients and
+        optimizer states).
+    param_dtype: compute; torch.autocast does the cast where it differs from storage.
     reduce_dtype: gradient reduction across data-parallel ranks.
-    emulate_bf16: run BF16 matmuls as FP32 GEMMs on BF16-rounded operands (see
-        mixprec.precision.emulation); None decides at setup: on when the device has no
-        native BF16 GEMM.
+    master_weights: FP32 copies of the parameters live with the optimizer; norm layers
+        stay FP32 in the model (Apex O2).
+    loss_scale: dynamic loss scaling and fallback settings; None disables scaling.
+    emulate_matmul: run BF16/FP16 matmuls as FP32 GEMMs on the rounded operands
+        (mixprec.precision.emulation); None decides at setup: on without a native kernel.
     """
 
-    def __init__(self, param_dtype=FP32, reduce_dtype=FP32, storage_dtype=FP32, *, emulate_bf16: bool | None = None):
+    def __init__(self, param_dtype=FP32, reduce_dtype=FP32, storage_dtype=FP32, *, master_weights: bool = False,
+                 loss_scale: LossScaleConfig | None = None, emulate_matmul: bool | None = None):
         self.param_dtype = parse_dtype(param_dtype, "param_dtype")
         self.reduce_dtype = parse_dtype(reduce_dtype, "reduce_dtype")
         self.storage_dtype = parse_dtype(storage_dtype, "storage_dtype")
-        if self.storage_dtype == BF16 and self.param_dtype == FP32:
+        if self.storage_dtype != FP32 and self.param_dtype != self.storage_dtype:
             raise UserError(
-                "param_dtype float32 with storage_dtype bfloat16: compute cannot be wider than the "
-                "stored parameters; accepted: param_dtype bfloat16 (bf16-true), or storage_dtype float32"
+                f"param_dtype {dtype_name(self.param_dtype)} with storage_dtype {dtype_name(self.storage_dtype)}: "
+                f"a {dtype_name(self.storage_dtype)} model computes in {dtype_name(self.storage_dtype)}; "
+                "accepted: param_dtype equal to storage_dtype, or storage_dtype float32"
             )
-        self.name = next(
-            n for n, p in PRESETS.items()
-            if (p.storage_dtype, p.param_dtype) == (self.storage_dtype, self.param_dtype)
-        )
-        self.emulate_bf16 = emulate_bf16
+        if master_weights and self.storage_dtype == FP32:
+            raise UserError("master_weights with storage_dtype float32: the parameters are already float32; "
+                            "accepted: storage_dtype float16 or bfloat16")
+        self.master_weights = master_weights
+        self.loss_scale = loss_scale
+        self.fallback_to: str | None = None  # chosen at setup from loss_scale.fallback_to
+        self._emulate_requested = self.emulate_matmul = emulate_matmul
+        self.requested = self.name = self._match_preset()
         self.device_type: str | None = None
-        self._steps = 0
-        self._skipped = 0
+        self._model = self._optimizer = self._master = self._scaler = None
+        self._steps = self._skipped = 0
         self._last_grad_norm: float | None = None
+        self._monitor = ScaleMonitor()
+        self._fallback_step: int | None = None
         self._warn_known_bad()
 
     @classmethod
-    def from_preset(cls, name: str, *, labels: dict[str, str] | None = None, emulate_bf16: bool | None = None,
-                    **overrides) -> "Policy":
+    def from_preset(cls, name: str, *, labels: dict[str, str] | None = None, emulate_matmul: bool | None = None,
+                    loss_scale: LossScaleConfig | None = None, **overrides) -> "Policy":
         """A preset by name or alias. `overrides` may change the fields a preset only
         defaults (reduce_dtype); one that contradicts the preset's own fields is an error
         naming both. `labels` names each override as the user wrote it (for messages)."""
         labels = labels or {}
         preset_name = resolve_preset_name(name, labels.get("preset", "preset"))
         preset = PRESETS[preset_name]
-        fields = {"storage_dtype": preset.storage_dtype, "param_dtype": preset.param_dtype,
-                  "reduce_dtype": preset.reduce_dtype}
+        fields = {"storage_dtype": preset.storage_dtype, "param_dtype": preset.param_dtype, "reduce_dtype": FP32}
         for key, value in overrides.items():
             if key not in fields:
                 raise TypeError(f"Policy.from_preset got an unexpected field {key!r}")
@@ -126,83 +107,110 @@ class Policy:
                     f"{preset_name} has {key} {dtype_name(fields[key])}; drop one of the two"
                 )
             fields[key] = dtype
-        return cls(**fields, emulate_bf16=emulate_bf16)
+        scaling = (loss_scale or LossScaleConfig()) if preset.loss_scaling else None
+        return cls(**fields, master_weights=preset.master_weights, loss_scale=scaling, emulate_matmul=emulate_matmul)
+
+    def _match_preset(self) -> str:
+        key = (self.storage_dtype, self.param_dtype, self.master_weights, self.loss_scale is not None)
+        for name, p in PRESETS.items():
+            if (p.storage_dtype, p.param_dtype, p.master_weights, p.loss_scaling) == key:
+                return name
+        return "custom"
 
     # ---- what the policy promises -------------------------------------------------
     @property
     def uses_autocast(self) -> bool:
-        return self.param_dtype != self.storage_dtype
+        # A master-weights model mixes FP32 norms with low-precision weights: autocast
+        # casts the FP32 activations for the matmuls.
+        return self.param_dtype != self.storage_dtype or self.master_weights
 
     def describe(self) -> dict[str, str]:
         """Which dtype each kind of tensor is kept in under this policy (single process)."""
-        compute = dtype_name(self.param_dtype)
         stored = dtype_name(self.storage_dtype)
+        master = "float32" if self.master_weights else stored
         return {
-            "parameters": stored,
-            "matmul compute": compute,
+            "parameters": stored + (" (norms float32)" if self.master_weights else ""),
+            "matmul compute": dtype_name(self.param_dtype),
             "norm, softmax, RoPE": "float32",
             "logits and loss": "float32",
             # autocast's casts are differentiable: the gradient of an FP32 leaf is FP32.
             "gradients": stored,
-            "optimizer states": stored,
+            "master weights": master if self.master_weights else "none",
+            "optimizer states": master,
             "gradient reduction": dtype_name(self.reduce_dtype),
+            "loss scaling": "dynamic" if self.loss_scale is not None else "none",
         }
 
     def __repr__(self) -> str:
         return (f"Policy({self.name}: storage_dtype={dtype_name(self.storage_dtype)}, "
-                f"param_dtype={dtype_name(self.param_dtype)}, reduce_dtype={dtype_name(self.reduce_dtype)})")
+                f"param_dtype={dtype_name(self.param_dtype)}, reduce_dtype={dtype_name(self.reduce_dtype)}"
+                f"{', master_weights' if self.master_weights else ''}"
+                f"{', loss scaling' if self.loss_scale is not None else ''})")
 
     def _warn_known_bad(self) -> None:
-        if self.reduce_dtype == BF16:
+        if self.reduce_dtype != FP32:
             logger.warning(
-                "reduce_dtype bfloat16: gradients summed across ranks in bfloat16 keep 8 bits of "
-                "mantissa, so small contributions are rounded away (1e7 + 1 == 1e7); float32 is advised"
-            )
-        if self.storage_dtype == BF16:
+                "reduce_dtype %s: gradients summed across ranks in %s lose small contributions "
+                "(in bfloat16, 1e7 + 1 == 1e7); float32 is advised", *[dtype_name(self.reduce_dtype)] * 2)
+        if self.storage_dtype == BF16 and not self.master_weights:
             logger.warning(
                 "storage_dtype bfloat16: optimizer states and weights in bfloat16 drop any update smaller "
-                "than 2^-8 of the weight (1 + 2^-9 == 1 in bfloat16); bf16-mixed keeps float32 copies"
-            )
+                "than 2^-8 of the weight (1 + 2^-9 == 1 in bfloat16); bf16-mixed keeps float32 copies")
+        if self.storage_dtype == FP16 and not self.master_weights:
+            logger.warning(
+                "%s: float16 weights, gradients and optimizer states%s: gradients below 2^-24 flush to zero, "
+                "updates below 2^-11 of a weight are lost and values above 65504 overflow; fp16-mixed or "
+                "fp16-master avoid this", self.name, "" if self.loss_scale else " without loss scaling")
 
     # ---- hooks ----------------------------------------------------------------------
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
-        """Cast the parameters to the storage dtype in place (the same Parameter objects,
-        so an optimizer built before keeps working; buffers are left alone) and log which
-        path handles mixed precision."""
+        """Cast the parameters in place (the same Parameter objects, so an optimizer built
+        before keeps working; buffers are left alone), swap in FP32 master weights where
+        the mode has them, and log which path handles mixed precision."""
         if optimizer is not None and optimizer.state:
             raise ValueError("Policy.setup needs an optimizer that has not stepped yet")
+        if self.master_weights and optimizer is None:
+            raise ValueError(f"{self.name} keeps master weights in the optimizer: pass it to Policy.setup")
         first = next(model.parameters(), None)
         self.device_type = first.device.type if first is not None else "cpu"
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.is_floating_point() and p.dtype != self.storage_dtype:
-                    p.data = p.data.to(self.storage_dtype)
-                    if p.grad is not None:
-                        p.grad = p.grad.to(self.storage_dtype)
+        self._model, self._optimizer = model, optimizer
+        cast_parameters(model, self.storage_dtype, keep_fp32=is_norm if self.master_weights else None)
+        if self.master_weights:
+            self._master = MasterWeights(model, optimizer)
+        if self.loss_scale is not None:
+            self._scaler = LossScaler(first.device if first is not None else "cpu", self.loss_scale)
+        if self.loss_scale is not None:
+            self.fallback_to = self.loss_scale.fallback_to
+            if self.fallback_to == "auto":
+                self.fallback_to = "bf16-mixed" if has_fast_bf16(self.device_type) else "fp32"
         if self.uses_autocast:
-            logger.info(
-                "Mixed precision training is handled by AMP: torch.autocast(%s, %s) over %s parameters",
-                self.device_type, dtype_name(self.param_dtype), dtype_name(self.storage_dtype),
-            )
+            logger.info("Mixed precision training is handled by AMP: torch.autocast(%s, %s) over %s parameters%s",
+                        self.device_type, dtype_name(self.param_dtype), dtype_name(self.storage_dtype),
+                        " with float32 master weights" if self.master_weights else "")
         else:
-            logger.info("Mixed precision training is disabled: %s (%s)", self.name, PRESETS[self.name].summary)
-        if self.param_dtype == BF16:
-            native = has_fast_bf16(self.device_type)
-            if self.emulate_bf16 is None:
-                self.emulate_bf16 = not native
-                if self.emulate_bf16:
-                    logger.info(
-                        "bfloat16 matmuls are emulated: float32 GEMMs on bfloat16 operands, bfloat16 results "
-                        "(the same numbers up to summation order), because this %s has no native bfloat16 GEMM "
-                        "(no AVX512-BF16 or AMX); precision.emulate_bf16 = false uses the native kernel",
-                        self.device_type,
-                    )
-            elif not self.emulate_bf16 and not native:
-                logger.warning(
-                    "bfloat16 matmuls on this %s have no native kernel (no AVX512-BF16 or AMX) and are not "
-                    "emulated: expect them 5-100x slower than float32", self.device_type,
-                )
+            logger.info("Mixed precision training is disabled: %s (%s)", self.name, PRESETS[self.name].summary
+                        if self.name in PRESETS else "custom")
+        if self._scaler is not None:
+            logger.info("[MIXED PRECISION] training with %s, loss scale %g", self.name, self._scaler.get_scale())
+        self._choose_emulation()
         return model, optimizer
+
+    def _choose_emulation(self) -> None:
+        if self.param_dtype == FP32:
+            return
+        native = has_fast_matmul(self.device_type, self.param_dtype)
+        self.emulate_matmul = self._emulate_requested
+        if self.emulate_matmul is None:
+            self.emulate_matmul = not native
+            if self.emulate_matmul:
+                logger.info(
+                    "%s matmuls are emulated: float32 GEMMs on %s operands, %s results (the same numbers up to "
+                    "summation order), because this %s has no native %s GEMM; precision.emulate_matmul = false "
+                    "uses the native kernel", *[dtype_name(self.param_dtype)] * 3, self.device_type,
+                    dtype_name(self.param_dtype))
+        elif not self.emulate_matmul and not native:
+            logger.warning("%s matmuls on this %s have no native kernel and are not emulated: expect them "
+                           "5-100x slower than float32", dtype_name(self.param_dtype), self.device_type)
 
     def autocast(self, device_type: str | None = None):
         """Context for the forward pass and the loss."""
@@ -214,46 +222,123 @@ class Policy:
         return stack
 
     def _emulation(self):
-        if self.emulate_bf16 and self.param_dtype == BF16:
-            return EmulatedBF16Matmul()
+        if self.emulate_matmul and self.param_dtype != FP32:
+            return EmulatedMatmul()
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
         with self._emulation():
-            loss.backward()
+            (self._scaler.scale(loss) if self._scaler is not None else loss).backward()
 
     def step(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None) -> bool:
-        """Clip to `max_norm` (when given) on the true gradients, step, clear the gradients.
-        Returns whether the step was applied."""
+        """Unscale, clip to `max_norm` (when given) on the true gradients, step unless a
+        gradient overflowed, update the loss scale, clear the gradients. A skipped step
+        changes no parameter, optimizer state or step count. Returns whether it was applied."""
+        if self._master is not None:
+            self._master.grads_to_master()
+        overflow = False
+        if self._scaler is not None:
+            self._scaler.unscale_(optimizer)
+            overflow = self._scaler.found_inf
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if max_norm is not None and max_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))  # measures, never scales
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
         self._last_grad_norm = norm.float().item()
-        optimizer.step()
+        if not overflow:
+            optimizer.step()
+            if self._master is not None:
+                self._master.master_to_model()
         optimizer.zero_grad(set_to_none=True)
         self._steps += 1
-        return True
+        self._skipped += overflow
+        if self._scaler is not None:
+            before = self._scaler.get_scale()
+            self._scaler.update()
+            after = self._scaler.get_scale()
+            self._monitor.record(self._steps, overflow, before, after, self.loss_scale.growth_interval)
+            at_minimum = overflow and before <= self.loss_scale.min_scale
+            after_n = self.loss_scale.fallback_after
+            if at_minimum or (after_n and self._monitor.consecutive >= after_n):
+                reason = (f"at the minimum loss scale {before:g}" if at_minimum
+                          else f"after {self._monitor.consecutive} consecutive overflows")
+                self._fall_back(reason)
+        return not overflow
+
+    def _fall_back(self, reason: str | None) -> None:
+        """Switch to `fallback_to`, keeping the FP32 weights and optimizer state."""
+        old, target = self.name, PRESETS[self.fallback_to]
+        if self._master is not None:
+            self._master.release()
+            self._master = None
+        cast_parameters(self._model, FP32)
+        for state in self._optimizer.state.values():  # FP16 states of a model without masters
+            for key, t in state.items():
+                if torch.is_tensor(t) and t.is_floating_point() and key != "step":
+                    state[key] = t.float()
+        self.storage_dtype, self.param_dtype = target.storage_dtype, target.param_dtype
+        self.master_weights, self._scaler, self.loss_scale = False, None, None
+        self.name, self._fallback_step = self.fallback_to, self._steps
+        if reason is not None:
+            logger.warning("[FALLBACK] step %d: %s -> %s %s", self._steps, old, self.name, reason)
+        self._choose_emulation()
 
     # ---- monitoring and checkpointing -----------------------------------------------
     def stats(self) -> dict:
         return {
-            "precision": self.name,
+            "precision": self.requested,
+            "precision_final": self.name,
             "param_dtype": dtype_name(self.param_dtype),
             "storage_dtype": dtype_name(self.storage_dtype),
             "reduce_dtype": dtype_name(self.reduce_dtype),
             "autocast": self.uses_autocast,
+            "master_weights": self.master_weights,
             "steps": self._steps,
-            "skipped": self._skipped,
+            "skipped_steps": self._skipped,
             "grad_norm": self._last_grad_norm,
+            "loss_scale": self._scaler.get_scale() if self._scaler is not None else None,
+            "overflow_count": self._monitor.overflows,
+            "overflow_rate": self._monitor.overflows / self._steps if self._steps else 0.0,
+            "fallback_triggered": self._fallback_step is not None,
+            "fallback_step": self._fallback_step,
         }
 
+    def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The model's weights at full precision: master copies where the mode has them."""
+        state = model.state_dict()
+        if self._master is not None:
+            by_param = {id(p): m for p, m in self._master.pairs}
+            for name, p in model.named_parameters():
+                if id(p) in by_param:
+                    state[name] = by_param[id(p)].detach()
+        return state
+
+    def load_model_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        model.load_state_dict(state)  # rounds into the model's dtypes
+        if self._master is not None:
+            by_param = {id(p): m for p, m in self._master.pairs}
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if id(p) in by_param:
+                        by_param[id(p)].copy_(state[name])
+
     def state_dict(self) -> dict:
-        return {"precision": self.name, "steps": self._steps, "skipped": self._skipped}
+        return {
+            "precision": self.requested, "precision_final": self.name, "steps": self._steps,
+            "skipped": self._skipped, "fallback_step": self._fallback_step, "monitor": self._monitor.state_dict(),
+            "scaler": self._scaler.state_dict() if self._scaler is not None else None,
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("precision") != self.name:
-            logger.warning("precision: resuming a %s checkpoint under %s", state.get("precision"), self.name)
-        self._steps = int(state["steps"])
-        self._skipped = int(state["skipped"])
+        """Restore counters and the loss scale; re-apply a fallback the saved run took.
+        Call after setup and before loading the model's and optimizer's state."""
+        if state.get("precision") != self.requested:
+            logger.warning("precision: resuming a %s checkpoint under %s", state.get("precision"), self.requested)
+        elif state.get("fallback_step") is not None and self._fallback_step is None:
+            self.fallback_to = state["precision_final"]
+            self._fall_back(None)
+            logger.info("precision: the checkpoint had fallen back to %s at step %d; resuming in %s",
+                        state["precision_final"], state["fallback_step"], self.name)
+            self._fallback_step = state["fallback_step"]
+        self._steps, self._skipped = int(state["steps"]), int(state["skipped"])
+        self._monitor.load_state_dict(state.get("monitor", {}))
+        if self._scaler is not None and state.get("scaler"):
+            self._scaler.load_state_dict(state["scaler"])

@@ -84,8 +84,7 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in _read_lines(path)]
 
 
-def plot_loss_curve(metrics_path: Path, out: Path, title: str) -> Path:
-    """Training and validation loss over steps, from metrics.jsonl."""
+def _pyplot():
     try:
         import matplotlib
 
@@ -93,6 +92,39 @@ def plot_loss_curve(metrics_path: Path, out: Path, title: str) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("metrics.plot needs matplotlib: pip install matplotlib (or set metrics.plot false)") from None
+    return plt
+
+
+def plot_loss_scale(metrics_path: Path, out: Path) -> Path | None:
+    """The loss scale over steps with the overflowed (skipped) steps marked; None when
+    the run had no loss scaling."""
+    records = [r for r in read_metrics(metrics_path) if r.get("loss_scale") is not None]
+    if not records:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.step([r["step"] for r in records], [r["loss_scale"] for r in records], where="post", label="loss scale")
+    skipped = [(r["step"], r["loss_scale"]) for r in records if r["skipped"]]
+    if skipped:
+        ax.plot(*zip(*skipped), "rv", label=f"overflow ({len(skipped)})")
+    ax.set_yscale("log", base=2)
+    return _save(plt, fig, ax, out, "loss scale (after update)")
+
+
+def _save(plt, fig, ax, out: Path, ylabel: str) -> Path:
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_loss_curve(metrics_path: Path, out: Path, title: str) -> Path:
+    """Training and validation loss over steps, from metrics.jsonl."""
+    plt = _pyplot()
     records = read_metrics(metrics_path)
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
@@ -101,12 +133,5 @@ def plot_loss_curve(metrics_path: Path, out: Path, title: str) -> Path:
         ax.plot(*zip(*train), label="train loss", linewidth=1)
     if val:
         ax.plot(*zip(*val), "o-", label="validation loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, ax, out, "cross-entropy (nats/token)")

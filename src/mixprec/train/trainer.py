@@ -24,7 +24,7 @@ from mixprec.errors import UserError
 from mixprec.models.llama import build_model, model_args
 from mixprec.precision import Policy
 from mixprec.train.checkpoint import CheckpointManager, check_compatible
-from mixprec.train.metrics import MetricsLogger, peak_flops, peak_memory_bytes, plot_loss_curve
+from mixprec.train.metrics import MetricsLogger, peak_flops, peak_memory_bytes, plot_loss_curve, plot_loss_scale
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class Trainer:
         self.config = config
         tcfg = config.training
         self.device = resolve_device(tcfg.device)
-        self.policy = build_policy(config.precision, tcfg)
+        self.policy = build_policy(config.precision, tcfg, config.loss_scale)
         self.folder = Path(config.job.dump_folder)
         torch.manual_seed(tcfg.seed)
 
@@ -120,7 +120,7 @@ class Trainer:
             "format": 1,
             "meta": self.meta,
             "step": self.step,
-            "model": self.model.state_dict(),
+            "model": self.policy.model_state_dict(self.model),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "data": self.loader.state_dict(),
@@ -131,11 +131,11 @@ class Trainer:
 
     def _restore(self, state: dict) -> None:
         check_compatible(state, self.meta, self.checkpoints.path(state["step"]))
-        self.model.load_state_dict(state["model"])
+        self.policy.load_state_dict(state["policy"])  # first: it may re-apply a fallback
+        self.policy.load_model_state_dict(self.model, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["data"])
-        self.policy.load_state_dict(state["policy"])
         torch.set_rng_state(state["rng"])
         self.step = state["step"]
         self.best_val, self.bad_evals = state["trainer"]["best_val"], state["trainer"]["bad_evals"]
@@ -180,7 +180,7 @@ class Trainer:
                 "tokens_per_sec": speeds[-1],
                 "mfu": flops_per_token * speeds[-1] / peak if peak else None,
                 "peak_memory_bytes": peak_memory_bytes(self.device),
-                "precision": stats["precision"], "skipped": not applied,
+                "precision": stats["precision_final"], "skipped": not applied, "loss_scale": stats["loss_scale"],
             }
             last = self.step == tcfg.steps
             if last or (tcfg.eval_interval and self.step % tcfg.eval_interval == 0):
@@ -208,7 +208,8 @@ class Trainer:
         # Median over steps after warm-up (the first steps pay for allocation and caching).
         warm = speeds[min(len(speeds) - 1, max(1, len(speeds) // 5)):] if speeds else []
         summary = {
-            **{k: v for k, v in self.policy.stats().items() if k != "grad_norm"},
+            **{k: v for k, v in self.policy.stats().items() if k not in ("grad_norm", "loss_scale")},
+            "loss_scale": self.policy.stats()["loss_scale"],
             "steps": self.step,
             "steps_this_run": self.step - start_step,
             "final_train_loss": loss,
@@ -216,7 +217,6 @@ class Trainer:
             "val_perplexity": math.exp(val_loss),
             "tokens_per_sec": statistics.median(warm) if warm else None,
             "peak_memory_bytes": peak_memory_bytes(self.device),
-            "skipped_steps": self.policy.stats()["skipped"],
             "stopped_early": stopped_early,
             "parameters": self.model.num_params(),
             "param_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
@@ -228,7 +228,8 @@ class Trainer:
         (self.folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if cfg.metrics.plot:
             plot_loss_curve(self.folder / "metrics.jsonl", self.folder / "loss_curve.png",
-                            f"{cfg.model.flavor}, {self.policy.name}")
+                            f"{cfg.model.flavor}, {self.policy.requested}")
+            plot_loss_scale(self.folder / "metrics.jsonl", self.folder / "loss_scale.png")
         return summary
 
 

@@ -1,0 +1,198 @@
+"""Dynamic loss scaling: a drop-in for `torch.amp.GradScaler`, with bounds and hysteresis.
+
+Same methods and state_dict keys as GradScaler, built on the same fused kernels
+(`_amp_foreach_non_finite_check_and_unscale_`, `_amp_update_scale_`). With
+min_scale=0 and max_scale=inf its scale follows GradScaler's exactly; with the
+defaults it is GradScaler's trajectory clamped to [1, 2^24]. Additions:
+
+- bounds: the scale never leaves [min_scale, max_scale];
+- hysteresis (Megatron's): back off only on the N-th overflow since the last growth;
+- FP16 gradients may be unscaled (pure-FP16 training has no FP32 copy to unscale).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, replace
+
+import torch
+
+from mixprec.errors import UserError
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """Dynamic loss scaling, with RustGPT's defaults; the [loss_scale] config table."""
+
+    init_scale: float = 65536.0
+    """Initial loss scale (fp16 modes)."""
+    growth_factor: float = 2.0
+    """Scale multiplier after growth_interval clean steps; > 1."""
+    backoff_factor: float = 0.5
+    """Scale multiplier on an overflow; in (0, 1)."""
+    growth_interval: int = 2000
+    """Consecutive clean steps before the scale grows."""
+    min_scale: float = 1.0
+    """The scale never goes below this."""
+    max_scale: float = 16777216.0
+    """The scale never goes above this (2^24)."""
+    hysteresis: int = 1
+    """Back off only on the N-th overflow since the last growth (Megatron); 1: on every overflow."""
+    fallback_after: int = 5
+    """Consecutive overflows that switch the run to fallback_to; 0 never falls back."""
+    fallback_to: str = "auto"
+    """Precision after a fallback: fp32, bf16-mixed, or auto (bf16-mixed where BF16 matmuls are native, else fp32)."""
+
+    def __post_init__(self):
+        def bad(field, accepted):
+            raise UserError(f"loss_scale.{field}: bad value {getattr(self, field)!r}; accepted: {accepted}")
+
+        if not self.growth_factor > 1:
+            bad("growth_factor", "a number > 1")
+        if not 0 < self.backoff_factor < 1:
+            bad("backoff_factor", "a number in (0, 1)")
+        if self.growth_interval < 1:
+            bad("growth_interval", "a positive integer")
+        if self.hysteresis < 1:
+            bad("hysteresis", "a positive integer")
+        if not 0 <= self.min_scale <= self.max_scale:
+            raise UserError(f"loss_scale.min_scale {self.min_scale} > max_scale {self.max_scale}; "
+                            "accepted: 0 <= min_scale <= max_scale")
+        if not self.min_scale <= self.init_scale <= self.max_scale:
+            bad("init_scale", f"a number in [min_scale, max_scale] = [{self.min_scale}, {self.max_scale}]")
+        if self.fallback_after < 0:
+            bad("fallback_after", "an integer >= 0")
+        if self.fallback_to not in ("auto", "fp32", "bf16-mixed"):
+            bad("fallback_to", "auto, fp32, bf16-mixed")
+
+
+class LossScaler:
+    def __init__(self, device: str = "cpu", config: LossScaleConfig | None = None, enabled: bool = True, **fields):
+        self.config = config if config is not None else LossScaleConfig(**fields)
+        self.device = device
+        self._enabled = enabled
+        c = self.config
+        self._scale = torch.full((), c.init_scale, dtype=torch.float32, device=device)
+        self._growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
+        self._hysteresis_left = torch.full((), c.hysteresis, dtype=torch.int32, device=device)
+        self._per_optimizer = defaultdict(dict)  # id(optimizer) -> {"found_inf": tensor}
+
+    # ---- GradScaler's methods --------------------------------------------------------
+    def scale(self, outputs):
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            return outputs * self._scale.to(outputs.device)
+        return type(outputs)(self.scale(o) for o in outputs)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale in place and record non-finite ones."""
+        if not self._enabled:
+            return
+        state = self._per_optimizer[id(optimizer)]
+        if "found_inf" in state:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        inv_scale = self._scale.double().reciprocal().float()
+        found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        groups = defaultdict(list)  # one fused call per (device, dtype)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    groups[(p.grad.device, p.grad.dtype)].append(p.grad)
+        with torch.no_grad():
+            for (device, _), grads in groups.items():
+                found = torch.zeros((), dtype=torch.float32, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
+                found_inf += found.to(found_inf.device)
+        state["found_inf"] = found_inf
+
+    def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
+        """Unscale if not done yet; step unless a gradient was inf/NaN. Returns the
+        optimizer's return value, or None when the step was skipped."""
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "found_inf" not in self._per_optimizer[id(optimizer)]:
+            self.unscale_(optimizer)
+        if self._per_optimizer[id(optimizer)]["found_inf"].item():
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        if not self._enabled:
+            return
+        c = self.config
+        if new_scale is not None:
+            self._scale.fill_(float(new_scale))
+        else:
+            founds = [s["found_inf"] for s in self._per_optimizer.values() if "found_inf" in s]
+            if not founds:
+                raise AssertionError("No inf checks were recorded prior to update.")
+            found = torch.stack(founds).sum().clamp(max=1.0)
+            if c.hysteresis == 1:
+                torch._amp_update_scale_(self._scale, self._growth_tracker, found,
+                                         c.growth_factor, c.backoff_factor, c.growth_interval)
+            else:
+                self._update_with_hysteresis(found > 0)
+            self._scale.clamp_(c.min_scale, c.max_scale)
+        self._per_optimizer = defaultdict(dict)
+
+    def _update_with_hysteresis(self, overflow: torch.Tensor) -> None:
+        """Megatron's rule, in tensor ops (no host sync): every overflow resets the growth
+        count and uses up one unit of hysteresis; the scale backs off once none is left;
+        hysteresis is restored when the scale grows."""
+        c = self.config
+        left = torch.where(overflow, self._hysteresis_left - 1, self._hysteresis_left)
+        backoff = overflow & (left <= 0)
+        tracker = torch.where(overflow, torch.zeros_like(self._growth_tracker), self._growth_tracker + 1)
+        grown = self._scale * c.growth_factor
+        grow = ~overflow & (tracker >= c.growth_interval) & torch.isfinite(grown)
+        self._scale.copy_(torch.where(backoff, self._scale * c.backoff_factor, torch.where(grow, grown, self._scale)))
+        self._growth_tracker.copy_(torch.where(tracker >= c.growth_interval, 0, tracker))
+        self._hysteresis_left.copy_(torch.where(grow, c.hysteresis, left.clamp(min=0)))
+
+    def get_scale(self) -> float:
+        return self._scale.item() if self._enabled else 1.0
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    @property
+    def found_inf(self) -> bool:
+        """Whether the gradients recorded since the last update() had an inf or NaN."""
+        return any(s["found_inf"].item() for s in self._per_optimizer.values() if "found_inf" in s)
+
+    def state_dict(self) -> dict:
+        """GradScaler's five keys, then mixprec's."""
+        if not self._enabled:
+            return {}
+        c = self.config
+        return {
+            "scale": self.get_scale(),
+            "growth_factor": c.growth_factor,
+            "backoff_factor": c.backoff_factor,
+            "growth_interval": c.growth_interval,
+            "_growth_tracker": int(self._growth_tracker.item()),
+            "min_scale": c.min_scale,
+            "max_scale": c.max_scale,
+            "hysteresis": c.hysteresis,
+            "_hysteresis_left": int(self._hysteresis_left.item()),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Accepts a GradScaler state_dict too (mixprec's extra keys keep this scaler's values)."""
+        if not self._enabled:
+            return
+        if not state:
+            raise RuntimeError("The source state dict is empty, possibly saved from a disabled scaler.")
+        c = self.config
+        self.config = replace(
+            c, init_scale=min(max(float(state["scale"]), state.get("min_scale", c.min_scale)),
+                           state.get("max_scale", c.max_scale)),
+            growth_factor=float(state["growth_factor"]), backoff_factor=float(state["backoff_factor"]),
+            growth_interval=int(state["growth_interval"]), min_scale=state.get("min_scale", c.min_scale),
+            max_scale=state.get("max_scale", c.max_scale), hysteresis=int(state.get("hysteresis", c.hysteresis)),
+        )
+        self._scale.fill_(float(state["scale"]))
+        self._growth_tracker.fill_(int(state["_growth_tracker"]))
+        self._hysteresis_left.fill_(int(state.get("_hysteresis_left", self.config.hysteresis)))
+
