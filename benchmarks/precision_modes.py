@@ -16,10 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ["fp32", "bf16-mixed", "bf16-true"]
+MODES = ["fp32", "bf16-mixed", "bf16-true"]  # the default set; --modes picks others
 
 
 def run(mode: str, folder: Path, args, extra: list[str]) -> dict:
+    if args.reuse and (folder / "summary.json").exists():
+        print(f"--- {mode}: reusing {folder / 'summary.json'}")
+        return json.loads((folder / "summary.json").read_text())
     cmd = [sys.executable, "-m", "mixprec", "train", "--model.flavor", args.flavor,
            "--training.steps", str(args.steps), "--precision.preset", mode.split("+")[0],
            "--job.dump_folder", str(folder), "--checkpoint.enable", "false",
@@ -41,26 +44,30 @@ def main() -> None:
     p.add_argument("--native-steps", type=int, default=2,
                    help="steps of bf16-mixed with the native BF16 kernel (emulation off); 0 skips")
     p.add_argument("--out", default="outputs/bench_modes")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated presets; the first is the baseline")
+    p.add_argument("--reuse", action="store_true", help="reuse runs whose summary.json exists in --out")
     args = p.parse_args()
     out = Path(args.out)
-    results = {mode: run(mode, out / mode, args, []) for mode in MODES}
+    modes = args.modes.split(",")
+    results = {mode: run(mode, out / mode, args, []) for mode in modes}
     if args.native_steps:
         native = argparse.Namespace(**{**vars(args), "steps": args.native_steps})
         results["bf16-mixed+native"] = run("bf16-mixed+native", out / "bf16-mixed-native", native,
                                            ["--precision.emulate_matmul", "false"])
-    base = results["fp32"]
-    print(f"\n{'mode':<20}{'val loss':>10}{'rel diff':>10}{'tok/s':>10}{'speed x':>9}"
+    base = results[modes[0]]
+    print(f"\n{'mode':<20}{'val loss':>10}{'rel diff':>10}{'overflow':>9}{'tok/s':>10}{'speed x':>9}"
           f"{'peak RSS MiB':>14}{'mem x':>7}{'param+opt MiB':>15}{'x':>6}")
     for mode, s in results.items():
         state = s["param_bytes"] + s["optimizer_state_bytes"]
         base_state = base["param_bytes"] + base["optimizer_state_bytes"]
         rel = (s["final_val_loss"] - base["final_val_loss"]) / base["final_val_loss"]
-        print(f"{mode:<20}{s['final_val_loss']:>10.4f}{rel:>+10.2%}{s['tokens_per_sec']:>10.0f}"
+        print(f"{mode:<20}{s['final_val_loss']:>10.4f}{rel:>+10.2%}{s.get('overflow_rate', 0):>9.1%}"
+              f"{s['tokens_per_sec']:>10.0f}"
               f"{s['tokens_per_sec'] / base['tokens_per_sec']:>9.2f}{s['peak_memory_bytes'] / 2**20:>14.0f}"
               f"{s['peak_memory_bytes'] / base['peak_memory_bytes']:>7.2f}{state / 2**20:>15.1f}"
               f"{state / base_state:>6.2f}")
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    plot(out, [m for m in MODES])
+    plot(out, modes)
 
 
 def plot(out: Path, modes: list[str]) -> None:

@@ -21,3 +21,12 @@ def test_bf16_facts_stated_in_the_readme():
     assert torch.tensor(0.125, dtype=bf16).item() == 0.125  # powers of two are exact
     assert torch.tensor(256.0, dtype=bf16) + 1 == 256  # 8 bits of significand
     assert torch.tensor(1.0, dtype=bf16) + 2**-9 == 1
+
+
+def test_config_reference_lists_every_key():
+    from mixprec.config import TABLES, field_types
+
+    text = README.read_text()
+    for table, cls in TABLES.items():
+        for key in field_types(cls):
+            assert f"`{table}.{key}`" in text or f"`{table}.{key}`," in text, f"{table}.{key}"
