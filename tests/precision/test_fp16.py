@@ -165,3 +165,13 @@ def test_fallback_at_the_minimum_scale():
     model, opt = tiny(policy)
     train(policy, model, opt, BATCHES[:4], inf_grad({0, 1, 2, 3}))
     assert policy.stats()["fallback_step"] == 3  # 4 -> 2 -> 1, then an overflow at the minimum
+
+
+def test_bf16_master_trains_with_fp32_masters_and_no_scaler():
+    policy = Policy.from_preset("bf16-master")
+    model, opt = tiny(policy)
+    assert policy.stats()["loss_scale"] is None and policy.master_weights
+    assert {p.dtype for n, p in model.named_parameters() if "norm" not in n} == {torch.bfloat16}
+    losses, applied = train(policy, model, opt, BATCHES)
+    assert all(applied) and losses[-1] < losses[0]
+    assert {t.dtype for s in opt.state.values() for k, t in s.items() if k != "step"} == {FP32}
