@@ -13,6 +13,7 @@ from pathlib import Path
 
 from mixprec.errors import UserError
 from mixprec.precision import LossScaleConfig, Policy, parse_dtype
+from mixprec.precision.presets import FP32, preset_for
 
 
 def _check(ok: bool, field: str, value, accepted: str) -> None:
@@ -283,16 +284,16 @@ def build_policy(precision: Precision, training: Training,
     if precision.preset:
         return Policy.from_preset(precision.preset, labels=labels, emulate_matmul=precision.emulate,
                                   loss_scale=loss_scale, **given)
-    # TorchTitan's defaults: training.dtype float32, mixed_precision_param bfloat16.
-    storage = parse_dtype(given.get("storage_dtype", "float32"), labels.get("storage_dtype", ""))
-    param = given.get("param_dtype", "bfloat16")
-    if "param_dtype" not in given and storage != parse_dtype("float32", ""):
-        param = storage  # full-bf16 (training.dtype = "bfloat16") computes in bfloat16
-    # float16 compute over float32 storage is fp16-mixed: it comes with loss scaling.
-    fp16_mixed = parse_dtype(param, labels.get("param_dtype", "")) == parse_dtype("float16", "") and \
-        storage == parse_dtype("float32", "")
-    return Policy(param_dtype=param, reduce_dtype=given.get("reduce_dtype", "float32"), storage_dtype=storage,
-                  emulate_matmul=precision.emulate, loss_scale=loss_scale if fp16_mixed else None)
+    # TorchTitan's defaults: training.dtype float32, mixed_precision_param bfloat16; a
+    # bfloat16 model (training.dtype = "bfloat16") computes in bfloat16.
+    storage = parse_dtype(given.get("storage_dtype", "float32"), labels.get("storage_dtype", "storage_dtype"))
+    param = parse_dtype(given.get("param_dtype", "bfloat16" if storage == FP32 else storage),
+                        labels.get("param_dtype", "param_dtype"))
+    reduce = given.get("reduce_dtype", "float32")
+    name = preset_for(storage, param)
+    if name is None:  # no mode stores in one dtype and computes in a wider one: Policy says why
+        return Policy(param_dtype=param, storage_dtype=storage, reduce_dtype=reduce)
+    return Policy.from_preset(name, emulate_matmul=precision.emulate, loss_scale=loss_scale, reduce_dtype=reduce)
 
 
 def to_toml(config: Config) -> str:

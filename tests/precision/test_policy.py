@@ -50,6 +50,8 @@ def test_preset_default_fields_can_be_overridden():
     ({"preset": "fp32"}, {"dtype": "float32"}, "fp32"),
     ({"param_dtype": "float32"}, {}, "fp32"),
     ({"preset": "32-true"}, {}, "fp32"),
+    ({"param_dtype": "float16"}, {}, "fp16-mixed"),
+    ({}, {"dtype": "float16"}, "fp16-true"),
 ])
 def test_config_resolution(precision, training, expected):
     assert build_policy(Precision(**precision), Training(**training)).name == expected

@@ -234,6 +234,7 @@ class Policy:
         """Unscale, clip to `max_norm` (when given) on the true gradients, step unless a
         gradient overflowed, update the loss scale, clear the gradients. A skipped step
         changes no parameter, optimizer state or step count. Returns whether it was applied."""
+        self._optimizer = optimizer
         if self._master is not None:
             self._master.grads_to_master()
         overflow = False
@@ -270,7 +271,8 @@ class Policy:
             self._master.release()
             self._master = None
         cast_parameters(self._model, FP32)
-        for state in self._optimizer.state.values():  # FP16 states of a model without masters
+        optimizer_states = self._optimizer.state.values() if self._optimizer is not None else []
+        for state in optimizer_states:  # FP16 states of a model without masters
             for key, t in state.items():
                 if torch.is_tensor(t) and t.is_floating_point() and key != "step":
                     state[key] = t.float()

@@ -66,3 +66,9 @@ def resolve_preset_name(name: str, field: str = "precision.preset") -> str:
             f"(aliases: {', '.join(k for k in ALIASES if k not in PRESETS)})"
         )
     return ALIASES[key]
+
+
+def preset_for(storage_dtype: torch.dtype, param_dtype: torch.dtype) -> str | None:
+    """The mode without master weights that stores and computes in these dtypes."""
+    return next((name for name, p in PRESETS.items()
+                 if (p.storage_dtype, p.param_dtype, p.master_weights) == (storage_dtype, param_dtype, False)), None)

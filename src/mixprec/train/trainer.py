@@ -208,8 +208,7 @@ class Trainer:
         # Median over steps after warm-up (the first steps pay for allocation and caching).
         warm = speeds[min(len(speeds) - 1, max(1, len(speeds) // 5)):] if speeds else []
         summary = {
-            **{k: v for k, v in self.policy.stats().items() if k not in ("grad_norm", "loss_scale")},
-            "loss_scale": self.policy.stats()["loss_scale"],
+            **{k: v for k, v in self.policy.stats().items() if k != "grad_norm"},
             "steps": self.step,
             "steps_this_run": self.step - start_step,
             "final_train_loss": loss,
