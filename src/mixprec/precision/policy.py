@@ -84,6 +84,7 @@ class Policy:
         self._last_grad_norm: float | None = None
         self._monitor = ScaleMonitor()
         self._fallback_step: int | None = None
+        self.sharded = False  # set by fsdp_mixed_precision(): fully_shard does the casts
         self._warn_known_bad()
 
     @classmethod
@@ -121,8 +122,20 @@ class Policy:
     @property
     def uses_autocast(self) -> bool:
         # A master-weights model mixes FP32 norms with low-precision weights: autocast
-        # casts the FP32 activations for the matmuls.
-        return self.param_dtype != self.storage_dtype or self.master_weights
+        # casts the FP32 activations for the matmuls. Under FSDP, fully_shard casts.
+        return not self.sharded and (self.param_dtype != self.storage_dtype or self.master_weights)
+
+    def fsdp_mixed_precision(self):
+        """FSDP2's MixedPrecisionPolicy for this policy. From then on the policy leaves the
+        casts to fully_shard and never autocasts on top of them (seed 001, 8.2.3)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if self.master_weights or self.loss_scale is not None:
+            raise UserError(f"precision {self.name} under FSDP is not supported yet; accepted under FSDP: "
+                            "fp32, bf16-mixed, bf16-true")
+        self.sharded = True
+        compute = self.param_dtype if self.param_dtype != self.storage_dtype else None
+        return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=self.reduce_dtype)
 
     def describe(self) -> dict[str, str]:
         """Which dtype each kind of tensor is kept in under this policy (single process)."""
@@ -183,7 +196,11 @@ class Policy:
             self.fallback_to = self.loss_scale.fallback_to
             if self.fallback_to == "auto":
                 self.fallback_to = "bf16-mixed" if has_fast_bf16(self.device_type) else "fp32"
-        if self.uses_autocast:
+        if self.sharded:
+            logger.info("Mixed precision training is handled by fully_shard: %s parameters sharded in %s, "
+                        "all-gathered in %s, gradients reduced in %s", self.name, dtype_name(self.storage_dtype),
+                        dtype_name(self.param_dtype), dtype_name(self.reduce_dtype))
+        elif self.uses_autocast:
             logger.info("Mixed precision training is handled by AMP: torch.autocast(%s, %s) over %s parameters%s",
                         self.device_type, dtype_name(self.param_dtype), dtype_name(self.storage_dtype),
                         " with float32 master weights" if self.master_weights else "")
@@ -243,6 +260,8 @@ class Policy:
             overflow = self._scaler.found_inf
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP: the global norm, replicated
+            norm = norm.full_tensor()
         self._last_grad_norm = norm.float().item()
         if not overflow:
             optimizer.step()

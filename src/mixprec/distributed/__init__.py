@@ -1,0 +1,3 @@
+from mixprec.distributed.fsdp import apply_fsdp
+
+__all__ = ["apply_fsdp"]

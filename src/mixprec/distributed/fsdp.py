@@ -1,0 +1,31 @@
+"""FSDP2 (`fully_shard`) with the precision policy's MixedPrecisionPolicy.
+
+Sharded parameters and optimizer states stay in the storage dtype (FP32 for the mixed
+modes); each unit's parameters are all-gathered in param_dtype for compute; gradients
+are reduce-scattered in reduce_dtype. The policy then does no autocast of its own:
+autocast on top of FSDP's casts would cast twice.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+from mixprec.precision import Policy
+from mixprec.precision.master import cast_parameters
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, policy: Policy, *, reshard_after_forward: bool = True,
+               cpu_offload: bool = False) -> nn.Module:
+    """Shard the token embeddings, each transformer block, the final norm together with
+    the output layer, and the root (seed 001's layout), under `policy`."""
+    cast_parameters(model, policy.storage_dtype)
+    kwargs = dict(mesh=mesh, mp_policy=policy.fsdp_mixed_precision(), reshard_after_forward=reshard_after_forward,
+                  offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    fully_shard(model.tok_embeddings, **kwargs)
+    for block in model.layers:
+        fully_shard(block, **kwargs)
+    fully_shard([model.norm, model.output], **kwargs)
+    fully_shard(model, **kwargs)
+    return model
