@@ -24,6 +24,9 @@ SURFACE = """
 --loss_scale.init_scale --loss_scale.growth_factor --loss_scale.backoff_factor --loss_scale.growth_interval
 --loss_scale.min_scale --loss_scale.max_scale --loss_scale.hysteresis --loss_scale.fallback_after
 --loss_scale.fallback_to
+--parallelism.data_parallel_replicate_degree --parallelism.data_parallel_shard_degree
+--parallelism.tensor_parallel_degree --parallelism.pipeline_parallel_degree --parallelism.fsdp_reshard_after_forward
+--parallelism.enable_cpu_offload
 --checkpoint.enable --checkpoint.folder --checkpoint.interval --checkpoint.keep_latest_k --checkpoint.load_step
 --metrics.log_freq --metrics.enable_tensorboard --metrics.plot --metrics.progress_bar
 """.split()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import logging
+import os
 import sys
 from dataclasses import MISSING, fields
 
@@ -69,7 +70,8 @@ def _setup_logging() -> None:
     handler.setFormatter(logging.Formatter("[mixprec] %(levelname)s %(message)s"))
     root = logging.getLogger("mixprec")
     root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
+    # Under torchrun only rank 0 speaks, unless something is wrong.
+    root.setLevel(logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING)
     root.propagate = False
 
 
@@ -79,6 +81,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in vars(args).items() if "." in k}
     config = load_config(args.config, overrides)
     summary = Trainer(config).train()
+    if int(os.environ.get("RANK", "0")) > 0:
+        return 0
     print(f"run folder: {config.job.dump_folder}")
     print(f"final validation loss {summary['final_val_loss']:.4f}, perplexity {summary['val_perplexity']:.2f} "
           f"({summary['precision']}, {summary['steps']} steps, {summary['tokens_per_sec'] or 0:.0f} tokens/s)")

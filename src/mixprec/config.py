@@ -71,7 +71,7 @@ class Training:
     local_batch_size: int = 4
     """Sequences per micro-batch."""
     global_batch_size: int = -1
-    """Sequences per optimizer step; a multiple of local_batch_size (gradient accumulation). -1: local_batch_size."""
+    """Sequences per optimizer step over all ranks; a multiple of local_batch_size x data-parallel ranks (the rest is gradient accumulation). -1: no accumulation."""
     lr: float = 1e-3
     """Peak learning rate of AdamW."""
     warmup_steps: int = 10
@@ -119,10 +119,6 @@ class Training:
         _check(self.max_norm >= 0, "training.max_norm", self.max_norm, "a number >= 0 (0 disables)")
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
                "training.device", self.device, "auto, cpu, cuda, cuda:N")
-
-    @property
-    def grad_accum_steps(self) -> int:
-        return 1 if self.global_batch_size == -1 else self.global_batch_size // self.local_batch_size
 
 
 @dataclass(frozen=True)
@@ -181,8 +177,35 @@ class Metrics:
         _check(self.log_freq > 0, "metrics.log_freq", self.log_freq, "a positive integer")
 
 
+@dataclass(frozen=True)
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """Data-parallel replicas (DDP; with sharding too, HSDP)."""
+    data_parallel_shard_degree: int = -1
+    """FSDP2 shards; -1: the processes the other degrees leave."""
+    tensor_parallel_degree: int = 1
+    """Tensor parallelism (not available yet: 1)."""
+    pipeline_parallel_degree: int = 1
+    """Pipeline parallelism is out of scope: 1."""
+    fsdp_reshard_after_forward: str = "default"
+    """Free the all-gathered parameters after forward: default (yes, but not the root), always, never."""
+    enable_cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer states in CPU memory (FSDP2's CPUOffloadPolicy)."""
+
+    def __post_init__(self):
+        _check(self.data_parallel_replicate_degree >= 1, "parallelism.data_parallel_replicate_degree",
+               self.data_parallel_replicate_degree, "a positive integer")
+        _check(self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
+               "parallelism.data_parallel_shard_degree", self.data_parallel_shard_degree, "-1 or a positive integer")
+        _check(self.pipeline_parallel_degree == 1, "parallelism.pipeline_parallel_degree",
+               self.pipeline_parallel_degree, "1 (pipeline parallelism is out of scope)")
+        _check(self.fsdp_reshard_after_forward in ("default", "always", "never"),
+               "parallelism.fsdp_reshard_after_forward", self.fsdp_reshard_after_forward, "default, always, never")
+
+
 TABLES = {"job": Job, "model": Model, "data": Data, "training": Training,
-          "precision": Precision, "loss_scale": LossScaleConfig, "checkpoint": Checkpoint, "metrics": Metrics}
+          "precision": Precision, "loss_scale": LossScaleConfig, "parallelism": Parallelism,
+          "checkpoint": Checkpoint, "metrics": Metrics}
 
 
 @dataclass(frozen=True)
@@ -193,6 +216,7 @@ class Config:
     training: Training
     precision: Precision
     loss_scale: LossScaleConfig
+    parallelism: Parallelism
     checkpoint: Checkpoint
     metrics: Metrics
 

@@ -16,16 +16,19 @@ from mixprec.precision import Policy
 from mixprec.precision.master import cast_parameters
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, policy: Policy, *, reshard_after_forward: bool = True,
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, policy: Policy, *, reshard_after_forward: str = "default",
                cpu_offload: bool = False) -> nn.Module:
     """Shard the token embeddings, each transformer block, the final norm together with
-    the output layer, and the root (seed 001's layout), under `policy`."""
+    the output layer, and the root (seed 001's layout), under `policy`. A 2-D mesh
+    (replicate, shard) gives HSDP. reshard_after_forward: default (every unit but the
+    root, whose parameters the backward needs first), always, never."""
     cast_parameters(model, policy.storage_dtype)
-    kwargs = dict(mesh=mesh, mp_policy=policy.fsdp_mixed_precision(), reshard_after_forward=reshard_after_forward,
+    kwargs = dict(mesh=mesh, mp_policy=policy.fsdp_mixed_precision(),
+                  reshard_after_forward=reshard_after_forward != "never",
                   offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     fully_shard(model.tok_embeddings, **kwargs)
     for block in model.layers:
         fully_shard(block, **kwargs)
     fully_shard([model.norm, model.output], **kwargs)
-    fully_shard(model, **kwargs)
+    fully_shard(model, **{**kwargs, "reshard_after_forward": reshard_after_forward == "always"})
     return model

@@ -6,6 +6,7 @@ backward, step, state_dict). Each component gets its own config table.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -20,6 +21,8 @@ from mixprec.config import Config, build_policy, to_toml
 from mixprec.data.corpus import load_corpus
 from mixprec.data.loader import TrainLoader, val_batches
 from mixprec.data.tokenizer import build_tokenizer
+from mixprec.distributed.fsdp import apply_fsdp
+from mixprec.distributed.parallel import ParallelDims, init_distributed
 from mixprec.errors import UserError
 from mixprec.models.llama import build_model, model_args
 from mixprec.precision import Policy
@@ -37,13 +40,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, cfg, fused: bool = True) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (not on norm weights)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # The fused kernel updates all tensors in one pass on CPU and CUDA.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
 
 
 def lr_lambda(cfg):
@@ -78,6 +81,19 @@ class Trainer:
         self.policy = build_policy(config.precision, tcfg, config.loss_scale)
         self.folder = Path(config.job.dump_folder)
         torch.manual_seed(tcfg.seed)
+        pcfg = config.parallelism
+        self.rank, world = init_distributed(self.device)
+        self.dims = ParallelDims.resolve(pcfg.data_parallel_replicate_degree, pcfg.data_parallel_shard_degree,
+                                         pcfg.tensor_parallel_degree, world)
+        dp, lbs = self.dims.dp_degree, tcfg.local_batch_size
+        global_bs = lbs * dp if tcfg.global_batch_size == -1 else tcfg.global_batch_size
+        if global_bs % (lbs * dp):
+            raise UserError(f"training.global_batch_size {global_bs} is not a multiple of local_batch_size {lbs} x "
+                            f"{dp} data-parallel ranks")
+        self.accum = global_bs // (lbs * dp)
+        if world > 1 and config.checkpoint.enable:
+            raise UserError("checkpoint.enable: checkpoints of torchrun runs (torch.distributed.checkpoint) are not "
+                            "available yet; accepted: --checkpoint.enable false")
 
         corpus = load_corpus(config.data.source, config.data.val_fraction)
         self.tokenizer = build_tokenizer(config.data.tokenizer, corpus.train, config.data.bpe_vocab_size,
@@ -85,8 +101,10 @@ class Trainer:
         train_tokens, val_tokens = self.tokenizer.encode(corpus.train), self.tokenizer.encode(corpus.val)
         logger.info("data: %s: %d training and %d validation tokens (%s tokenizer, vocabulary %d)",
                     corpus.name, len(train_tokens), len(val_tokens), config.data.tokenizer, self.tokenizer.vocab_size)
-        self.loader = TrainLoader(train_tokens, tcfg.seq_len, tcfg.local_batch_size, tcfg.seed, self.device)
-        self.val = val_batches(val_tokens, tcfg.seq_len, tcfg.local_batch_size, tcfg.eval_batches, self.device)
+        # Every rank draws the same global micro-batch and keeps its own rows.
+        self.loader = TrainLoader(train_tokens, tcfg.seq_len, lbs * dp, tcfg.seed, self.device)
+        self.rows = slice(self.rank * lbs, (self.rank + 1) * lbs)
+        self.val = val_batches(val_tokens, tcfg.seq_len, lbs * dp, tcfg.eval_batches, self.device)
 
         mcfg = config.model
         overrides = {}
@@ -98,12 +116,19 @@ class Trainer:
         if tcfg.seq_len > self.args.max_seq_len:
             raise UserError(f"training.seq_len {tcfg.seq_len} exceeds the {mcfg.flavor} flavor's "
                             f"max_seq_len {self.args.max_seq_len}")
-        self.model = build_model(self.args, device=self.device, storage_dtype=self.policy.storage_dtype,
-                                 seed=tcfg.seed)
-        self.optimizer = build_optimizer(self.model, tcfg)
+        self.model = self.raw_model = build_model(self.args, device=self.device,
+                                                  storage_dtype=self.policy.storage_dtype, seed=tcfg.seed)
+        if self.dims.fsdp_enabled:
+            apply_fsdp(self.model, self.dims.mesh(self.device.type), self.policy,
+                       reshard_after_forward=pcfg.fsdp_reshard_after_forward, cpu_offload=pcfg.enable_cpu_offload)
+        self.optimizer = build_optimizer(self.model, tcfg, fused=not self.dims.fsdp_enabled)
         self.model, self.optimizer = self.policy.setup(self.model, self.optimizer)
+        if self.dims.ddp_enabled:
+            logger.info("parallelism: DDP over %d processes", world)
+            self.model = torch.nn.parallel.DistributedDataParallel(self.model)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(tcfg))
-        logger.info("model: %s flavor, %.2fM parameters, %s", mcfg.flavor, self.model.num_params() / 1e6, self.policy)
+        logger.info("model: %s flavor, %.2fM parameters, %s", mcfg.flavor, self.raw_model.num_params() / 1e6,
+                    self.policy)
 
         self.meta = {**asdict(self.args), "tokenizer": config.data.tokenizer}
         self.step, self.best_val, self.bad_evals = 0, math.inf, 0
@@ -145,25 +170,32 @@ class Trainer:
     def train(self) -> dict:
         cfg, tcfg = self.config, self.config.training
         self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / "config.toml").write_text(to_toml(cfg))
-        metrics = MetricsLogger(self.folder, self.step, cfg.metrics.enable_tensorboard)
-        accum = tcfg.grad_accum_steps
-        tokens_per_step = tcfg.local_batch_size * accum * tcfg.seq_len
-        flops_per_token = self.model.flops_per_token(tcfg.seq_len)
+        lead = self.rank == 0  # the one process that writes files and logs
+        if lead:
+            (self.folder / "config.toml").write_text(to_toml(cfg))
+        metrics = MetricsLogger(self.folder, self.step, cfg.metrics.enable_tensorboard) if lead else None
+        accum = self.accum
+        tokens_per_step = tcfg.local_batch_size * self.dims.dp_degree * accum * tcfg.seq_len
+        flops_per_token = self.raw_model.flops_per_token(tcfg.seq_len) * self.dims.dp_degree
         peak = peak_flops(self.device, self.policy.param_dtype)
         logger.info("training %d steps of %d tokens (%d micro-batches of %d x %d) into %s",
                     tcfg.steps, tokens_per_step, accum, tcfg.local_batch_size, tcfg.seq_len, self.folder)
-        bar = _progress(cfg.metrics.progress_bar, self.step, tcfg.steps)
+        bar = _progress(cfg.metrics.progress_bar and lead, self.step, tcfg.steps)
         speeds, loss, val_loss, stopped_early, start_step = [], math.nan, None, False, self.step
         while self.step < tcfg.steps:
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), device=self.device)
-            for _ in range(accum):
+            for micro in range(accum):
                 x, y = self.loader.next_batch()
                 with self.policy.autocast():
-                    micro_loss = self.model(x, y) / accum  # equal tokens per micro-batch: mean of means
-                self.policy.backward(micro_loss)
+                    # equal tokens per micro-batch and rank: the mean of means is the global mean
+                    micro_loss = self.model(x[self.rows], y[self.rows]) / accum
+                with self._gradient_sync(last=micro == accum - 1):
+                    self.policy.backward(micro_loss)
                 loss_sum += micro_loss.detach()
+            if self.dims.world_size > 1:
+                torch.distributed.all_reduce(loss_sum)
+                loss_sum /= self.dims.world_size
             lr = self.scheduler.get_last_lr()[0]
             applied = self.policy.step(self.optimizer, tcfg.max_norm)
             if applied:
@@ -194,7 +226,8 @@ class Trainer:
                     logger.info("early stopping at step %d: validation loss has not improved below %.4f "
                                 "for %d evaluations", self.step, self.best_val, self.bad_evals)
                     stopped_early = last = True
-            metrics.log(record)
+            if metrics is not None:
+                metrics.log(record)
             _report(bar, record, self.step % cfg.metrics.log_freq == 0 or last)
             if self.checkpoints and (last or self.step % cfg.checkpoint.interval == 0):
                 self.checkpoints.save(self.step, self._state())
@@ -202,7 +235,8 @@ class Trainer:
                 break
         if bar is not None:
             bar.close()
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
         if val_loss is None:  # resumed at the end: nothing trained, evaluate what is there
             val_loss = evaluate(self.model, self.policy, self.val)
         # Median over steps after warm-up (the first steps pay for allocation and caching).
@@ -217,19 +251,31 @@ class Trainer:
             "tokens_per_sec": statistics.median(warm) if warm else None,
             "peak_memory_bytes": peak_memory_bytes(self.device),
             "stopped_early": stopped_early,
-            "parameters": self.model.num_params(),
-            "param_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            "parameters": self.raw_model.num_params(),
+            "param_bytes": sum(p.numel() * p.element_size() for p in self.raw_model.parameters()),
             "optimizer_state_bytes": sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
                                          for t in s.values() if torch.is_tensor(t)),
             "model_flavor": cfg.model.flavor,
             "device": str(self.device),
+            "world_size": self.dims.world_size,
         }
+        if not lead:
+            return summary
         (self.folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if cfg.metrics.plot:
             plot_loss_curve(self.folder / "metrics.jsonl", self.folder / "loss_curve.png",
                             f"{cfg.model.flavor}, {self.policy.requested}")
             plot_loss_scale(self.folder / "metrics.jsonl", self.folder / "loss_scale.png")
         return summary
+
+
+    def _gradient_sync(self, last: bool):
+        """Reduce gradients across ranks only on the last micro-batch of a step."""
+        if self.dims.fsdp_enabled:
+            self.model.set_requires_gradient_sync(last)
+        elif self.dims.ddp_enabled and not last:
+            return self.model.no_sync()
+        return contextlib.nullcontext()
 
 
 def _progress(enabled: bool, initial: int, total: int):

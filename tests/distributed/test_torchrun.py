@@ -1,0 +1,66 @@
+"""`torchrun -m mixprec train` on two CPU processes (gloo) against one process."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import run_train, tiny_args
+from mixprec import UserError
+from mixprec.config import Parallelism
+from mixprec.distributed.parallel import ParallelDims
+
+
+def torchrun(folder, source, *extra) -> list[dict]:
+    args = tiny_args(folder, source, "--checkpoint.enable", "false", "--training.local_batch_size", "2", *extra)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "mixprec", *args], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, text_file):
+    folder = tmp_path_factory.mktemp("single")
+    return run_train(folder, text_file, "--checkpoint.enable", "false", "--precision.preset", "fp32")
+
+
+@pytest.mark.parametrize("layout", [
+    ("--parallelism.data_parallel_shard_degree", "2"),  # FSDP2
+    ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"),  # DDP
+])
+def test_two_ranks_match_one_process_in_fp32(tmp_path, text_file, single, layout):
+    records = torchrun(tmp_path / "run", text_file, "--precision.preset", "fp32", *layout)
+    assert len(records) == len(single)
+    for a, b in zip(records, single):
+        assert abs(a["loss"] - b["loss"]) / b["loss"] < 1e-5
+        assert ("val_loss" in a) == ("val_loss" in b)
+        if "val_loss" in a:
+            assert abs(a["val_loss"] - b["val_loss"]) / b["val_loss"] < 1e-5
+
+
+def test_fsdp_gradient_accumulation_matches(tmp_path, text_file, single):
+    # 2 ranks x 1 sequence x 2 micro-batches = the single process's 4 sequences
+    records = torchrun(tmp_path / "acc", text_file, "--precision.preset", "fp32", "--training.local_batch_size", "1",
+                       "--training.global_batch_size", "4")
+    for a, b in zip(records, single):
+        assert abs(a["loss"] - b["loss"]) / b["loss"] < 1e-5
+
+
+@pytest.mark.parametrize("degrees, words", [
+    ((3, -1, 1, 2), ["replicate_degree 3", "world size 2"]),
+    ((1, 3, 1, 2), ["product is 2"]),
+    ((1, -1, 2, 2), ["tensor_parallel_degree", "accepted: 1"]),
+])
+def test_bad_degrees(degrees, words):
+    with pytest.raises(UserError) as e:
+        ParallelDims.resolve(*degrees)
+    assert all(w in str(e.value) for w in words)
+
+
+def test_pipeline_parallelism_is_refused():
+    with pytest.raises(UserError, match="pipeline parallelism is out of scope"):
+        Parallelism(pipeline_parallel_degree=2)
