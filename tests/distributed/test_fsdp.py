@@ -99,6 +99,40 @@ def test_fsdp_bf16_mixed_dtypes_on_the_real_objects(tmp_path):
         assert abs(a - b) / b < 2e-2  # BF16 compute in both, different casts: close, not equal
 
 
-def test_loss_scaled_modes_are_refused_under_fsdp():
-    with pytest.raises(UserError, match="not supported yet"):
-        Policy.from_preset("fp16-mixed").fsdp_mixed_precision()
+def test_master_weight_modes_are_refused_under_fsdp():
+    for preset in ("fp16-master", "bf16-master", "fp16-true"):
+        with pytest.raises(UserError, match="not supported yet"):
+            Policy.from_preset(preset).fsdp_mixed_precision()
+
+
+def _overflow_worker(rank: int, store_path: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+    policy = Policy.from_preset("fp16-mixed")
+    model = apply_fsdp(fresh_model(), init_device_mesh("cpu", (WORLD,)), policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    policy.setup(model, opt)
+    applied, scales = [], []
+    for i, x in enumerate(BATCHES):
+        local = x.chunk(WORLD)[rank]
+        with policy.autocast():
+            loss = model(local[:, :-1], local[:, 1:])
+        policy.backward(loss)
+        if i == 1 and rank == 1:  # an overflow in rank 1's gradient shard only
+            model.layers[0].attention.wq.weight.grad.to_local()[0, 0] = float("inf")
+        applied.append(policy.step(opt, max_norm=1.0))
+        scales.append(policy.stats()["loss_scale"])
+    weights = model.layers[0].attention.wq.weight.full_tensor()
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"applied": applied, "scales": scales, "checksum": float(weights.double().sum())}, f)
+    dist.destroy_process_group()
+
+
+def test_fp16_mixed_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    out = tmp_path / "out"
+    mp.spawn(_overflow_worker, args=(str(tmp_path / "store"), str(out)), nprocs=WORLD, join=True)
+    ranks = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(WORLD)]
+    assert ranks[0]["applied"] == ranks[1]["applied"] == [True, False, True, True]
+    assert ranks[0]["scales"] == ranks[1]["scales"] == [65536.0, 32768.0, 32768.0, 32768.0]
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]

@@ -16,6 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from mixprec.errors import UserError
 
@@ -98,12 +99,17 @@ class LossScaler:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    groups[(p.grad.device, p.grad.dtype)].append(p.grad)
+                    grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP2: this rank's shard
+                    groups[(grad.device, grad.dtype)].append(grad)
         with torch.no_grad():
             for (device, _), grads in groups.items():
                 found = torch.zeros((), dtype=torch.float32, device=device)
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
                 found_inf += found.to(found_inf.device)
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                # An overflow in any rank's shard skips the step on every rank, so the
+                # scale and the parameters stay identical across ranks.
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
         state["found_inf"] = found_inf
 
     def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):

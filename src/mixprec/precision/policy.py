@@ -130,9 +130,9 @@ class Policy:
         casts to fully_shard and never autocasts on top of them (seed 001, 8.2.3)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        if self.master_weights or self.loss_scale is not None:
+        if self.master_weights or self.storage_dtype == FP16:
             raise UserError(f"precision {self.name} under FSDP is not supported yet; accepted under FSDP: "
-                            "fp32, bf16-mixed, bf16-true")
+                            "fp32, bf16-mixed, bf16-true, fp16-mixed")
         self.sharded = True
         compute = self.param_dtype if self.param_dtype != self.storage_dtype else None
         return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=self.reduce_dtype)
