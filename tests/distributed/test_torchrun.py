@@ -64,3 +64,31 @@ def test_bad_degrees(degrees, words):
 def test_pipeline_parallelism_is_refused():
     with pytest.raises(UserError, match="pipeline parallelism is out of scope"):
         Parallelism(pipeline_parallel_degree=2)
+
+
+def torchrun_ckpt(folder, source, *extra) -> list[dict]:
+    args = tiny_args(folder, source, "--training.local_batch_size", "2", "--checkpoint.interval", "3",
+                     "--checkpoint.keep_latest_k", "0", "--precision.preset", "fp32", *extra)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "mixprec", *args], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_dcp_checkpoint_from_two_ranks_resumes_on_one_and_on_two(tmp_path, text_file):
+    import shutil
+
+    full = torchrun_ckpt(tmp_path / "run", text_file)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoint").iterdir()) == ["step-3", "step-6"]
+    saved = tmp_path / "saved"
+    shutil.copytree(tmp_path / "run", saved)
+    # 2 -> 1: lose step 6, resume in one process on the same global batch
+    shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-6")
+    one = run_train(tmp_path / "run", text_file, "--training.local_batch_size", "4", "--checkpoint.interval", "3",
+                    "--checkpoint.keep_latest_k", "0", "--precision.preset", "fp32")
+    # 2 -> 2
+    shutil.rmtree(saved / "checkpoint" / "step-6")
+    two = torchrun_ckpt(saved, text_file)
+    for a, b, c in zip(full, one, two):
+        assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-5 and abs(a["loss"] - c["loss"]) / a["loss"] < 1e-5

@@ -1,7 +1,10 @@
-"""Checkpoints as single files, written atomically.
+"""Checkpoints, written atomically.
 
-A checkpoint is written to `step-N.pt.tmp`, flushed to disk, then renamed to
-`step-N.pt`: a crash mid-save leaves only a `.tmp` file, which is never loaded.
+One process: a single file, written to `step-N.pt.tmp`, flushed, renamed to
+`step-N.pt`. torchrun runs: a folder `step-N` written by torch.distributed.checkpoint
+(each rank its shards; `extras.pt` holds the rest), written as `step-N.tmp` and renamed
+once every rank is done. A crash mid-save leaves only a `.tmp`, which is never loaded.
+A folder checkpoint loads into any number of ranks, one included (DCP reshards).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import logging
 import os
 import pickle
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -17,7 +21,7 @@ import torch
 from mixprec.errors import UserError
 
 logger = logging.getLogger(__name__)
-_NAME = re.compile(r"^step-(\d+)\.pt$")
+_NAME = re.compile(r"^step-(\d+)(\.pt)?$")
 
 
 class CheckpointManager:
@@ -30,7 +34,36 @@ class CheckpointManager:
         return sorted(int(m.group(1)) for p in self.folder.iterdir() if (m := _NAME.match(p.name)))
 
     def path(self, step: int) -> Path:
-        return self.folder / f"step-{step}.pt"
+        sharded = self.folder / f"step-{step}"
+        return sharded if sharded.is_dir() else self.folder / f"step-{step}.pt"
+
+    def _prune(self) -> None:
+        if self.keep_latest_k:
+            for old in self.steps()[:-self.keep_latest_k]:
+                path = self.path(old)
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+    def save_sharded(self, step: int, model, optimizer, extras: dict, rank: int) -> Path:
+        """Every rank calls this: DCP writes each rank's shards, rank 0 the extras."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
+        if rank == 0:
+            torch.save(extras, tmp / "extras.pt")
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            self._prune()
+            logger.info("checkpoint: saved step %d to %s", step, final)
+        dist.barrier()
+        return final
 
     def save(self, step: int, state: dict) -> Path:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -41,9 +74,7 @@ class CheckpointManager:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-        if self.keep_latest_k:
-            for old in self.steps()[:-self.keep_latest_k]:
-                self.path(old).unlink()
+        self._prune()
         logger.info("checkpoint: saved step %d to %s", step, final)
         return final
 
@@ -61,7 +92,7 @@ class CheckpointManager:
             )
         path = self.path(step)
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(path / "extras.pt" if path.is_dir() else path, map_location="cpu", weights_only=True)
         except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError) as e:
             raise UserError(
                 f"checkpoint {path} is corrupt or not a mixprec checkpoint ({type(e).__name__}); "
@@ -70,7 +101,24 @@ class CheckpointManager:
         if not isinstance(state, dict) or "format" not in state or state["format"] != 1:
             raise UserError(f"checkpoint {path} is not a mixprec checkpoint (format 1); remove it or set checkpoint.load_step")
         logger.info("checkpoint: loading step %d from %s", step, path)
+        if path.is_dir():
+            state["dcp"] = str(path)
         return state
+
+
+def load_sharded(path: str, model, optimizer) -> None:
+    """Model and optimizer state from a DCP folder, resharded to this run's layout."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as e:  # DCP wraps reader errors in its own exception types
+        raise UserError(f"checkpoint {path} is corrupt or does not match this model ({type(e).__name__}); "
+                        "remove it or set checkpoint.load_step") from None
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def check_compatible(state: dict, meta: dict, path: Path) -> None:

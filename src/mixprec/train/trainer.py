@@ -26,7 +26,7 @@ from mixprec.distributed.parallel import ParallelDims, init_distributed
 from mixprec.errors import UserError
 from mixprec.models.llama import build_model, model_args
 from mixprec.precision import Policy
-from mixprec.train.checkpoint import CheckpointManager, check_compatible
+from mixprec.train.checkpoint import CheckpointManager, check_compatible, load_sharded
 from mixprec.train.metrics import MetricsLogger, peak_flops, peak_memory_bytes, plot_loss_curve, plot_loss_scale
 
 logger = logging.getLogger(__name__)
@@ -91,9 +91,6 @@ class Trainer:
             raise UserError(f"training.global_batch_size {global_bs} is not a multiple of local_batch_size {lbs} x "
                             f"{dp} data-parallel ranks")
         self.accum = global_bs // (lbs * dp)
-        if world > 1 and config.checkpoint.enable:
-            raise UserError("checkpoint.enable: checkpoints of torchrun runs (torch.distributed.checkpoint) are not "
-                            "available yet; accepted: --checkpoint.enable false")
 
         corpus = load_corpus(config.data.source, config.data.val_fraction)
         self.tokenizer = build_tokenizer(config.data.tokenizer, corpus.train, config.data.bpe_vocab_size,
@@ -140,13 +137,12 @@ class Trainer:
                 self._restore(state)
 
     # ---- checkpoint state ---------------------------------------------------------------
-    def _state(self) -> dict:
+    def _extras(self) -> dict:
+        """Everything but the model and optimizer state."""
         return {
             "format": 1,
             "meta": self.meta,
             "step": self.step,
-            "model": self.policy.model_state_dict(self.model),
-            "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "data": self.loader.state_dict(),
             "policy": self.policy.state_dict(),
@@ -157,8 +153,14 @@ class Trainer:
     def _restore(self, state: dict) -> None:
         check_compatible(state, self.meta, self.checkpoints.path(state["step"]))
         self.policy.load_state_dict(state["policy"])  # first: it may re-apply a fallback
-        self.policy.load_model_state_dict(self.model, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "dcp" in state:
+            load_sharded(state["dcp"], self.model, self.optimizer)
+        elif self.dims.world_size > 1:
+            raise UserError(f"checkpoint {self.checkpoints.path(state['step'])} was written by one process; torchrun "
+                            "runs resume from sharded step-N folders; accepted: another job.dump_folder")
+        else:
+            self.policy.load_model_state_dict(self.model, state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"])
@@ -230,7 +232,11 @@ class Trainer:
                 metrics.log(record)
             _report(bar, record, self.step % cfg.metrics.log_freq == 0 or last)
             if self.checkpoints and (last or self.step % cfg.checkpoint.interval == 0):
-                self.checkpoints.save(self.step, self._state())
+                if self.dims.world_size > 1:
+                    self.checkpoints.save_sharded(self.step, self.model, self.optimizer, self._extras(), self.rank)
+                else:
+                    self.checkpoints.save(self.step, {**self._extras(), "model": self.policy.model_state_dict(self.model),
+                                                      "optimizer": self.optimizer.state_dict()})
             if stopped_early:
                 break
         if bar is not None:
