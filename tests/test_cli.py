@@ -38,6 +38,11 @@ def test_cli_surface_is_frozen():
     assert flags == SURFACE
 
 
+def test_commands():
+    sub = build_parser()._subparsers._group_actions[0].choices
+    assert sorted(sub) == ["demo", "train"]
+
+
 def test_help_lists_every_key_with_doc_and_default():
     text = subprocess.run([sys.executable, "-m", "mixprec", "train", "--help"], capture_output=True, text=True,
                           check=True).stdout

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mixprec", description="Mixed-precision training on PyTorch.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _train_parser(sub)
+    demo = sub.add_parser("demo", help="numerics demonstrations")
+    demo.add_argument("topic", choices=["reduction"], help="reduction: why gradients are reduced in float32")
+    demo.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
 
@@ -89,6 +92,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from mixprec.demo import run
+
+    return run(args.json)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -97,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _setup_logging()
     try:
-        return {"train": cmd_train}[args.command](args)
+        return {"train": cmd_train, "demo": cmd_demo}[args.command](args)
     except UserError as e:
         sys.stderr.write(f"mixprec {args.command}: error: {e}\n")
         return 2
