@@ -99,6 +99,13 @@ def test_fsdp_bf16_mixed_dtypes_on_the_real_objects(tmp_path):
         assert abs(a - b) / b < 2e-2  # BF16 compute in both, different casts: close, not equal
 
 
+def test_fsdp_bf16_true_keeps_everything_in_bf16(tmp_path):
+    got = run_fsdp(tmp_path, "bf16-true")
+    assert got["param_dtype"] == "torch.bfloat16" and got["linear_out"] == "torch.bfloat16"
+    assert got["grads"] == ["torch.bfloat16"] and got["states"] == ["torch.bfloat16"]
+    assert got["losses"][-1] < got["losses"][0]
+
+
 def test_master_weight_modes_are_refused_under_fsdp():
     for preset in ("fp16-master", "bf16-master", "fp16-true"):
         with pytest.raises(UserError, match="not supported yet"):
