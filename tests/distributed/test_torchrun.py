@@ -13,11 +13,12 @@ from mixprec.config import Parallelism
 from mixprec.distributed.parallel import ParallelDims
 
 
-def torchrun(folder, source, *extra) -> list[dict]:
-    args = tiny_args(folder, source, "--checkpoint.enable", "false", "--training.local_batch_size", "2", *extra)
+def torchrun(folder, source, *extra, ranks: int = 2) -> list[dict]:
+    args = tiny_args(folder, source, "--checkpoint.enable", "false", "--training.local_batch_size", str(4 // ranks),
+                     *extra)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "mixprec", *args], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(ranks), "-m", "mixprec", *args], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
@@ -40,6 +41,14 @@ def test_two_ranks_match_one_process_in_fp32(tmp_path, text_file, single, layout
         assert ("val_loss" in a) == ("val_loss" in b)
         if "val_loss" in a:
             assert abs(a["val_loss"] - b["val_loss"]) / b["val_loss"] < 1e-5
+
+
+def test_hsdp_on_four_ranks_matches_one_process(tmp_path, text_file, single):
+    # a (replicate 2, shard 2) mesh: shard within pairs, all-reduce across them
+    records = torchrun(tmp_path / "hsdp", text_file, "--precision.preset", "fp32",
+                       "--parallelism.data_parallel_replicate_degree", "2", ranks=4)
+    for a, b in zip(records, single):
+        assert abs(a["loss"] - b["loss"]) / b["loss"] < 1e-5
 
 
 def test_fsdp_gradient_accumulation_matches(tmp_path, text_file, single):
