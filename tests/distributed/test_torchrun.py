@@ -101,3 +101,18 @@ def test_dcp_checkpoint_from_two_ranks_resumes_on_one_and_on_two(tmp_path, text_
     two = torchrun_ckpt(saved, text_file)
     for a, b, c in zip(full, one, two):
         assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-5 and abs(a["loss"] - c["loss"]) / a["loss"] < 1e-5
+
+
+def test_fp16_mixed_under_ddp_and_fsdp_tracks_one_process(tmp_path, text_file):
+    flags = ("--precision.preset", "fp16-mixed", "--loss_scale.init_scale", "1e9", "--loss_scale.max_scale", "1e9",
+             "--loss_scale.fallback_after", "0")
+    one = run_train(tmp_path / "one", text_file, "--checkpoint.enable", "false", *flags)
+    ddp = torchrun(tmp_path / "ddp", text_file, *flags, "--parallelism.data_parallel_replicate_degree", "2",
+                   "--parallelism.data_parallel_shard_degree", "1")
+    fsdp = torchrun(tmp_path / "fsdp", text_file, *flags)
+    for run in (ddp, fsdp):
+        # the same steps overflow (a 1e9 scale overflows float16 at first) and the scale follows
+        assert [r["skipped"] for r in run] == [r["skipped"] for r in one]
+        assert [r["loss_scale"] for r in run] == [r["loss_scale"] for r in one]
+        for a, b in zip(run, one):
+            assert abs(a["loss"] - b["loss"]) / b["loss"] < 1e-3  # float16 sums in another order
