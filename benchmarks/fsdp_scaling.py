@@ -29,19 +29,20 @@ def main() -> None:
               args.preset, "--checkpoint.enable", "false", "--metrics.progress_bar", "false", "--metrics.plot",
               "false", "--training.eval_interval", "0", "--training.eval_batches", "1"]
     cores = os.cpu_count()
+    # one process keeps torch's default threads; each rank gets its share of the cores
+    ranks_env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // args.ranks))}
     runs = {
-        "1 process": [sys.executable, "-m", "mixprec", *common, "--job.dump_folder", f"{args.out}/single",
-                      "--training.local_batch_size", str(args.global_batch)],
-        f"{args.ranks} FSDP2 ranks": [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "1 process": (os.environ, [sys.executable, "-m", "mixprec", *common, "--job.dump_folder", f"{args.out}/single",
+                      "--training.local_batch_size", str(args.global_batch)]),
+        f"{args.ranks} FSDP2 ranks": (ranks_env, [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                       "--nproc-per-node", str(args.ranks), "-m", "mixprec", *common,
                                       "--job.dump_folder", f"{args.out}/fsdp",
-                                      "--training.local_batch_size", str(args.global_batch // args.ranks)],
+                                      "--training.local_batch_size", str(args.global_batch // args.ranks)]),
     }
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // args.ranks))}
     speeds = {}
-    for name, cmd in runs.items():
+    for name, (env, cmd) in runs.items():
         print(f"--- {name}: {' '.join(cmd[1:])}", flush=True)
-        subprocess.run(cmd, check=True, env=env if "FSDP2" in name else os.environ)
+        subprocess.run(cmd, check=True, env=env)
         folder = Path(cmd[cmd.index("--job.dump_folder") + 1])
         speeds[name] = json.loads((folder / "summary.json").read_text())["tokens_per_sec"]
     single, multi = speeds.values()

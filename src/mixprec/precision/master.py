@@ -48,6 +48,11 @@ class MasterWeights:
         for group in optimizer.param_groups:
             group["params"] = [masters.get(p, p) for p in group["params"]]
 
+    def named_masters(self, model: nn.Module) -> dict[str, nn.Parameter]:
+        """The master copy of each of `model`'s parameters that has one, by name."""
+        by_param = {id(p): m for p, m in self.pairs}
+        return {name: by_param[id(p)] for name, p in model.named_parameters() if id(p) in by_param}
+
     def grads_to_master(self) -> None:
         for p, m in self.pairs:
             m.grad = None if p.grad is None else p.grad.float()

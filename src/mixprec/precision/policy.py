@@ -41,10 +41,6 @@ def has_fast_matmul(device_type: str, dtype: torch.dtype) -> bool:
     return True
 
 
-def has_fast_bf16(device_type: str) -> bool:
-    return has_fast_matmul(device_type, BF16)
-
-
 class Policy:
     """Where each tensor lives, in which dtype, and the hooks that keep it there.
 
@@ -192,10 +188,9 @@ class Policy:
             self._master = MasterWeights(model, optimizer)
         if self.loss_scale is not None:
             self._scaler = LossScaler(first.device if first is not None else "cpu", self.loss_scale)
-        if self.loss_scale is not None:
             self.fallback_to = self.loss_scale.fallback_to
             if self.fallback_to == "auto":
-                self.fallback_to = "bf16-mixed" if has_fast_bf16(self.device_type) else "fp32"
+                self.fallback_to = "bf16-mixed" if has_fast_matmul(self.device_type, BF16) else "fp32"
         if self.sharded:
             logger.info("Mixed precision training is handled by fully_shard: %s parameters sharded in %s, "
                         "all-gathered in %s, gradients reduced in %s", self.name, dtype_name(self.storage_dtype),
@@ -214,6 +209,7 @@ class Policy:
 
     def _choose_emulation(self) -> None:
         if self.param_dtype == FP32:
+            self.emulate_matmul = False
             return
         native = has_fast_matmul(self.device_type, self.param_dtype)
         self.emulate_matmul = self._emulate_requested
@@ -239,7 +235,7 @@ class Policy:
         return stack
 
     def _emulation(self):
-        if self.emulate_matmul and self.param_dtype != FP32:
+        if self.emulate_matmul:
             return EmulatedMatmul()
         return contextlib.nullcontext()
 
@@ -326,20 +322,15 @@ class Policy:
         """The model's weights at full precision: master copies where the mode has them."""
         state = model.state_dict()
         if self._master is not None:
-            by_param = {id(p): m for p, m in self._master.pairs}
-            for name, p in model.named_parameters():
-                if id(p) in by_param:
-                    state[name] = by_param[id(p)].detach()
+            state.update({name: m.detach() for name, m in self._master.named_masters(model).items()})
         return state
 
     def load_model_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         model.load_state_dict(state)  # rounds into the model's dtypes
         if self._master is not None:
-            by_param = {id(p): m for p, m in self._master.pairs}
             with torch.no_grad():
-                for name, p in model.named_parameters():
-                    if id(p) in by_param:
-                        by_param[id(p)].copy_(state[name])
+                for name, m in self._master.named_masters(model).items():
+                    m.copy_(state[name])
 
     def state_dict(self) -> dict:
         return {

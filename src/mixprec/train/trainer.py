@@ -150,6 +150,14 @@ class Trainer:
             "trainer": {"best_val": self.best_val, "bad_evals": self.bad_evals},
         }
 
+    def _save(self) -> None:
+        """One file from one process; sharded DCP folders from torchrun runs."""
+        if self.dims.world_size > 1:
+            self.checkpoints.save_sharded(self.step, self.model, self.optimizer, self._extras(), self.rank)
+        else:
+            self.checkpoints.save(self.step, {**self._extras(), "model": self.policy.model_state_dict(self.model),
+                                              "optimizer": self.optimizer.state_dict()})
+
     def _restore(self, state: dict) -> None:
         check_compatible(state, self.meta, self.checkpoints.path(state["step"]))
         self.policy.load_state_dict(state["policy"])  # first: it may re-apply a fallback
@@ -232,11 +240,7 @@ class Trainer:
                 metrics.log(record)
             _report(bar, record, self.step % cfg.metrics.log_freq == 0 or last)
             if self.checkpoints and (last or self.step % cfg.checkpoint.interval == 0):
-                if self.dims.world_size > 1:
-                    self.checkpoints.save_sharded(self.step, self.model, self.optimizer, self._extras(), self.rank)
-                else:
-                    self.checkpoints.save(self.step, {**self._extras(), "model": self.policy.model_state_dict(self.model),
-                                                      "optimizer": self.optimizer.state_dict()})
+                self._save()
             if stopped_early:
                 break
         if bar is not None:
@@ -273,7 +277,6 @@ class Trainer:
                             f"{cfg.model.flavor}, {self.policy.requested}")
             plot_loss_scale(self.folder / "metrics.jsonl", self.folder / "loss_scale.png")
         return summary
-
 
     def _gradient_sync(self, last: bool):
         """Reduce gradients across ranks only on the last micro-batch of a step."""
