@@ -15,7 +15,7 @@ SURFACE = """
 --model.flavor --model.n_kv_heads --model.tie_embeddings
 --data.source --data.tokenizer --data.bpe_vocab_size --data.val_fraction
 --training.steps --training.seq_len --training.local_batch_size --training.global_batch_size --training.lr
---training.warmup_steps --training.min_lr_factor --training.weight_decay --training.beta1 --training.beta2
+--training.warmup_steps --training.min_lr_factor --training.weight_decay --training.beta1 --training.beta2 --training.eps
 --training.max_norm --training.seed --training.device --training.eval_interval --training.eval_batches
 --training.early_stopping_patience --training.dtype --training.mixed_precision_param
 --training.mixed_precision_reduce

@@ -84,6 +84,8 @@ class Training:
     """AdamW beta1."""
     beta2: float = 0.95
     """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon. With float16 optimizer states (fp16-true) use 1e-4: 1e-8 is 0 in float16."""
     max_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
     seed: int = 0
@@ -184,7 +186,7 @@ class Parallelism:
     data_parallel_shard_degree: int = -1
     """FSDP2 shards; -1: the processes the other degrees leave."""
     tensor_parallel_degree: int = 1
-    """Tensor parallelism (not available yet: 1)."""
+    """Tensor parallelism: attention heads and MLP width split over this many ranks (DTensor)."""
     pipeline_parallel_degree: int = 1
     """Pipeline parallelism is out of scope: 1."""
     fsdp_reshard_after_forward: str = "default"

@@ -1,7 +1,9 @@
-"""FSDP2 through the precision policy: two CPU processes (gloo) against one process."""
+"""FSDP2 and tensor parallel through the precision policy: two CPU processes (gloo)
+against one process."""
 
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch.multiprocessing as mp
 
 from mixprec import Policy, UserError, build_model, model_args
 from mixprec.distributed import apply_fsdp
+from mixprec.distributed.tensor_parallel import apply_tensor_parallel
 
 WORLD = 2
 BATCHES = [(torch.randint(0, 64, (4, 1), generator=torch.Generator().manual_seed(i)) + 3 * torch.arange(33)) % 64
@@ -35,7 +38,7 @@ def single_process_losses(preset: str) -> list[float]:
     return losses
 
 
-def _worker(rank: int, store_path: str, preset: str, out: str) -> None:
+def _worker(rank: int, store_path: str, preset: str, out: str, layout: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     store = dist.FileStore(store_path, WORLD)
@@ -46,14 +49,19 @@ def _worker(rank: int, store_path: str, preset: str, out: str) -> None:
     logging.getLogger("mixprec").addHandler(handler)
     logging.getLogger("mixprec").setLevel(logging.INFO)
     policy = Policy.from_preset(preset)
-    model = apply_fsdp(fresh_model(), init_device_mesh("cpu", (WORLD,)), policy)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    if layout == "fsdp":
+        model = apply_fsdp(fresh_model(), mesh, policy)
+    else:  # tensor parallel: every rank sees the whole batch and holds half of each projection
+        model = apply_tensor_parallel(fresh_model(), mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4 if preset == "fp16-true" else 1e-8, foreach=False)
     policy.setup(model, opt)
     seen = {}
     model.layers[0].feed_forward.w1.register_forward_hook(lambda m, i, o: seen.update(linear_out=str(o.dtype)))
     losses, grads = [], set()
     for x in BATCHES:
-        local = x.chunk(WORLD)[rank]  # equal shares: the mean of the ranks' means is the global mean
+        # FSDP: equal shares, so the mean of the ranks' means is the global mean
+        local = x.chunk(WORLD)[rank] if layout == "fsdp" else x
         with policy.autocast():
             loss = model(local[:, :-1], local[:, 1:])
         policy.backward(loss)
@@ -73,9 +81,9 @@ def _worker(rank: int, store_path: str, preset: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def run_fsdp(tmp_path, preset: str) -> dict:
+def run_fsdp(tmp_path, preset: str, layout: str = "fsdp") -> dict:
     out = tmp_path / "out.json"
-    mp.spawn(_worker, args=(str(tmp_path / "store"), preset, str(out)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(str(tmp_path / "store"), preset, str(out), layout), nprocs=WORLD, join=True)
     return json.loads(out.read_text())
 
 
@@ -106,10 +114,41 @@ def test_fsdp_bf16_true_keeps_everything_in_bf16(tmp_path):
     assert got["losses"][-1] < got["losses"][0]
 
 
-def test_master_weight_modes_are_refused_under_fsdp():
-    for preset in ("fp16-master", "bf16-master", "fp16-true"):
-        with pytest.raises(UserError, match="not supported yet"):
-            Policy.from_preset(preset).fsdp_mixed_precision()
+def test_tensor_parallel_fp32_matches_one_process(tmp_path):
+    got = run_fsdp(tmp_path, "fp32", "tp")
+    for a, b in zip(got["losses"], single_process_losses("fp32")):
+        assert abs(a - b) / b < 1e-5
+    assert got["param_type"] == "DTensor" and got["local_rows"] == 64 // WORLD  # column-wise: half the rows
+
+
+def test_tensor_parallel_without_fsdp_still_computes_in_bf16(tmp_path):
+    # No fully_shard to cast: autocast over the DTensor model does it, never silent FP32.
+    got = run_fsdp(tmp_path, "bf16-mixed", "tp")
+    assert got["param_dtype"] == "torch.float32" and got["linear_out"] == "torch.bfloat16"
+    assert got["grads"] == ["torch.float32"] and got["states"] == ["torch.float32"]
+    assert got["autocast"] is True
+    for a, b in zip(got["losses"], single_process_losses("bf16-mixed")):
+        # row-wise partial products are rounded to BF16 and all-reduced in BF16: close, not equal
+        assert abs(a - b) / b < 2e-2
+
+
+@pytest.mark.parametrize("preset, sharded, gathered", [
+    ("fp16-true", "torch.float16", "torch.float16"),
+    ("bf16-master", "torch.float32", "torch.bfloat16"),  # the sharded FP32 parameters are the master weights
+])
+def test_fsdp_low_precision_storage_and_master_modes(tmp_path, preset, sharded, gathered):
+    got = run_fsdp(tmp_path, preset)
+    assert got["param_dtype"] == sharded and got["linear_out"] == gathered
+    assert got["grads"] == [sharded] and got["states"] == [sharded]
+    assert got["autocast"] is False
+    assert all(math.isfinite(x) for x in got["losses"])
+    first = single_process_losses(preset)[0]
+    assert abs(got["losses"][0] - first) / first < 1e-2
+    if preset == "bf16-master":
+        assert any("(they are the master weights)" in m for m in got["log"])
+        # the same computation as bf16-mixed under FSDP2: fully_shard casts, FP32 steps
+        (tmp_path / "mixed").mkdir()
+        assert got["losses"] == run_fsdp(tmp_path / "mixed", "bf16-mixed")["losses"]
 
 
 def _overflow_worker(rank: int, store_path: str, out: str) -> None:

@@ -62,12 +62,34 @@ def test_fsdp_gradient_accumulation_matches(tmp_path, text_file, single):
 @pytest.mark.parametrize("degrees, words", [
     ((3, -1, 1, 2), ["replicate_degree 3", "world size 2"]),
     ((1, 3, 1, 2), ["product is 2"]),
-    ((1, -1, 2, 2), ["tensor_parallel_degree", "accepted: 1"]),
+    ((1, -1, 3, 2), ["tensor_parallel_degree 3", "divisor of 2"]),
+    ((2, 1, 2, 4), ["DDP", "does not combine"]),
 ])
 def test_bad_degrees(degrees, words):
     with pytest.raises(UserError) as e:
         ParallelDims.resolve(*degrees)
     assert all(w in str(e.value) for w in words)
+
+
+@pytest.mark.parametrize("tp, ranks, extra", [
+    (2, 2, ()),  # tensor parallel alone: every rank trains on the whole batch
+    (2, 4, ("--training.local_batch_size", "2")),  # FSDP 2 x TP 2
+])
+def test_tensor_parallel_matches_one_process(tmp_path, text_file, single, tp, ranks, extra):
+    records = torchrun(tmp_path / "tp", text_file, "--precision.preset", "fp32", "--training.local_batch_size", "4",
+                       "--parallelism.tensor_parallel_degree", str(tp), *extra, ranks=ranks)
+    for a, b in zip(records, single):
+        assert abs(a["loss"] - b["loss"]) / b["loss"] < 1e-5
+
+
+def test_tensor_parallel_degree_must_divide_the_heads(tmp_path, text_file):
+    folder = tmp_path / "bad"
+    args = tiny_args(folder, text_file, "--parallelism.tensor_parallel_degree", "2", "--model.n_kv_heads", "1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "mixprec", *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "tensor_parallel_degree 2 does not divide the model's n_kv_heads 1" in proc.stderr
+    assert not folder.exists()
 
 
 def test_pipeline_parallelism_is_refused():
@@ -101,6 +123,23 @@ def test_dcp_checkpoint_from_two_ranks_resumes_on_one_and_on_two(tmp_path, text_
     two = torchrun_ckpt(saved, text_file)
     for a, b, c in zip(full, one, two):
         assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-5 and abs(a["loss"] - c["loss"]) / a["loss"] < 1e-5
+
+
+@pytest.mark.parametrize("layout", [
+    (),  # FSDP2
+    ("--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"),
+    ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"),  # DDP
+])
+def test_one_process_checkpoint_resumes_on_two_ranks(tmp_path, text_file, layout):
+    flags = ("--training.local_batch_size", "4", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0",
+             "--precision.preset", "fp32")
+    one = run_train(tmp_path / "run", text_file, *flags)
+    (tmp_path / "run" / "checkpoint" / "step-6.pt").unlink()
+    two = torchrun_ckpt(tmp_path / "run", text_file, *layout)  # 1 -> 2: each rank cuts its shard from the file
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps_this_run"] == 3  # resumed at 3
+    assert len(two) == len(one)
+    for a, b in zip(one[3:], two[3:]):
+        assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-5
 
 
 def test_fp16_mixed_under_ddp_and_fsdp_tracks_one_process(tmp_path, text_file):

@@ -22,8 +22,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, policy: Policy, *, reshard_af
     the output layer, and the root (seed 001's layout), under `policy`. A 2-D mesh
     (replicate, shard) gives HSDP. reshard_after_forward: default (every unit but the
     root, whose parameters the backward needs first), always, never."""
+    mp_policy = policy.fsdp_mixed_precision()  # first: it may change the storage dtype (master weights)
     cast_parameters(model, policy.storage_dtype)
-    kwargs = dict(mesh=mesh, mp_policy=policy.fsdp_mixed_precision(),
+    kwargs = dict(mesh=mesh, mp_policy=mp_policy,
                   reshard_after_forward=reshard_after_forward != "never",
                   offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     fully_shard(model.tok_embeddings, **kwargs)

@@ -30,25 +30,31 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
 class ParallelDims:
     dp_replicate: int
     dp_shard: int
+    tp: int
     world_size: int
 
     @classmethod
     def resolve(cls, replicate: int, shard: int, tp: int, world_size: int) -> "ParallelDims":
         """Degrees from the [parallelism] table; shard -1 takes what the others leave."""
-        if tp != 1:
-            raise UserError(f"parallelism.tensor_parallel_degree {tp}: tensor parallelism is not available yet; "
-                            "accepted: 1")
+        if tp < 1 or world_size % tp:
+            raise UserError(f"parallelism.tensor_parallel_degree {tp} does not divide the world size {world_size}; "
+                            f"accepted: a divisor of {world_size}")
         if shard == -1:
-            if world_size % replicate:
-                raise UserError(f"parallelism.data_parallel_replicate_degree {replicate} does not divide the "
-                                f"world size {world_size}")
-            shard = world_size // replicate
-        if replicate * shard != world_size:
+            if world_size % (replicate * tp):
+                raise UserError(f"parallelism.data_parallel_replicate_degree {replicate} x tensor_parallel_degree "
+                                f"{tp} does not divide the world size {world_size}")
+            shard = world_size // (replicate * tp)
+        if replicate * shard * tp != world_size:
             raise UserError(
-                f"parallelism: data_parallel_replicate_degree {replicate} x data_parallel_shard_degree {shard} = "
-                f"{replicate * shard}, but torchrun started {world_size} processes; accepted: degrees whose "
-                f"product is {world_size} (data_parallel_shard_degree -1 takes the rest)")
-        return cls(replicate, shard, world_size)
+                f"parallelism: data_parallel_replicate_degree {replicate} x data_parallel_shard_degree {shard} x "
+                f"tensor_parallel_degree {tp} = {replicate * shard * tp}, but torchrun started {world_size} "
+                f"processes; accepted: degrees whose product is {world_size} (data_parallel_shard_degree -1 takes "
+                "the rest)")
+        if tp > 1 and replicate > 1 and shard == 1:
+            raise UserError("parallelism: DDP (data_parallel_replicate_degree > 1 with data_parallel_shard_degree "
+                            "1) does not combine with tensor parallelism; accepted: data_parallel_shard_degree > 1 "
+                            "(FSDP or HSDP) with tensor_parallel_degree > 1")
+        return cls(replicate, shard, tp, world_size)
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -59,13 +65,29 @@ class ParallelDims:
         return self.dp_replicate > 1 and not self.fsdp_enabled
 
     @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
     def dp_degree(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    def dp_rank(self, rank: int) -> int:
+        """Which share of the global batch `rank` takes: tensor-parallel peers share one."""
+        return rank // self.tp  # the mesh is row-major with tp innermost
+
     def mesh(self, device_type: str):
+        """The world mesh, dims named dp_replicate/dp_shard (HSDP) or dp, then tp. Slice
+        it with mesh["dp"] (or ["dp_replicate", "dp_shard"]) and mesh["tp"]."""
         from torch.distributed.device_mesh import init_device_mesh
 
         if self.dp_replicate > 1 and self.dp_shard > 1:  # HSDP: replicate across groups, shard within
-            return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard),
-                                    mesh_dim_names=("dp_replicate", "dp_shard"))
-        return init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("dp",))
+            shape, names = (self.dp_replicate, self.dp_shard), ("dp_replicate", "dp_shard")
+        else:
+            shape, names = (self.dp_degree,), ("dp",)
+        return init_device_mesh(device_type, (*shape, self.tp), mesh_dim_names=(*names, "tp"))
+
+    @staticmethod
+    def dp_mesh(mesh):
+        names = mesh.mesh_dim_names
+        return mesh[names[:-1]] if len(names) > 2 else mesh[names[0]]

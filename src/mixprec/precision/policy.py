@@ -41,6 +41,27 @@ def has_fast_matmul(device_type: str, dtype: torch.dtype) -> bool:
     return True
 
 
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+    """The global gradient norm, and the gradients scaled down to `max_norm` (when given).
+    Unlike clip_grad_norm_, the gradients may mix plain tensors with DTensors of several
+    meshes and layouts (tensor parallel: sharded projections, replicated norms): each
+    such group is reduced on its own, then the group norms are combined."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        g = p.grad
+        key = (g.device_mesh, g.placements) if hasattr(g, "device_mesh") else None
+        groups.setdefault(key, []).append(p)
+    norms = []
+    for key, group in groups.items():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if key is not None else norm)  # a DTensor's norm: reduced over its mesh
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    if max_norm:
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
 class Policy:
     """Where each tensor lives, in which dtype, and the hooks that keep it there.
 
@@ -126,25 +147,28 @@ class Policy:
         casts to fully_shard and never autocasts on top of them (seed 001, 8.2.3)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        if self.master_weights or self.storage_dtype == FP16:
-            raise UserError(f"precision {self.name} under FSDP is not supported yet; accepted under FSDP: "
-                            "fp32, bf16-mixed, bf16-true, fp16-mixed")
         self.sharded = True
+        if self.master_weights:
+            # The sharded FP32 parameters are the master weights: the optimizer steps them,
+            # fully_shard all-gathers them in param_dtype. No second copy is needed, and
+            # fp16-master computes exactly what fp16-mixed computes under FSDP.
+            self.storage_dtype = FP32
         compute = self.param_dtype if self.param_dtype != self.storage_dtype else None
         return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=self.reduce_dtype)
 
     def describe(self) -> dict[str, str]:
-        """Which dtype each kind of tensor is kept in under this policy (single process)."""
+        """Which dtype each kind of tensor is kept in under this policy."""
         stored = dtype_name(self.storage_dtype)
         master = "float32" if self.master_weights else stored
         return {
-            "parameters": stored + (" (norms float32)" if self.master_weights else ""),
+            "parameters": stored + (" (norms float32)" if self.master_weights and not self.sharded else ""),
             "matmul compute": dtype_name(self.param_dtype),
             "norm, softmax, RoPE": "float32",
             "logits and loss": "float32",
             # autocast's casts are differentiable: the gradient of an FP32 leaf is FP32.
             "gradients": stored,
-            "master weights": master if self.master_weights else "none",
+            "master weights": ("float32 (the sharded parameters)" if self.sharded else master)
+            if self.master_weights else "none",
             "optimizer states": master,
             "gradient reduction": dtype_name(self.reduce_dtype),
             "loss scaling": "dynamic" if self.loss_scale is not None else "none",
@@ -184,16 +208,31 @@ class Policy:
         self.device_type = first.device.type if first is not None else "cpu"
         self._model, self._optimizer = model, optimizer
         cast_parameters(model, self.storage_dtype, keep_fp32=is_norm if self.master_weights else None)
-        if self.master_weights:
+        if self.master_weights and not self.sharded:
             self._master = MasterWeights(model, optimizer)
+        tiny_eps = [g["eps"] for g in (optimizer.param_groups if optimizer is not None else []) if "eps" in g
+                    and torch.tensor(g["eps"], dtype=FP16).item() == 0]
+        if self.storage_dtype == FP16 and not self.master_weights and tiny_eps:
+            # Adam divides by sqrt(v) + eps: a parameter whose gradient is exactly 0 (an
+            # embedding row no token used) gets 0 / 0 = NaN in its first float16 update.
+            logger.warning("%s: optimizer eps %g is 0 in float16, so a zero gradient gives a NaN update; "
+                           "use eps >= 6e-8 (1e-4 is usual for float16 states)", self.name, tiny_eps[0])
         if self.loss_scale is not None:
             self._scaler = LossScaler(first.device if first is not None else "cpu", self.loss_scale)
             self.fallback_to = self.loss_scale.fallback_to
             if self.fallback_to == "auto":
                 self.fallback_to = "bf16-mixed" if has_fast_matmul(self.device_type, BF16) else "fp32"
+            if self.sharded:
+                # fully_shard fixes its MixedPrecisionPolicy when it wraps the model: a switch
+                # of precision mid-run would leave it all-gathering the old dtype.
+                logger.warning("precision: no automatic fallback under fully_shard: overflowing steps are skipped "
+                               "and the loss scale halves down to %g; to change precision, resume the last "
+                               "checkpoint with another precision.preset", self.loss_scale.min_scale)
+                self.fallback_to = None
         if self.sharded:
-            logger.info("Mixed precision training is handled by fully_shard: %s parameters sharded in %s, "
+            logger.info("Mixed precision training is handled by fully_shard: %s parameters sharded in %s%s, "
                         "all-gathered in %s, gradients reduced in %s", self.name, dtype_name(self.storage_dtype),
+                        " (they are the master weights)" if self.master_weights else "",
                         dtype_name(self.param_dtype), dtype_name(self.reduce_dtype))
         elif self.uses_autocast:
             logger.info("Mixed precision training is handled by AMP: torch.autocast(%s, %s) over %s parameters%s",
@@ -255,10 +294,7 @@ class Policy:
             self._scaler.unscale_(optimizer)
             overflow = self._scaler.found_inf
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
-        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP: the global norm, replicated
-            norm = norm.full_tensor()
-        self._last_grad_norm = norm.float().item()
+        self._last_grad_norm = clip_grad_norm(params, max_norm).float().item()
         if not overflow:
             optimizer.step()
             if self._master is not None:
@@ -273,7 +309,7 @@ class Policy:
             self._monitor.record(self._steps, overflow, before, after, self.loss_scale.growth_interval)
             at_minimum = overflow and before <= self.loss_scale.min_scale
             after_n = self.loss_scale.fallback_after
-            if at_minimum or (after_n and self._monitor.consecutive >= after_n):
+            if self.fallback_to and (at_minimum or (after_n and self._monitor.consecutive >= after_n)):
                 reason = (f"at the minimum loss scale {before:g}" if at_minimum
                           else f"after {self._monitor.consecutive} consecutive overflows")
                 self._fall_back(reason)

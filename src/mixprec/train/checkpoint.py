@@ -4,11 +4,13 @@ One process: a single file, written to `step-N.pt.tmp`, flushed, renamed to
 `step-N.pt`. torchrun runs: a folder `step-N` written by torch.distributed.checkpoint
 (each rank its shards; `extras.pt` holds the rest), written as `step-N.tmp` and renamed
 once every rank is done. A crash mid-save leaves only a `.tmp`, which is never loaded.
-A folder checkpoint loads into any number of ranks, one included (DCP reshards).
+A folder checkpoint loads into any number of ranks, one included (DCP reshards); a
+single file loads into a torchrun run too, each rank keeping its shard.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -119,6 +121,39 @@ def load_sharded(path: str, model, optimizer) -> None:
         raise UserError(f"checkpoint {path} is corrupt or does not match this model ({type(e).__name__}); "
                         "remove it or set checkpoint.load_step") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+@contextlib.contextmanager
+def keep_optimizer_kernels(optimizer):
+    """Loading a state dict copies the saved param groups, the kernel choice included
+    (fused, foreach); a checkpoint from another layout would bring one this run's
+    parameters cannot use (the fused kernel takes no DTensors). Keep this run's."""
+    kernels = [{k: g[k] for k in _KERNEL_KEYS if k in g} for g in optimizer.param_groups]
+    yield
+    for group, chosen in zip(optimizer.param_groups, kernels):
+        group.update(chosen)
+
+
+_KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def load_full_into_sharded(model, optimizer, model_sd: dict, optim_sd: dict) -> None:
+    """A one-process checkpoint (full tensors; optimizer state keyed by position, as
+    torch.optim saves it) into a model with DTensor parameters (FSDP, tensor parallel):
+    DCP's set_state_dict cuts each full tensor down to this rank's shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    names = {p: n for n, p in model.named_parameters()}
+    saved = [i for g in optim_sd["param_groups"] for i in g["params"]]
+    ours = [names[p] for g in optimizer.param_groups for p in g["params"]]
+    if len(saved) != len(ours):
+        raise UserError(f"checkpoint optimizer state has {len(saved)} parameters, this model {len(ours)}; "
+                        "remove it or set checkpoint.load_step")
+    fqn = dict(zip(saved, ours))  # both optimizers list the parameters in the same order
+    optim_sd = {"state": {fqn[i]: s for i, s in optim_sd["state"].items()},
+                "param_groups": [{**g, "params": [fqn[i] for i in g["params"]]} for g in optim_sd["param_groups"]]}
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=StateDictOptions(full_state_dict=True))
 
 
 def check_compatible(state: dict, meta: dict, path: Path) -> None:

@@ -23,10 +23,12 @@ from mixprec.data.loader import TrainLoader, val_batches
 from mixprec.data.tokenizer import build_tokenizer
 from mixprec.distributed.fsdp import apply_fsdp
 from mixprec.distributed.parallel import ParallelDims, init_distributed
+from mixprec.distributed.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 from mixprec.errors import UserError
 from mixprec.models.llama import build_model, model_args
 from mixprec.precision import Policy
-from mixprec.train.checkpoint import CheckpointManager, check_compatible, load_sharded
+from mixprec.train.checkpoint import (CheckpointManager, check_compatible, keep_optimizer_kernels,
+                                      load_full_into_sharded, load_sharded)
 from mixprec.train.metrics import MetricsLogger, peak_flops, peak_memory_bytes, plot_loss_curve, plot_loss_scale
 
 logger = logging.getLogger(__name__)
@@ -40,13 +42,15 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_optimizer(model: torch.nn.Module, cfg, fused: bool = True) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, cfg, fused: bool = True,
+                    foreach: bool | None = None) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (not on norm weights)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # The fused kernel updates all tensors in one pass on CPU and CUDA.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None,
+                             foreach=foreach)
 
 
 def lr_lambda(cfg):
@@ -100,7 +104,8 @@ class Trainer:
                     corpus.name, len(train_tokens), len(val_tokens), config.data.tokenizer, self.tokenizer.vocab_size)
         # Every rank draws the same global micro-batch and keeps its own rows.
         self.loader = TrainLoader(train_tokens, tcfg.seq_len, lbs * dp, tcfg.seed, self.device)
-        self.rows = slice(self.rank * lbs, (self.rank + 1) * lbs)
+        dp_rank = self.dims.dp_rank(self.rank)
+        self.rows = slice(dp_rank * lbs, (dp_rank + 1) * lbs)
         self.val = val_batches(val_tokens, tcfg.seq_len, lbs * dp, tcfg.eval_batches, self.device)
 
         mcfg = config.model
@@ -113,12 +118,16 @@ class Trainer:
         if tcfg.seq_len > self.args.max_seq_len:
             raise UserError(f"training.seq_len {tcfg.seq_len} exceeds the {mcfg.flavor} flavor's "
                             f"max_seq_len {self.args.max_seq_len}")
+        if self.dims.tp_enabled:
+            check_tensor_parallel(self.args, self.dims.tp)
         self.model = self.raw_model = build_model(self.args, device=self.device,
                                                   storage_dtype=self.policy.storage_dtype, seed=tcfg.seed)
-        if self.dims.fsdp_enabled:
-            apply_fsdp(self.model, self.dims.mesh(self.device.type), self.policy,
-                       reshard_after_forward=pcfg.fsdp_reshard_after_forward, cpu_offload=pcfg.enable_cpu_offload)
-        self.optimizer = build_optimizer(self.model, tcfg, fused=not self.dims.fsdp_enabled)
+        self._parallelize(pcfg)
+        # The fused kernel needs plain tensors; under tensor parallel the parameters mix
+        # DTensors of two meshes (or with plain tensors), which one foreach call cannot take.
+        sharded = self.dims.fsdp_enabled or self.dims.tp_enabled
+        self.optimizer = build_optimizer(self.model, tcfg, fused=not sharded,
+                                         foreach=False if self.dims.tp_enabled else None)
         self.model, self.optimizer = self.policy.setup(self.model, self.optimizer)
         if self.dims.ddp_enabled:
             logger.info("parallelism: DDP over %d processes", world)
@@ -135,6 +144,24 @@ class Trainer:
             state = self.checkpoints.load(config.checkpoint.load_step)
             if state is not None:
                 self._restore(state)
+
+    def _parallelize(self, pcfg) -> None:
+        """Tensor parallel first, then FSDP over the data-parallel dims of the mesh."""
+        if self.dims.world_size == 1 or self.dims.ddp_enabled:
+            return  # DDP wraps the model after the policy's setup
+        mesh = self.dims.mesh(self.device.type)
+        if self.dims.tp_enabled:
+            apply_tensor_parallel(self.model, mesh["tp"])
+            logger.info("parallelism: tensor parallel over %d ranks (attention and MLP projections split "
+                        "column-/row-wise)", self.dims.tp)
+        if self.dims.fsdp_enabled:
+            apply_fsdp(self.model, self.dims.dp_mesh(mesh), self.policy,
+                       reshard_after_forward=pcfg.fsdp_reshard_after_forward, cpu_offload=pcfg.enable_cpu_offload)
+        elif self.policy.param_dtype != self.policy.storage_dtype:
+            # Without fully_shard there is no MixedPrecisionPolicy: autocast over the DTensor
+            # model casts each sharded matmul instead of leaving it in float32.
+            logger.info("parallelism: tensor parallel without FSDP: %s is applied by torch.autocast over the "
+                        "DTensor model (no fully_shard to cast the parameters)", self.policy.name)
 
     # ---- checkpoint state ---------------------------------------------------------------
     def _extras(self) -> dict:
@@ -161,14 +188,14 @@ class Trainer:
     def _restore(self, state: dict) -> None:
         check_compatible(state, self.meta, self.checkpoints.path(state["step"]))
         self.policy.load_state_dict(state["policy"])  # first: it may re-apply a fallback
-        if "dcp" in state:
-            load_sharded(state["dcp"], self.model, self.optimizer)
-        elif self.dims.world_size > 1:
-            raise UserError(f"checkpoint {self.checkpoints.path(state['step'])} was written by one process; torchrun "
-                            "runs resume from sharded step-N folders; accepted: another job.dump_folder")
-        else:
-            self.policy.load_model_state_dict(self.model, state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+        with keep_optimizer_kernels(self.optimizer):
+            if "dcp" in state:
+                load_sharded(state["dcp"], self.model, self.optimizer)
+            elif self.dims.fsdp_enabled or self.dims.tp_enabled:
+                load_full_into_sharded(self.model, self.optimizer, state["model"], state["optimizer"])
+            else:  # one process, or DDP: every rank loads the whole file
+                self.policy.load_model_state_dict(self.raw_model, state["model"])
+                self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"])
