@@ -23,6 +23,7 @@ def main() -> None:
     p.add_argument("--preset", default="bf16-mixed")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--global-batch", type=int, default=4)
+    p.add_argument("--reshard-after-forward", default="default", choices=["default", "always", "never"])
     p.add_argument("--out", default="outputs/bench_fsdp")
     args = p.parse_args()
     common = ["train", "--model.flavor", args.flavor, "--training.steps", str(args.steps), "--precision.preset",
@@ -37,6 +38,7 @@ def main() -> None:
         f"{args.ranks} FSDP2 ranks": (ranks_env, [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                       "--nproc-per-node", str(args.ranks), "-m", "mixprec", *common,
                                       "--job.dump_folder", f"{args.out}/fsdp",
+                                      "--parallelism.fsdp_reshard_after_forward", args.reshard_after_forward,
                                       "--training.local_batch_size", str(args.global_batch // args.ranks)]),
     }
     speeds = {}
@@ -46,7 +48,8 @@ def main() -> None:
         folder = Path(cmd[cmd.index("--job.dump_folder") + 1])
         speeds[name] = json.loads((folder / "summary.json").read_text())["tokens_per_sec"]
     single, multi = speeds.values()
-    print(f"\n{args.flavor}, {args.preset}, global batch {args.global_batch} x 256 tokens, {cores} cores")
+    print(f"\n{args.flavor}, {args.preset}, global batch {args.global_batch} x 256 tokens, {cores} cores, "
+          f"reshard_after_forward {args.reshard_after_forward}")
     for name, v in speeds.items():
         print(f"{name:<16} {v:8.0f} tokens/s")
     print(f"ratio {multi / single:.2f}x")

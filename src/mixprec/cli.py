@@ -1,9 +1,11 @@
-"""`mixprec` command line: `mixprec train [--config FILE.toml] [--section.key value ...]`."""
+"""`mixprec` command line: `mixprec train [--config FILE.toml] [--section.key value ...]`,
+and the audit, formats, memory, analyze, compare and demo commands."""
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import logging
 import os
 import sys
@@ -30,10 +32,10 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _train_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("train", help="train a Llama-style model on real text", description=(
-        "Train under a precision policy. Precedence: --section.key > --config file > defaults."),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def _config_parser(sub, name: str, help: str, description: str) -> argparse.ArgumentParser:
+    """A subcommand that takes a training config: --config FILE and every --section.key."""
+    p = sub.add_parser(name, help=help, description=description + " Precedence: --section.key > --config file > "
+                       "defaults.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", metavar="FILE.toml", help="TOML file with [job], [model], ... tables")
     for table, cls in TABLES.items():
         group = p.add_argument_group(f"[{table}]")
@@ -51,23 +53,31 @@ def _train_parser(sub) -> argparse.ArgumentParser:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mixprec", description="Mixed-precision training on PyTorch.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    _train_parser(sub)
+    _config_parser(sub, "train", "train a Llama-style model on real text", "Train under a precision policy.")
+    audit = _config_parser(sub, "audit", "observe the dtypes of one real training step against the policy",
+                           "Run one training step (two micro-batches) of the config with hooks and compare the dtype "
+                           "observed at each stage with the one the precision policy promises. Exit code 1 when one "
+                           "breaks the promise. Works under torchrun.")
+    audit.add_argument("--json", action="store_true", help="print JSON")
+    formats = sub.add_parser("formats", help="limits of FP32, TF32, FP16, BF16, FP8 E4M3 and E5M2")
+    formats.add_argument("--json", action="store_true", help="print JSON")
     demo = sub.add_parser("demo", help="numerics demonstrations")
     demo.add_argument("topic", choices=["reduction"], help="reduction: why gradients are reduced in float32")
     demo.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
 
-def _setup_logging() -> None:
+def _setup_logging(stream_name: str) -> None:
     class TqdmHandler(logging.Handler):
         def emit(self, record):
+            stream = getattr(sys, stream_name)  # looked up each time: tests and tqdm swap it
             try:
                 from tqdm.auto import tqdm
 
-                tqdm.write(self.format(record), file=sys.stdout)
+                tqdm.write(self.format(record), file=stream)
             except ImportError:
-                print(self.format(record))
-            sys.stdout.flush()  # log lines arrive as they happen when stdout is a file
+                print(self.format(record), file=stream)
+            stream.flush()  # log lines arrive as they happen when the stream is a file
 
     handler = TqdmHandler()
     handler.setFormatter(logging.Formatter("[mixprec] %(levelname)s %(message)s"))
@@ -92,6 +102,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    from mixprec.analysis.audit import format_report, run_audit
+
+    config = load_config(args.config, {k: v for k, v in vars(args).items() if "." in k})
+    report = run_audit(config)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0 if report["ok"] else 1
+
+
+def cmd_formats(args: argparse.Namespace) -> int:
+    from mixprec.analysis.formats import FORMATS, format_table
+
+    print(json.dumps([f.to_dict() for f in FORMATS.values()], indent=2) if args.json else format_table())
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from mixprec.demo import run
 
@@ -104,9 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    _setup_logging()
+    _setup_logging("stderr" if getattr(args, "json", False) else "stdout")  # --json: stdout is the JSON
     try:
-        return {"train": cmd_train, "demo": cmd_demo}[args.command](args)
+        commands = {"train": cmd_train, "audit": cmd_audit, "formats": cmd_formats, "demo": cmd_demo}
+        return commands[args.command](args)
     except UserError as e:
         sys.stderr.write(f"mixprec {args.command}: error: {e}\n")
         return 2

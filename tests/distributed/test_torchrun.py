@@ -155,3 +155,17 @@ def test_fp16_mixed_under_ddp_and_fsdp_tracks_one_process(tmp_path, text_file):
         assert [r["loss_scale"] for r in run] == [r["loss_scale"] for r in one]
         for a, b in zip(run, one):
             assert abs(a["loss"] - b["loss"]) / b["loss"] < 1e-3  # float16 sums in another order
+
+
+def test_audit_under_fsdp_sees_the_collectives(tmp_path, text_file):
+    args = tiny_args(tmp_path / "unused", text_file, "--precision.preset", "bf16-mixed", "--training.local_batch_size",
+                     "2", "--json")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "mixprec", "audit", *args[1:]], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    stages = {r["stage"]: r["observed"] for r in report["stages"]}
+    assert report["path"].startswith("fully_shard")
+    assert stages["stored parameters"] == ["float32"] and stages["compute parameters (matmul operands)"] == ["bfloat16"]
+    assert stages["all-gather traffic"] == ["bfloat16"] and stages["reduce-scatter traffic"] == ["float32"]
+    assert stages["reduced gradients"] == ["float32"] and stages["optimizer states"] == ["float32"]

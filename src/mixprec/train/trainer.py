@@ -221,23 +221,8 @@ class Trainer:
         speeds, loss, val_loss, stopped_early, start_step = [], math.nan, None, False, self.step
         while self.step < tcfg.steps:
             t0 = time.perf_counter()
-            loss_sum = torch.zeros((), device=self.device)
-            for micro in range(accum):
-                x, y = self.loader.next_batch()
-                with self.policy.autocast():
-                    # equal tokens per micro-batch and rank: the mean of means is the global mean
-                    micro_loss = self.model(x[self.rows], y[self.rows]) / accum
-                with self._gradient_sync(last=micro == accum - 1):
-                    self.policy.backward(micro_loss)
-                loss_sum += micro_loss.detach()
-            if self.dims.world_size > 1:
-                torch.distributed.all_reduce(loss_sum)
-                loss_sum /= self.dims.world_size
             lr = self.scheduler.get_last_lr()[0]
-            applied = self.policy.step(self.optimizer, tcfg.max_norm)
-            if applied:
-                self.scheduler.step()
-            loss = loss_sum.item()
+            loss, applied = self.train_step()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             dt = time.perf_counter() - t0
@@ -304,6 +289,29 @@ class Trainer:
                             f"{cfg.model.flavor}, {self.policy.requested}")
             plot_loss_scale(self.folder / "metrics.jsonl", self.folder / "loss_scale.png")
         return summary
+
+    def train_step(self, before_step=None) -> tuple[float, bool]:
+        """One optimizer step over `accum` micro-batches: (mean loss, whether applied).
+        `before_step(micro)`, when given, is called after each micro-batch's backward."""
+        accum = self.accum
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(accum):
+            x, y = self.loader.next_batch()
+            with self.policy.autocast():
+                # equal tokens per micro-batch and rank: the mean of means is the global mean
+                micro_loss = self.model(x[self.rows], y[self.rows]) / accum
+            with self._gradient_sync(last=micro == accum - 1):
+                self.policy.backward(micro_loss)
+            loss_sum += micro_loss.detach()
+            if before_step is not None:
+                before_step(micro)
+        if self.dims.world_size > 1:
+            torch.distributed.all_reduce(loss_sum)
+            loss_sum /= self.dims.world_size
+        applied = self.policy.step(self.optimizer, self.config.training.max_norm)
+        if applied:
+            self.scheduler.step()
+        return loss_sum.item(), applied
 
     def _gradient_sync(self, last: bool):
         """Reduce gradients across ranks only on the last micro-batch of a step."""

@@ -1,0 +1,2 @@
+"""Measuring precision: number formats, the audit of a real step, numerics experiments
+and the memory / communication planner."""

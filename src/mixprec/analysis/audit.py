@@ -1,0 +1,164 @@
+"""`mixprec audit`: one real training step under hooks, the dtype observed at every
+stage against the dtype the precision policy promises.
+
+What is observed, and how:
+- parameters, gradients, optimizer states, master weights: read off the real objects
+  (the local shard of a DTensor);
+- compute: every aten op is seen by a TorchDispatchMode, which sorts them into classes
+  (matmul operands and outputs in the forward, matmul outputs in the backward,
+  the norm's rsqrt, softmax, log-softmax input, the loss) and the collectives FSDP2
+  issues (all-gather and reduce-scatter buffers);
+- accumulation: the gradients after the first micro-batch of two.
+A stage the policy makes no promise about is reported, not judged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from collections import defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mixprec.precision.dtypes import dtype_name
+from mixprec.precision.emulation import _MATMULS, EmulatedMatmul
+from mixprec.precision.master import is_norm
+
+aten = torch.ops.aten
+FP32 = "float32"
+
+
+class _Observer(EmulatedMatmul):
+    """Records the dtype of each op class; emulates low-precision matmuls when asked
+    (as the policy would, so the recorded dtypes are the program's, not the emulation's)."""
+
+    def __init__(self, emulate: bool):
+        super().__init__()
+        self.emulate, self.backward = emulate, False
+        self.seen: dict[str, set[str]] = defaultdict(set)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.__name__ if hasattr(func, "__name__") else str(func)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if func in _MATMULS:
+            out = super().__torch_dispatch__(func, types, args, kwargs) if self.emulate else func(*args, **kwargs)
+            if self.backward:
+                self.seen["local gradients (backward matmuls)"].add(dtype_name(out.dtype))
+            else:
+                self.seen["compute parameters (matmul operands)"] |= {dtype_name(t.dtype) for t in tensors[-2:]}
+                self.seen["matmul output"].add(dtype_name(out.dtype))
+            return out
+        out = func(*args, **kwargs)
+        if func is aten.rsqrt.default and not self.backward:
+            self.seen["norm (rsqrt)"].add(dtype_name(out.dtype))
+        elif func is aten._softmax.default and not self.backward:
+            self.seen["softmax"].add(dtype_name(out.dtype))
+        elif func is aten._log_softmax.default and not self.backward:
+            self.seen["logits (log-softmax input)"].add(dtype_name(args[0].dtype))
+        elif func is aten.nll_loss_forward.default and not self.backward:
+            self.seen["loss"].add(dtype_name(out[0].dtype))
+        elif "all_gather" in name and tensors:
+            self.seen["all-gather traffic"] |= {dtype_name(t.dtype) for t in tensors}
+        elif "reduce_scatter" in name and tensors:
+            self.seen["reduce-scatter traffic"] |= {dtype_name(t.dtype) for t in tensors}
+        return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def promises(policy) -> dict[str, set[str] | None]:
+    """The dtypes the policy promises at each stage (after setup: `sharded` is known)."""
+    storage, compute = dtype_name(policy.storage_dtype), dtype_name(policy.param_dtype)
+    stored = {storage, FP32} if policy.master_weights and not policy.sharded else {storage}
+    return {
+        "stored parameters": stored,
+        "compute parameters (matmul operands)": {compute},
+        "matmul output": {compute},
+        "norm (rsqrt)": {FP32},
+        "softmax": {FP32},
+        "logits (log-softmax input)": {FP32},
+        "loss": {FP32},
+        "local gradients (backward matmuls)": {compute},
+        # a gradient takes its parameter's dtype; under FSDP they stay inside fully_shard
+        "accumulated gradients (micro-batch 1 of 2)": None if policy.sharded else stored,
+        "reduced gradients": stored,
+        "optimizer states": {FP32} if policy.master_weights else {storage},
+        "master weights": {FP32} if policy.master_weights else None,
+        "all-gather traffic": {compute} if policy.sharded else None,
+        "reduce-scatter traffic": {dtype_name(policy.reduce_dtype)} if policy.sharded else None,
+    }
+
+
+def run_audit(config) -> dict:
+    """One optimizer step of two micro-batches of `config`, observed. Returns the report."""
+    from mixprec.train.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = dataclasses.replace(
+            config,
+            job=dataclasses.replace(config.job, dump_folder=tmp),
+            training=dataclasses.replace(config.training, steps=1, eval_interval=0, global_batch_size=-1),
+            checkpoint=dataclasses.replace(config.checkpoint, enable=False),
+            metrics=dataclasses.replace(config.metrics, progress_bar=False, plot=False, enable_tensorboard=False))
+        trainer = Trainer(config)
+        trainer.accum = 2  # two micro-batches: accumulation is a stage of its own
+        policy, model = trainer.policy, trainer.raw_model
+        observer = _Observer(emulate=policy.emulate_matmul)
+        policy.emulate_matmul = False  # the observer emulates instead, after recording
+        # Ops between the end of a forward and the start of the next are the backward's.
+        hooks = [model.register_forward_pre_hook(lambda *_: setattr(observer, "backward", False)),
+                 model.register_forward_hook(lambda *_: setattr(observer, "backward", True))]
+
+        def grads() -> set[str]:
+            return {dtype_name(_local(p.grad).dtype) for p in model.parameters() if p.grad is not None}
+
+        def after_backward(micro: int) -> None:
+            # micro-batch 0: accumulated locally; micro-batch 1: reduced across ranks
+            observer.seen["accumulated gradients (micro-batch 1 of 2)" if micro == 0 else "reduced gradients"] |= grads()
+
+        stored = {dtype_name(_local(p).dtype) for p in model.parameters()}
+        with observer:
+            trainer.train_step(before_step=after_backward)
+        for h in hooks:
+            h.remove()
+        policy.emulate_matmul = observer.emulate
+        seen = observer.seen
+        seen["stored parameters"] = stored
+        seen["optimizer states"] = {dtype_name(_local(t).dtype) for s in trainer.optimizer.state.values()
+                                    for k, t in s.items() if torch.is_tensor(t) and k != "step"}
+        if policy._master is not None:
+            seen["master weights"] = {dtype_name(m.dtype) for m in policy._master.named_masters(model).values()}
+        elif policy.master_weights and policy.sharded:
+            seen["master weights"] = stored  # the sharded parameters are the masters
+        rows = []
+        for stage, promise in promises(policy).items():
+            observed = sorted(seen.get(stage, ()))
+            ok = promise is None or set(observed) <= promise
+            if promise is not None and not observed and not stage.endswith("traffic"):
+                ok = False  # a promised stage that never happened is a broken promise too
+            rows.append({"stage": stage, "promised": sorted(promise) if promise else None,
+                         "observed": observed, "ok": ok})
+        path = ("fully_shard (FSDP2's MixedPrecisionPolicy)" if policy.sharded
+                else "torch.autocast" if policy.uses_autocast else "none: parameters are already in the compute dtype")
+        return {"precision": policy.name, "path": path, "world_size": trainer.dims.world_size,
+                "emulated_matmuls": observer.emulate, "stages": rows, "ok": all(r["ok"] for r in rows)}
+
+
+def format_report(report: dict) -> str:
+    lines = [f"precision {report['precision']}, {report['world_size']} process(es); mixed precision handled by "
+             f"{report['path']}"]
+    width = max(len(r["stage"]) for r in report["stages"])
+    lines.append(f"{'stage':<{width}}  {'promised':<18} {'observed':<28} ")
+    for r in report["stages"]:
+        promised = ", ".join(r["promised"]) if r["promised"] else "-"
+        observed = ", ".join(r["observed"]) or "not observed"
+        mark = "ok" if r["ok"] and r["promised"] else ("VIOLATION" if not r["ok"] else "")
+        lines.append(f"{r['stage']:<{width}}  {promised:<18} {observed:<28} {mark}")
+    lines.append("audit: " + ("every observed dtype keeps the policy's promise" if report["ok"]
+                              else "an observed dtype breaks the policy's promise"))
+    return "\n".join(lines)
+

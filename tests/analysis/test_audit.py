@@ -1,0 +1,54 @@
+"""The audit on every mode in one process, and on purpose-broken policies."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_args
+from mixprec.cli import main
+from mixprec.precision import Policy
+
+
+def audit(tmp_path, text_file, *extra) -> tuple[int, dict]:
+    args = tiny_args(tmp_path / "unused", text_file, *extra)
+    args[0] = "audit"
+    return main([*args, "--json"])
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16-mixed", "bf16-true", "fp16-mixed", "fp16-master", "bf16-master",
+                                    "fp16-true"])
+def test_every_mode_keeps_its_promise(tmp_path, text_file, capsys, preset):
+    assert audit(tmp_path, text_file, "--precision.preset", preset) == 0
+    report = json.loads(capsys.readouterr().out)
+    stages = {r["stage"]: r for r in report["stages"]}
+    assert report["ok"] and report["precision"] == preset
+    low = "float32" if preset == "fp32" else ("float16" if "fp16" in preset else "bfloat16")
+    assert stages["matmul output"]["observed"] == [low]  # computed in the promised dtype, never silently FP32
+    assert stages["softmax"]["observed"] == ["float32"] and stages["loss"]["observed"] == ["float32"]
+    if preset in ("fp16-master", "bf16-master"):
+        assert stages["master weights"]["observed"] == ["float32"]
+        assert stages["stored parameters"]["observed"] == sorted(["float32", low])  # norms stay FP32
+
+
+def test_a_module_cast_behind_the_policys_back_fails(tmp_path, text_file, capsys, monkeypatch):
+    setup = Policy.setup
+
+    def sneaky(self, model, optimizer=None):
+        out = setup(self, model, optimizer)
+        model.layers[0].feed_forward.to(torch.bfloat16)  # not through the policy
+        return out
+
+    monkeypatch.setattr(Policy, "setup", sneaky)
+    assert audit(tmp_path, text_file, "--precision.preset", "bf16-mixed") == 1
+    stages = {r["stage"]: r for r in json.loads(capsys.readouterr().out)["stages"]}
+    assert not stages["stored parameters"]["ok"] and stages["stored parameters"]["observed"] == ["bfloat16", "float32"]
+    assert not stages["optimizer states"]["ok"]
+
+
+def test_silent_fp32_compute_fails(tmp_path, text_file, capsys, monkeypatch):
+    # a policy that promises BF16 compute but never casts: the failure TorchTitan users hit
+    monkeypatch.setattr(Policy, "autocast", lambda self, device_type=None: torch.autocast("cpu", enabled=False))
+    assert audit(tmp_path, text_file, "--precision.preset", "bf16-mixed") == 1
+    stages = {r["stage"]: r for r in json.loads(capsys.readouterr().out)["stages"]}
+    assert stages["matmul output"]["observed"] == ["float32"] and not stages["matmul output"]["ok"]
