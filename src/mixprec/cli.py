@@ -61,6 +61,22 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--json", action="store_true", help="print JSON")
     formats = sub.add_parser("formats", help="limits of FP32, TF32, FP16, BF16, FP8 E4M3 and E5M2")
     formats.add_argument("--json", action="store_true", help="print JSON")
+    memory = sub.add_parser("memory", help="plan per-device memory and per-step communication",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    memory.add_argument("--flavor", default="small", help="debug, small, 1B, 8B, 70B (Llama 3 shapes)")
+    memory.add_argument("--vocab-size", type=int, default=256, help="for flavors without their own vocabulary")
+    memory.add_argument("--preset", default="bf16-mixed", help="precision mode")
+    memory.add_argument("--optimizer", default="adamw", help="adamw, sgd (momentum), none")
+    memory.add_argument("--batch", type=int, default=4, help="sequences per device and micro-batch")
+    memory.add_argument("--seq-len", type=int, default=256)
+    memory.add_argument("--checkpointing", default="none", help="activation checkpointing: none, selective "
+                        "(every other block), full")
+    memory.add_argument("--dp-shard", type=int, default=1, help="FSDP2 degree")
+    memory.add_argument("--dp-replicate", type=int, default=1, help="DDP / HSDP replicas")
+    memory.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    memory.add_argument("--no-reshard", action="store_true", help="keep all-gathered parameters after forward")
+    memory.add_argument("--bandwidth-gbps", type=float, default=100.0, help="per-device link, GB/s")
+    memory.add_argument("--json", action="store_true", help="print JSON")
     demo = sub.add_parser("demo", help="numerics demonstrations")
     demo.add_argument("topic", choices=["reduction"], help="reduction: why gradients are reduced in float32")
     demo.add_argument("--json", action="store_true", help="print JSON")
@@ -119,6 +135,30 @@ def cmd_formats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_memory(args: argparse.Namespace) -> int:
+    from mixprec.analysis.memory import Setup, plan
+    from mixprec.models.llama import model_args
+    from mixprec.precision.presets import resolve_preset_name
+
+    setup = Setup(model_args(args.flavor, args.vocab_size), resolve_preset_name(args.preset, "--preset"), args.batch,
+                  args.seq_len, args.optimizer, args.checkpointing, args.dp_shard, args.dp_replicate, args.tp,
+                  not args.no_reshard, args.bandwidth_gbps)
+    result = plan(setup)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{args.flavor} ({result['parameters'] / 1e6:.1f}M parameters), {setup.preset}, {args.optimizer}, batch "
+          f"{args.batch} x {args.seq_len}, checkpointing {args.checkpointing}, dp_shard {args.dp_shard} x "
+          f"dp_replicate {args.dp_replicate} x tp {args.tp}; per device:")
+    for name, value in result["bytes"].items():
+        print(f"  {name.replace('_', ' '):<24} {value / 2**30:10.3f} GiB")
+    print(f"  model state per parameter {result['model_state_bytes_per_parameter']:.1f} bytes")
+    comm = result["communication_bytes"]
+    print("communication per step: " + ", ".join(f"{k.replace('_', '-')} {v / 2**30:.3f} GiB" for k, v in comm.items())
+          + f"; {result['communication_seconds'] * 1e3:.1f} ms at {args.bandwidth_gbps:g} GB/s")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from mixprec.demo import run
 
@@ -133,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _setup_logging("stderr" if getattr(args, "json", False) else "stdout")  # --json: stdout is the JSON
     try:
-        commands = {"train": cmd_train, "audit": cmd_audit, "formats": cmd_formats, "demo": cmd_demo}
+        commands = {"train": cmd_train, "audit": cmd_audit, "formats": cmd_formats, "memory": cmd_memory,
+                    "demo": cmd_demo}
         return commands[args.command](args)
     except UserError as e:
         sys.stderr.write(f"mixprec {args.command}: error: {e}\n")

@@ -1,0 +1,61 @@
+"""The memory planner against PyTorch's MemTracker on real CPU training steps.
+
+One warm-up step, then one step under torch.distributed._tools.mem_tracker.MemTracker,
+which tags every tensor allocation (parameters, gradients, optimizer states,
+activations, temporaries) and reports the peak; the planner's peak is printed beside it.
+
+    python benchmarks/memory_planner.py --flavor small --presets fp32,bf16-mixed,bf16-true --batch 4 --seq-len 256
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from mixprec import Policy, build_model, model_args
+from mixprec.analysis.memory import Setup, plan
+
+
+def measured_peak(flavor: str, preset: str, batch: int, seq_len: int) -> float:
+    """Peak bytes of one steady-state training step, as MemTracker sees it."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    args = model_args(flavor, 256)
+    policy = Policy.from_preset(preset)
+    model = build_model(args, device="cpu", storage_dtype=policy.storage_dtype, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    policy.setup(model, opt)
+    x = torch.randint(0, args.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        with policy.autocast():
+            loss = model(x[:, :-1], x[:, 1:])
+        policy.backward(loss)
+        policy.step(opt, 1.0)
+
+    step()  # optimizer states exist from here on
+    tracker = MemTracker()
+    masters = list(policy._master.named_masters(model).values()) if policy._master is not None else []
+    tracker.track_external(model, opt, *masters)
+    with tracker:
+        step()
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--flavor", default="small")
+    p.add_argument("--presets", default="fp32,bf16-mixed,bf16-true")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    a = p.parse_args()
+    print(f"{'preset':<12} {'measured MiB':>13} {'planned MiB':>12} {'error':>7}")
+    for preset in a.presets.split(","):
+        got = measured_peak(a.flavor, preset, a.batch, a.seq_len)
+        want = plan(Setup(model_args(a.flavor, 256), preset, a.batch, a.seq_len))["bytes"]["peak"]
+        print(f"{preset:<12} {got / 2**20:13.1f} {want / 2**20:12.1f} {want / got - 1:+7.1%}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""`mixprec memory`: per-device memory and per-step communication of a training setup.
+
+Model state is counted parameter by parameter on a meta-device copy of the model (so
+tied weights, GQA and the MLP width are exact). Activations are the tensors this
+model's eager forward saves for backward, term by term (see `_block_activations`),
+for the dtypes the policy produces: the residual stream in the storage dtype, matmuls
+in param_dtype, norms, softmax and logits in FP32. Checked against PyTorch's
+MemTracker on real CPU steps (tests/analysis/test_memory.py, benchmarks/memory_planner.py).
+
+Per parameter, mixed-precision AdamW keeps 4 (FP32 weight) + 4 (FP32 gradient) + 8
+(two FP32 moments) = 16 bytes of model state; master-weight modes keep a 2-byte model
+weight and gradient, a 4-byte master and its 4-byte gradient, and 8 bytes of moments:
+20 bytes, not the 16 some tables give.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mixprec.errors import UserError
+from mixprec.models.llama import Llama, ModelArgs
+from mixprec.precision.master import is_norm
+from mixprec.precision.presets import FP32, PRESETS
+
+OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}  # state tensors per parameter (SGD: momentum)
+CHECKPOINTING = ("none", "selective", "full")  # selective: every other block, as TorchTitan's "2"
+
+
+@dataclass(frozen=True)
+class Setup:
+    args: ModelArgs
+    preset: str = "bf16-mixed"
+    batch: int = 4  # sequences per device and micro-batch
+    seq_len: int = 256
+    optimizer: str = "adamw"
+    checkpointing: str = "none"
+    dp_shard: int = 1
+    dp_replicate: int = 1
+    tp: int = 1
+    reshard_after_forward: bool = True
+    bandwidth_gbps: float = 100.0  # per device, for the communication time
+
+    def __post_init__(self):
+        for name, value, accepted in (("preset", self.preset, PRESETS), ("optimizer", self.optimizer, OPTIMIZER_STATES),
+                                      ("checkpointing", self.checkpointing, CHECKPOINTING)):
+            if value not in accepted:
+                raise UserError(f"--{name} {value!r} is not known; accepted: {', '.join(accepted)}")
+        for name in ("batch", "seq_len", "dp_shard", "dp_replicate", "tp"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)}: accepted: a positive integer")
+        a = self.args
+        for what, size in (("n_heads", a.n_heads), ("n_kv_heads", a.n_kv_heads), ("ffn width", a.ffn_dim)):
+            if size % self.tp:
+                raise UserError(f"--tp {self.tp} does not divide the model's {what} {size}; accepted: a divisor of "
+                                f"n_heads {a.n_heads}, n_kv_heads {a.n_kv_heads} and ffn width {a.ffn_dim}")
+
+
+def _nbytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _block_activations(a: ModelArgs, B: int, T: int, c: int, r: int, n: int, casts: bool, tp: int) -> int:
+    """Bytes one transformer block saves for backward. c: matmul dtype bytes; r: the
+    residual stream's; n: the norm output's; casts: autocast copies each linear's input."""
+    D, F, H = a.dim, a.ffn_dim // tp, a.n_heads // tp
+    Dq, Dkv = H * a.head_dim, (a.n_kv_heads // tp) * a.head_dim  # this rank's heads
+    BT = B * T
+    norms = 2 * (4 + r) * BT * D  # each: its FP32 input and the normalised tensor
+    # linear inputs: autocast makes a copy per call (wq, wk, wv; w1, w3); otherwise the
+    # norm's output is saved once per norm
+    inputs = 5 * c * BT * D if casts else 2 * n * BT * D
+    rope = (4 + c) * BT * Dq + 4 * BT * Dkv  # FP32 copies for the rotation, the rotated q
+    kv = 2 * c * BT * Dq  # keys and values repeated to every query head
+    scores = (4 + (c if c != 4 else 0)) * B * H * T * T  # FP32 softmax output (and its cast back)
+    out = c * BT * Dq  # attention output, the input of wo
+    mlp = 4 * c * BT * F  # w1 out, silu out, w3 out, their product
+    return norms + inputs + rope + kv + scores + out + mlp
+
+
+def plan(s: Setup) -> dict:
+    """Bytes per device of each kind of memory, the peak, and communication per step."""
+    p = PRESETS[s.preset]
+    a = s.args
+    with torch.device("meta"):
+        model = Llama(a)
+    sharded = s.dp_shard > 1
+    master = p.master_weights and not sharded  # under FSDP the sharded FP32 params are the masters
+    storage = FP32 if p.master_weights and sharded else p.storage_dtype
+    autocast = not sharded and (p.param_dtype != p.storage_dtype or p.master_weights)
+    c, st = _nbytes(p.param_dtype), _nbytes(storage)
+
+    params = grads = masters = states = cast_cache = unit_max = linear_params = 0
+    n_params = 0
+    seen = set()
+    for fqn, module in model.named_modules():
+        for name, w in module.named_parameters(recurse=False):
+            if id(w) in seen:
+                continue
+            seen.add(id(w))
+            numel = w.numel()
+            n_params += numel
+            split = s.tp if fqn.startswith("layers.") and isinstance(module, torch.nn.Linear) else 1
+            local = numel / split / s.dp_shard
+            dtype_bytes = 4 if master and is_norm(fqn, module) else st
+            params += local * dtype_bytes
+            grads += local * dtype_bytes
+            if master and dtype_bytes != 4:
+                masters += local * 4
+                grads += local * 4  # the masters' FP32 gradients
+            states += local * OPTIMIZER_STATES[s.optimizer] * (4 if p.master_weights else st)
+            if isinstance(module, torch.nn.Linear):
+                linear_params += numel / split
+    if autocast:  # autocast keeps one low-precision copy of each weight from forward to backward
+        cast_cache = linear_params * c
+    block_params = sum(w.numel() for w in model.layers[0].parameters())
+    unsharded = 0
+    if sharded:  # all-gathered units in param_dtype: the current block and the prefetched next
+        per_block = block_params / s.tp * c
+        unsharded = (2 * per_block) if s.reshard_after_forward else (per_block * a.n_layers)
+
+    B, T = s.batch, s.seq_len
+    r = 4 if autocast and not p.master_weights else c if sharded else st  # the residual stream
+    norm_w = 4 if master else (c if sharded else st)
+    n = max(r, norm_w)
+    block = _block_activations(a, B, T, c, r, n, autocast and n != c, s.tp)
+    inputs = r * B * T * a.dim  # what a checkpointed block keeps: its input
+    if s.checkpointing == "full":
+        layers = a.n_layers * inputs + block  # one block recomputed at a time
+    elif s.checkpointing == "selective":
+        half = a.n_layers // 2
+        layers = (a.n_layers - half) * block + half * inputs + block
+    else:
+        layers = a.n_layers * block
+    head = (4 + r) * B * T * a.dim + (c if autocast else n) * B * T * a.dim + 4 * B * T * a.vocab_size
+    logits_grad = 2 * 4 * B * T * a.vocab_size  # the backward's first tensors: d(log-probs), d(logits)
+    activations = layers + head
+
+    peak = params + states + masters + cast_cache + unsharded + activations + logits_grad
+    # Communication per step, per device, ring algorithms: all-gather and reduce-scatter
+    # move (n-1)/n of the full size, all-reduce twice that.
+    comm = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
+    full_params = n_params / s.tp  # this tensor-parallel rank's slice of the model
+    if sharded:
+        frac = (s.dp_shard - 1) / s.dp_shard
+        gathers = 2 if s.reshard_after_forward else 1  # again in backward after a reshard
+        comm["all_gather"] = gathers * full_params * c * frac
+        comm["reduce_scatter"] = full_params * 4 * frac
+    if s.dp_replicate > 1:
+        size = full_params * 4 / s.dp_shard
+        comm["all_reduce"] += 2 * size * (s.dp_replicate - 1) / s.dp_replicate
+    if s.tp > 1:  # two all-reduces of the activations per block in forward, two in backward
+        comm["all_reduce"] += 4 * a.n_layers * 2 * B * T * a.dim * c * (s.tp - 1) / s.tp
+    total = sum(comm.values())
+    return {
+        "parameters": n_params,
+        "bytes": {"parameters": params, "gradients": grads, "optimizer_states": states, "master_weights": masters,
+                  "autocast_weight_copies": cast_cache, "unsharded_parameters": unsharded,
+                  "activations": activations, "peak": peak},
+        "model_state_bytes_per_parameter": (params + grads + states + masters) * s.dp_shard * s.tp / n_params,
+        "communication_bytes": {**comm, "total": total},
+        "communication_seconds": total / (s.bandwidth_gbps * 1e9),
+    }

@@ -1,0 +1,56 @@
+"""The planner against hand-computed cases and against measured peaks."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from mixprec.analysis.memory import Setup, plan
+from mixprec.cli import main
+from mixprec.models.llama import model_args
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+from memory_planner import measured_peak  # noqa: E402
+
+
+def test_model_state_bytes_per_parameter():
+    args = model_args("8B", 256)
+    assert plan(Setup(args, "bf16-mixed"))["model_state_bytes_per_parameter"] == 16  # 4 + 4 + 8
+    assert plan(Setup(args, "bf16-true"))["model_state_bytes_per_parameter"] == 8  # 2 + 2 + 4
+    # 2-byte weights and gradients, 4-byte masters and their gradients, 8 bytes of moments; norms FP32
+    assert 19.99 < plan(Setup(args, "fp16-master"))["model_state_bytes_per_parameter"] < 20
+    assert plan(Setup(args, "fp32", optimizer="sgd"))["model_state_bytes_per_parameter"] == 12
+
+
+def test_parameter_count_and_sharding_by_hand():
+    args = model_args("8B", 256)
+    one = plan(Setup(args, "bf16-mixed"))
+    assert one["parameters"] == 8_030_261_248  # Llama 3 8B, its 128256-token vocabulary untied
+    eight = plan(Setup(args, "bf16-mixed", dp_shard=8))
+    assert eight["bytes"]["optimizer_states"] == pytest.approx(one["bytes"]["optimizer_states"] / 8)
+    # all-gather in forward and again in backward (bf16), reduce-scatter in fp32, each 7/8 of the model
+    comm = eight["communication_bytes"]
+    assert comm["all_gather"] == pytest.approx(2 * one["parameters"] * 2 * 7 / 8)
+    assert comm["reduce_scatter"] == pytest.approx(one["parameters"] * 4 * 7 / 8)
+
+
+def test_checkpointing_shrinks_activations():
+    args = model_args("small", 256)
+    acts = {c: plan(Setup(args, checkpointing=c))["bytes"]["activations"] for c in ("none", "selective", "full")}
+    assert acts["full"] < acts["selective"] < acts["none"]
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16-mixed", "bf16-true", "fp16-master"])
+def test_planned_peak_within_15_percent_of_measured(preset):
+    measured = measured_peak("debug", preset, batch=8, seq_len=64)
+    planned = plan(Setup(model_args("debug", 256), preset, 8, 64))["bytes"]["peak"]
+    assert abs(planned / measured - 1) < 0.15
+
+
+def test_cli(capsys):
+    assert main(["memory", "--flavor", "1B", "--dp-shard", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parameters"] > 1.2e9
+    assert main(["memory", "--flavor", "small", "--tp", "3"]) == 2
+    assert "--tp 3 does not divide the model's n_heads 8" in capsys.readouterr().err
+    assert main(["memory", "--preset", "fp64"]) == 2
