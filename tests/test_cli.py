@@ -40,7 +40,7 @@ def test_cli_surface_is_frozen():
 
 def test_commands():
     sub = build_parser()._subparsers._group_actions[0].choices
-    assert sorted(sub) == ["audit", "demo", "formats", "memory", "train"]
+    assert sorted(sub) == ["analyze", "audit", "demo", "formats", "memory", "train"]
 
 
 def test_help_lists_every_key_with_doc_and_default():

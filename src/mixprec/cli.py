@@ -77,6 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--no-reshard", action="store_true", help="keep all-gathered parameters after forward")
     memory.add_argument("--bandwidth-gbps", type=float, default=100.0, help="per-device link, GB/s")
     memory.add_argument("--json", action="store_true", help="print JSON")
+    analyze = sub.add_parser("analyze", help="numerics experiments and a gradient census of a real step",
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    analyze.add_argument("--flavor", default="small", help="model for the gradient census")
+    analyze.add_argument("--text", help="UTF-8 text file for the census batch (default: Python's argparse source)")
+    analyze.add_argument("--batch", type=int, default=4)
+    analyze.add_argument("--seq-len", type=int, default=256)
+    analyze.add_argument("--loss-scale", type=float, default=1.0, help="gradients are multiplied by this")
+    analyze.add_argument("--init-std", type=float, default=0.02, help="weight scale for the quantisation experiment")
+    analyze.add_argument("--out", default="outputs/analyze", help="folder for gradient_census.png")
+    analyze.add_argument("--json", action="store_true", help="print JSON")
     demo = sub.add_parser("demo", help="numerics demonstrations")
     demo.add_argument("topic", choices=["reduction"], help="reduction: why gradients are reduced in float32")
     demo.add_argument("--json", action="store_true", help="print JSON")
@@ -159,6 +169,16 @@ def cmd_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from mixprec.analysis.run import analyze, format_analysis
+
+    report = analyze(args.flavor, args.text, args.batch, args.seq_len, args.loss_scale, args.init_std, Path(args.out))
+    print(json.dumps(report, indent=2) if args.json else format_analysis(report))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from mixprec.demo import run
 
@@ -174,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging("stderr" if getattr(args, "json", False) else "stdout")  # --json: stdout is the JSON
     try:
         commands = {"train": cmd_train, "audit": cmd_audit, "formats": cmd_formats, "memory": cmd_memory,
-                    "demo": cmd_demo}
+                    "analyze": cmd_analyze, "demo": cmd_demo}
         return commands[args.command](args)
     except UserError as e:
         sys.stderr.write(f"mixprec {args.command}: error: {e}\n")
