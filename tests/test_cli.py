@@ -29,6 +29,7 @@ SURFACE = """
 --parallelism.enable_cpu_offload
 --checkpoint.enable --checkpoint.folder --checkpoint.interval --checkpoint.keep_latest_k --checkpoint.load_step
 --metrics.log_freq --metrics.enable_tensorboard --metrics.plot --metrics.progress_bar
+--compare.max_loss_diff --compare.max_perplexity_diff --compare.max_overflow_rate
 """.split()
 
 
@@ -40,7 +41,7 @@ def test_cli_surface_is_frozen():
 
 def test_commands():
     sub = build_parser()._subparsers._group_actions[0].choices
-    assert sorted(sub) == ["analyze", "audit", "demo", "formats", "memory", "train"]
+    assert sorted(sub) == ["analyze", "audit", "compare", "demo", "formats", "memory", "train"]
 
 
 def test_help_lists_every_key_with_doc_and_default():

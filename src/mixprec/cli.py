@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 from dataclasses import MISSING, fields
+from pathlib import Path
 
 from mixprec.config import TABLES, field_docs, field_types, load_config
 from mixprec.errors import UserError
@@ -59,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "observed at each stage with the one the precision policy promises. Exit code 1 when one "
                            "breaks the promise. Works under torchrun.")
     audit.add_argument("--json", action="store_true", help="print JSON")
+    compare = _config_parser(sub, "compare", "train several presets side by side and judge them against the first",
+                             "Train each preset with the same seed, data, initialisation and steps; write "
+                             "compare.json, compare.md, loss_curves.png and speed_memory.png to the run folder. Exit "
+                             "code 1 when a preset fails the [compare] thresholds.")
+    compare.add_argument("--presets", default="fp32,bf16-mixed,bf16-true",
+                         help="comma-separated presets; the first is the baseline")
     formats = sub.add_parser("formats", help="limits of FP32, TF32, FP16, BF16, FP8 E4M3 and E5M2")
     formats.add_argument("--json", action="store_true", help="print JSON")
     memory = sub.add_parser("memory", help="plan per-device memory and per-step communication",
@@ -138,6 +145,16 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from mixprec.train.compare import run_compare
+
+    config = load_config(args.config, {k: v for k, v in vars(args).items() if "." in k})
+    report = run_compare(config, [p.strip() for p in args.presets.split(",") if p.strip()])
+    if int(os.environ.get("RANK", "0")) == 0:
+        print((Path(config.job.dump_folder) / "compare.md").read_text())
+    return 0 if report["passed"] else 1
+
+
 def cmd_formats(args: argparse.Namespace) -> int:
     from mixprec.analysis.formats import FORMATS, format_table
 
@@ -193,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _setup_logging("stderr" if getattr(args, "json", False) else "stdout")  # --json: stdout is the JSON
     try:
-        commands = {"train": cmd_train, "audit": cmd_audit, "formats": cmd_formats, "memory": cmd_memory,
+        commands = {"train": cmd_train, "compare": cmd_compare, "audit": cmd_audit, "formats": cmd_formats, "memory": cmd_memory,
                     "analyze": cmd_analyze, "demo": cmd_demo}
         return commands[args.command](args)
     except UserError as e:

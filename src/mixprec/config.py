@@ -180,6 +180,20 @@ class Metrics:
 
 
 @dataclass(frozen=True)
+class Compare:
+    max_loss_diff: float = 0.05
+    """mixprec compare: a preset fails when its final validation loss is this much (relative) above the baseline's."""
+    max_perplexity_diff: float = 0.03
+    """mixprec compare: ... or its validation perplexity this much (relative) above the baseline's."""
+    max_overflow_rate: float = 0.10
+    """mixprec compare: ... or more than this share of its steps overflowed."""
+
+    def __post_init__(self):
+        for name in ("max_loss_diff", "max_perplexity_diff", "max_overflow_rate"):
+            _check(getattr(self, name) >= 0, f"compare.{name}", getattr(self, name), "a number >= 0")
+
+
+@dataclass(frozen=True)
 class Parallelism:
     data_parallel_replicate_degree: int = 1
     """Data-parallel replicas (DDP; with sharding too, HSDP)."""
@@ -207,7 +221,7 @@ class Parallelism:
 
 TABLES = {"job": Job, "model": Model, "data": Data, "training": Training,
           "precision": Precision, "loss_scale": LossScaleConfig, "parallelism": Parallelism,
-          "checkpoint": Checkpoint, "metrics": Metrics}
+          "checkpoint": Checkpoint, "metrics": Metrics, "compare": Compare}
 
 
 @dataclass(frozen=True)
@@ -221,6 +235,7 @@ class Config:
     parallelism: Parallelism
     checkpoint: Checkpoint
     metrics: Metrics
+    compare: Compare
 
 
 def field_docs(cls) -> dict[str, str]:

@@ -1,0 +1,139 @@
+"""`mixprec compare`: train each preset with the same seed, data, initialisation and
+steps, one after another, and judge each against the first (the baseline).
+
+Writes into the run folder: one subfolder per preset (its own run), compare.json,
+compare.md, loss_curves.png and speed_memory.png. A preset fails when its validation
+loss or perplexity is too far above the baseline's, or it overflowed too often
+([compare] thresholds; defaults from seed 003: 5%, 3%, 10%).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from pathlib import Path
+
+from mixprec.errors import UserError
+from mixprec.precision.presets import resolve_preset_name
+from mixprec.train.metrics import _pyplot, read_metrics
+
+logger = logging.getLogger(__name__)
+
+
+def run_compare(config, presets: list[str]) -> dict:
+    names = [resolve_preset_name(p, "--presets") for p in presets]
+    if len(names) < 2 or len(set(names)) != len(names):
+        raise UserError(f"--presets {','.join(presets)}: accepted: two or more different presets, the first the "
+                        "baseline (for example fp32,bf16-mixed)")
+    from tqdm.auto import tqdm
+
+    from mixprec.train.trainer import Trainer
+
+    folder = Path(config.job.dump_folder)
+    runs = {}
+    for name in tqdm(names, desc="compare", unit="preset", disable=None):
+        # Only the preset differs: no [training] precision keys may override it.
+        precision = dataclasses.replace(config.precision, preset=name, param_dtype="", storage_dtype="")
+        training = dataclasses.replace(config.training, dtype="", mixed_precision_param="")
+        run_config = dataclasses.replace(config, precision=precision, training=training,
+                                         job=dataclasses.replace(config.job, dump_folder=str(folder / name)),
+                                         checkpoint=dataclasses.replace(config.checkpoint, enable=False))
+        logger.info("compare: training %s into %s", name, folder / name)
+        runs[name] = Trainer(run_config).train()
+    report = judge(runs, config.compare)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
+    (folder / "compare.md").write_text(to_markdown(report))
+    if config.metrics.plot:
+        plot_loss_curves({n: folder / n / "metrics.jsonl" for n in names}, folder / "loss_curves.png")
+        plot_speed_memory(report, folder / "speed_memory.png")
+    return report
+
+
+def judge(runs: dict[str, dict], thresholds) -> dict:
+    """Per preset: the figures, their ratios to the baseline and pass/fail."""
+    base_name, base = next(iter(runs.items()))
+    rows = []
+    for name, r in runs.items():
+        loss_diff = (r["final_val_loss"] - base["final_val_loss"]) / base["final_val_loss"]
+        ppl_diff = (r["val_perplexity"] - base["val_perplexity"]) / base["val_perplexity"]
+        failures = []
+        if not math.isfinite(r["final_val_loss"]):
+            failures.append(f"validation loss is {r['final_val_loss']}")
+        if loss_diff > thresholds.max_loss_diff:
+            failures.append(f"validation loss {loss_diff:+.2%} > {thresholds.max_loss_diff:.0%}")
+        if ppl_diff > thresholds.max_perplexity_diff:
+            failures.append(f"perplexity {ppl_diff:+.2%} > {thresholds.max_perplexity_diff:.0%}")
+        if r["overflow_rate"] > thresholds.max_overflow_rate:
+            failures.append(f"overflow rate {r['overflow_rate']:.1%} > {thresholds.max_overflow_rate:.0%}")
+        speed = r["tokens_per_sec"] / base["tokens_per_sec"] if r["tokens_per_sec"] and base["tokens_per_sec"] else None
+        rows.append({
+            "preset": name, "final_train_loss": r["final_train_loss"], "final_val_loss": r["final_val_loss"],
+            "val_perplexity": r["val_perplexity"], "loss_diff": loss_diff, "perplexity_diff": ppl_diff,
+            "tokens_per_sec": r["tokens_per_sec"], "speedup": speed, "peak_memory_bytes": r["peak_memory_bytes"],
+            "memory_ratio": r["peak_memory_bytes"] / base["peak_memory_bytes"] if base["peak_memory_bytes"] else None,
+            "training_state_bytes": r["param_bytes"] + r["optimizer_state_bytes"],
+            "overflow_rate": r["overflow_rate"], "skipped_steps": r["skipped_steps"],
+            "fallback": r["fallback_triggered"], "precision_final": r["precision_final"],
+            "passed": not failures, "failures": failures,
+        })
+    return {"baseline": base_name, "thresholds": dataclasses.asdict(thresholds), "presets": rows,
+            "passed": all(r["passed"] for r in rows)}
+
+
+def to_markdown(report: dict) -> str:
+    lines = [f"# mixprec compare (baseline {report['baseline']})", "",
+             "| preset | val loss | diff | perplexity | diff | tokens/s | speed-up | peak memory MiB | ratio | "
+             "overflow rate | skipped | fallback | result |", "|" + "---|" * 13]
+    for r in report["presets"]:
+        speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+        mem = f"{r['memory_ratio']:.2f}" if r["memory_ratio"] else "-"
+        result = "pass" if r["passed"] else "FAIL: " + "; ".join(r["failures"])
+        lines.append(f"| {r['preset']} | {r['final_val_loss']:.4f} | {r['loss_diff']:+.2%} | {r['val_perplexity']:.2f} "
+                     f"| {r['perplexity_diff']:+.2%} | {r['tokens_per_sec'] or 0:.0f} | {speed} | "
+                     f"{r['peak_memory_bytes'] / 2**20:.0f} | {mem} | {r['overflow_rate']:.1%} | {r['skipped_steps']} "
+                     f"| {'yes' if r['fallback'] else 'no'} | {result} |")
+    t = report["thresholds"]
+    lines += ["", f"Thresholds: validation loss within {t['max_loss_diff']:.0%}, perplexity within "
+              f"{t['max_perplexity_diff']:.0%}, overflow rate under {t['max_overflow_rate']:.0%} ([compare] table).", ""]
+    return "\n".join(lines)
+
+
+def plot_loss_curves(metrics: dict[str, Path], out: Path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, (name, path) in enumerate(metrics.items()):
+        records = read_metrics(path)
+        color = f"C{i}"
+        ax.plot([r["step"] for r in records], [r["loss"] for r in records], color=color, lw=1, alpha=0.6,
+                label=f"{name} train")
+        val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+        if val:
+            ax.plot(*zip(*val), "o-", color=color, label=f"{name} validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def plot_speed_memory(report: dict, out: Path) -> None:
+    plt = _pyplot()
+    rows = report["presets"]
+    names = [r["preset"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    a.bar(names, [r["speedup"] or 0 for r in rows], color="C0")
+    a.set_title(f"tokens/s vs {report['baseline']}")
+    a.axhline(1, color="k", lw=0.8)
+    b.bar(names, [r["memory_ratio"] or 0 for r in rows], color="C1")
+    b.set_title(f"peak memory vs {report['baseline']}")
+    b.axhline(1, color="k", lw=0.8)
+    for ax in (a, b):
+        ax.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,48 @@
+"""mixprec compare on the debug flavor."""
+
+import json
+
+from conftest import tiny_args
+from mixprec.cli import main
+
+
+def compare(folder, text_file, presets, *extra) -> int:
+    args = tiny_args(folder, text_file, *extra)
+    return main(["compare", "--presets", presets, *args[1:]])
+
+
+def test_two_presets_write_every_file_with_sane_values(tmp_path, text_file):
+    assert compare(tmp_path, text_file, "fp32,bf16-mixed", "--metrics.plot", "true") == 0
+    report = json.loads((tmp_path / "compare.json").read_text())
+    base, bf16 = report["presets"]
+    assert report["baseline"] == "fp32" and base["loss_diff"] == 0 and base["speedup"] == 1
+    assert abs(bf16["loss_diff"]) < 0.01 and bf16["passed"] and bf16["tokens_per_sec"] > 0
+    assert bf16["memory_ratio"] > 0 and bf16["overflow_rate"] == 0
+    assert "| bf16-mixed |" in (tmp_path / "compare.md").read_text()
+    for png in ("loss_curves.png", "speed_memory.png"):
+        assert (tmp_path / png).stat().st_size > 5_000
+    # each preset is its own run, on the same data and initialisation
+    first = [json.loads(line) for line in (tmp_path / "fp32" / "metrics.jsonl").read_text().splitlines()][0]
+    other = [json.loads(line) for line in (tmp_path / "bf16-mixed" / "metrics.jsonl").read_text().splitlines()][0]
+    assert abs(first["loss"] - other["loss"]) / first["loss"] < 1e-2
+
+
+def test_a_preset_that_overflows_too_often_fails(tmp_path, text_file):
+    # a 1e9 loss scale overflows float16 for the first steps: far above the 10% threshold
+    assert compare(tmp_path, text_file, "fp32,fp16-mixed", "--loss_scale.init_scale", "1e9", "--loss_scale.max_scale",
+                   "1e9", "--loss_scale.fallback_after", "0", "--metrics.plot", "false") == 1
+    fp16 = json.loads((tmp_path / "compare.json").read_text())["presets"][1]
+    assert not fp16["passed"] and any(f.startswith("overflow rate") for f in fp16["failures"])
+
+
+def test_a_diverged_preset_fails(tmp_path, text_file):
+    # fp16-true with AdamW's eps 1e-8 (0 in float16) turns zero gradients into NaN
+    assert compare(tmp_path, text_file, "fp32,fp16-true", "--metrics.plot", "false") == 1
+    fp16 = json.loads((tmp_path / "compare.json").read_text())["presets"][1]
+    assert not fp16["passed"] and "validation loss is nan" in fp16["failures"][0]
+
+
+def test_bad_presets_are_one_line(tmp_path, text_file, capsys):
+    assert compare(tmp_path, text_file, "fp32") == 2
+    assert "two or more different presets" in capsys.readouterr().err
+    assert compare(tmp_path, text_file, "fp32,fp99") == 2
