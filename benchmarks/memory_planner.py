@@ -17,11 +17,13 @@ from mixprec import Policy, build_model, model_args
 from mixprec.analysis.memory import Setup, plan
 
 
-def measured_peak(flavor: str, preset: str, batch: int, seq_len: int) -> float:
+def measured_peak(flavor: str, preset: str, batch: int, seq_len: int, attention: str = "eager") -> float:
     """Peak bytes of one steady-state training step, as MemTracker sees it."""
+    from dataclasses import replace
+
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    args = model_args(flavor, 256)
+    args = replace(model_args(flavor, 256), attention=attention)
     policy = Policy.from_preset(preset)
     model = build_model(args, device="cpu", storage_dtype=policy.storage_dtype, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -49,11 +51,13 @@ def main() -> None:
     p.add_argument("--presets", default="fp32,bf16-mixed,bf16-true")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--attention", default="eager", choices=["eager", "sdpa"])
     a = p.parse_args()
     print(f"{'preset':<12} {'measured MiB':>13} {'planned MiB':>12} {'error':>7}")
     for preset in a.presets.split(","):
-        got = measured_peak(a.flavor, preset, a.batch, a.seq_len)
-        want = plan(Setup(model_args(a.flavor, 256), preset, a.batch, a.seq_len))["bytes"]["peak"]
+        got = measured_peak(a.flavor, preset, a.batch, a.seq_len, a.attention)
+        want = plan(Setup(model_args(a.flavor, 256), preset, a.batch, a.seq_len,
+                          attention=a.attention))["bytes"]["peak"]
         print(f"{preset:<12} {got / 2**20:13.1f} {want / 2**20:12.1f} {want / got - 1:+7.1%}", flush=True)
 
 

@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--dp-shard", type=int, default=1, help="FSDP2 degree")
     memory.add_argument("--dp-replicate", type=int, default=1, help="DDP / HSDP replicas")
     memory.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    memory.add_argument("--attention", default="eager", help="eager or sdpa (model.attention)")
     memory.add_argument("--no-reshard", action="store_true", help="keep all-gathered parameters after forward")
     memory.add_argument("--bandwidth-gbps", type=float, default=100.0, help="per-device link, GB/s")
     memory.add_argument("--json", action="store_true", help="print JSON")
@@ -167,9 +168,11 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from mixprec.models.llama import model_args
     from mixprec.precision.presets import resolve_preset_name
 
-    setup = Setup(model_args(args.flavor, args.vocab_size), resolve_preset_name(args.preset, "--preset"), args.batch,
-                  args.seq_len, args.optimizer, args.checkpointing, args.dp_shard, args.dp_replicate, args.tp,
-                  not args.no_reshard, args.bandwidth_gbps)
+    setup = Setup(model_args(args.flavor, args.vocab_size), resolve_preset_name(args.preset, "--preset"),
+                  batch=args.batch, seq_len=args.seq_len, optimizer=args.optimizer, checkpointing=args.checkpointing,
+                  dp_shard=args.dp_shard, dp_replicate=args.dp_replicate, tp=args.tp,
+                  reshard_after_forward=not args.no_reshard, attention=args.attention,
+                  bandwidth_gbps=args.bandwidth_gbps)
     result = plan(setup)
     if args.json:
         print(json.dumps(result, indent=2))

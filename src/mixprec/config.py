@@ -37,11 +37,14 @@ class Model:
     """Key/value heads for grouped-query attention; 0 keeps the flavor's."""
     tie_embeddings: str = "flavor"
     """Share the embedding and output weights: true, false, or flavor (the flavor's choice)."""
+    attention: str = "eager"
+    """eager (explicit FP32 softmax, observable by the audit) or sdpa (PyTorch's fused scaled_dot_product_attention)."""
 
     def __post_init__(self):
         _check(self.n_kv_heads >= 0, "model.n_kv_heads", self.n_kv_heads, "0 (flavor's) or a divisor of n_heads")
         _check(self.tie_embeddings in ("true", "false", "flavor"), "model.tie_embeddings",
                self.tie_embeddings, "true, false, flavor")
+        _check(self.attention in ("eager", "sdpa"), "model.attention", self.attention, "eager, sdpa")
 
 
 @dataclass(frozen=True)

@@ -52,3 +52,10 @@ def test_silent_fp32_compute_fails(tmp_path, text_file, capsys, monkeypatch):
     assert audit(tmp_path, text_file, "--precision.preset", "bf16-mixed") == 1
     stages = {r["stage"]: r for r in json.loads(capsys.readouterr().out)["stages"]}
     assert stages["matmul output"]["observed"] == ["float32"] and not stages["matmul output"]["ok"]
+
+
+def test_fused_attention_is_reported_instead_of_its_hidden_softmax(tmp_path, text_file, capsys):
+    assert audit(tmp_path, text_file, "--precision.preset", "bf16-mixed", "--model.attention", "sdpa") == 0
+    stages = {r["stage"]: r for r in json.loads(capsys.readouterr().out)["stages"]}
+    assert stages["fused attention output (SDPA)"]["observed"] == ["bfloat16"]
+    assert stages["softmax"]["promised"] is None and stages["softmax"]["observed"] == []

@@ -73,3 +73,22 @@ def test_bad_shapes_are_user_errors():
         model_args("debug", 256, n_kv_heads=3)
     with pytest.raises(UserError, match="accepted: debug, small"):
         model_args("tiny", 256)
+
+
+def _sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    return (20 * torch.log10(ref.norm() / (ref - x).norm())).item()
+
+
+def test_sdpa_attention_matches_eager():
+    from dataclasses import replace
+
+    args = model_args("debug", 256)
+    eager = build_model(args, device="cpu", storage_dtype=torch.float32, seed=0)
+    fused = build_model(replace(args, attention="sdpa"), device="cpu", storage_dtype=torch.float32, seed=0)
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    ref = eager(tokens)
+    assert _sqnr(ref, fused(tokens)) > 100  # the same math in FP32, another summation order
+    # in BF16 both land as close to the FP32 reference: the fused kernel keeps its softmax in FP32 too
+    with torch.autocast("cpu", torch.bfloat16):
+        eager_bf16, fused_bf16 = eager(tokens), fused(tokens)
+    assert _sqnr(ref, fused_bf16) > _sqnr(ref, eager_bf16) - 3 and _sqnr(ref, fused_bf16) > 25

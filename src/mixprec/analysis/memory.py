@@ -40,11 +40,13 @@ class Setup:
     dp_replicate: int = 1
     tp: int = 1
     reshard_after_forward: bool = True
+    attention: str = "eager"  # or "sdpa": no (T, T) tensors saved
     bandwidth_gbps: float = 100.0  # per device, for the communication time
 
     def __post_init__(self):
         for name, value, accepted in (("preset", self.preset, PRESETS), ("optimizer", self.optimizer, OPTIMIZER_STATES),
-                                      ("checkpointing", self.checkpointing, CHECKPOINTING)):
+                                      ("checkpointing", self.checkpointing, CHECKPOINTING),
+                                      ("attention", self.attention, ("eager", "sdpa"))):
             if value not in accepted:
                 raise UserError(f"--{name} {value!r} is not known; accepted: {', '.join(accepted)}")
         for name in ("batch", "seq_len", "dp_shard", "dp_replicate", "tp"):
@@ -61,7 +63,8 @@ def _nbytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _block_activations(a: ModelArgs, B: int, T: int, c: int, r: int, n: int, casts: bool, tp: int) -> int:
+def _block_activations(a: ModelArgs, B: int, T: int, c: int, r: int, n: int, casts: bool, tp: int,
+                       sdpa: bool = False) -> int:
     """Bytes one transformer block saves for backward. c: matmul dtype bytes; r: the
     residual stream's; n: the norm output's; casts: autocast copies each linear's input."""
     D, F, H = a.dim, a.ffn_dim // tp, a.n_heads // tp
@@ -73,7 +76,10 @@ def _block_activations(a: ModelArgs, B: int, T: int, c: int, r: int, n: int, cas
     inputs = 5 * c * BT * D if casts else 2 * n * BT * D
     rope = (4 + c) * BT * Dq + 4 * BT * Dkv  # FP32 copies for the rotation, the rotated q
     kv = 2 * c * BT * Dq  # keys and values repeated to every query head
-    scores = (4 + (c if c != 4 else 0)) * B * H * T * T  # FP32 softmax output (and its cast back)
+    if sdpa:  # the fused kernel saves its output and one FP32 log-sum-exp per row
+        scores = c * BT * Dq + 4 * B * H * T
+    else:  # the FP32 softmax output (and its cast back)
+        scores = (4 + (c if c != 4 else 0)) * B * H * T * T
     out = c * BT * Dq  # attention output, the input of wo
     mlp = 4 * c * BT * F  # w1 out, silu out, w3 out, their product
     return norms + inputs + rope + kv + scores + out + mlp
@@ -124,7 +130,7 @@ def plan(s: Setup) -> dict:
     r = 4 if autocast and not p.master_weights else c if sharded else st  # the residual stream
     norm_w = 4 if master else (c if sharded else st)
     n = max(r, norm_w)
-    block = _block_activations(a, B, T, c, r, n, autocast and n != c, s.tp)
+    block = _block_activations(a, B, T, c, r, n, autocast and n != c, s.tp, s.attention == "sdpa")
     inputs = r * B * T * a.dim  # what a checkpointed block keeps: its input
     if s.checkpointing == "full":
         layers = a.n_layers * inputs + block  # one block recomputed at a time

@@ -34,6 +34,7 @@ class ModelArgs:
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
     tie_embeddings: bool = False
+    attention: str = "eager"  # or "sdpa": F.scaled_dot_product_attention, fused, no (T, T) tensors kept
 
     def __post_init__(self):
         if self.dim % self.n_heads:
@@ -121,6 +122,7 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.sdpa = args.attention == "sdpa"
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
@@ -137,6 +139,9 @@ class Attention(nn.Module):
         repeats = self.n_heads // self.n_kv_heads
         k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
+        if self.sdpa:  # the fused kernels accumulate the softmax of BF16/FP16 inputs in FP32
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
+            return self.wo(out)
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, H, T, T)
         # Softmax in FP32: exp() of BF16 scores overflows or rounds the small
         # probabilities away; autocast on CPU would leave it in BF16.

@@ -114,6 +114,7 @@ class Trainer:
             overrides["n_kv_heads"] = mcfg.n_kv_heads
         if mcfg.tie_embeddings != "flavor":
             overrides["tie_embeddings"] = mcfg.tie_embeddings == "true"
+        overrides["attention"] = mcfg.attention
         self.args = model_args(mcfg.flavor, self.tokenizer.vocab_size, **overrides)
         if tcfg.seq_len > self.args.max_seq_len:
             raise UserError(f"training.seq_len {tcfg.seq_len} exceeds the {mcfg.flavor} flavor's "

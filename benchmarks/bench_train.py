@@ -1,0 +1,184 @@
+"""Training throughput, MFU, peak memory and a step-time breakdown per preset, side by
+side, against a minimal plain-PyTorch loop on the identical model.
+
+Each preset runs in its own process (so its peak memory is its own):
+- mixprec: Trainer.train_step, the trainer's real step (policy hooks, clipping, loss
+  scaling, data); then the same step taken apart with timers: forward, backward,
+  optimizer.step, and the policy's bookkeeping (unscale, inf check, clipping, the
+  loss-scale update) as the rest of Policy.step;
+- plain: `with torch.autocast(...): loss = model(x, y)`, `loss.backward()`,
+  clip_grad_norm_, fused AdamW step, zero_grad: nothing else. It is run with
+  mixprec's matmul emulation on (the same GEMM kernels, so the ratio is the
+  framework's overhead) and, for a couple of steps, as a user would run it here
+  (native low-precision kernels).
+MFU is model FLOPs (6N per token plus attention) per second against the best FP32 and
+BF16 GEMM throughput bench_gemm.py measures on the same shapes.
+
+    python benchmarks/bench_train.py --flavor small --presets fp32,bf16-mixed,bf16-true,fp16-mixed
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_gemm import SHAPES, cases, gflops  # noqa: E402
+
+
+def _timed(fn, steps: int, warmup: int = 2) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def one(preset: str, flavor: str, steps: int, native_steps: int, extra: list[str]) -> dict:
+    from mixprec.config import load_config
+    from mixprec.models.llama import build_model
+    from mixprec.precision.emulation import EmulatedMatmul
+    from mixprec.train.trainer import Trainer
+
+    overrides = {"model.flavor": flavor, "precision.preset": preset, "checkpoint.enable": "false",
+                 "metrics.progress_bar": "false", "metrics.plot": "false", "training.eval_interval": "0",
+                 "training.warmup_steps": "1"}
+    overrides.update({k.removeprefix("--"): v for k, v in zip(extra[::2], extra[1::2])})  # --section.key value
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides["job.dump_folder"] = tmp
+        trainer = Trainer(load_config(None, overrides))
+    policy, model, opt = trainer.policy, trainer.model, trainer.optimizer
+    batches = [trainer.loader.next_batch() for _ in range(4)]
+    tokens = batches[0][0].numel()
+    result = {"preset": preset, "tokens_per_step": tokens,
+              "flops_per_token": trainer.raw_model.flops_per_token(batches[0][0].shape[1])}
+
+    # 1. the trainer's step
+    result["mixprec_step_s"] = statistics.median(_timed(trainer.train_step, steps))
+
+    # 2. the same step with timers
+    parts = {"forward": [], "backward": [], "optimizer": [], "bookkeeping": []}
+    inner_step = opt.step
+
+    def timed_opt_step(*a, **k):
+        start = time.perf_counter()
+        out = inner_step(*a, **k)
+        parts["optimizer"].append(time.perf_counter() - start)
+        return out
+
+    opt.step = timed_opt_step
+    for i in range(steps + 2):
+        x, y = batches[i % len(batches)]
+        t0 = time.perf_counter()
+        with policy.autocast():
+            loss = model(x, y)
+        t1 = time.perf_counter()
+        policy.backward(loss)
+        t2 = time.perf_counter()
+        n_opt = len(parts["optimizer"])
+        policy.step(opt, 1.0)
+        t3 = time.perf_counter()
+        opt_time = parts["optimizer"][-1] if len(parts["optimizer"]) > n_opt else 0.0
+        if i >= 2:
+            parts["forward"].append(t1 - t0)
+            parts["backward"].append(t2 - t1)
+            parts["bookkeeping"].append(t3 - t2 - opt_time)
+    opt.step = inner_step
+    parts["optimizer"] = parts["optimizer"][2:]
+    result["breakdown_s"] = {k: statistics.median(v) if v else 0.0 for k, v in parts.items()}
+
+    # 3. the plain loop on the identical model and batches
+    def plain(emulate: bool, n: int) -> float:
+        ref = build_model(trainer.args, device="cpu", storage_dtype=policy.storage_dtype, seed=0)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, fused=True)
+        low = policy.param_dtype != policy.storage_dtype
+        it = iter(range(10**9))
+
+        def step():
+            x, y = batches[next(it) % len(batches)]
+            mode = EmulatedMatmul() if emulate and policy.param_dtype != torch.float32 else contextlib.nullcontext()
+            with mode:
+                with torch.autocast("cpu", dtype=policy.param_dtype, enabled=low):
+                    loss = ref(x, y)
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+
+        return statistics.median(_timed(step, n, warmup=1 if n < 3 else 2))
+
+    result["plain_emulated_step_s"] = plain(True, steps)
+    if native_steps and policy.param_dtype != torch.float32:
+        result["plain_native_step_s"] = plain(False, native_steps)
+    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["training_state_bytes"] = (sum(p.numel() * p.element_size() for p in trainer.raw_model.parameters())
+                                      + sum(t.numel() * t.element_size() for s in opt.state.values()
+                                            for t in s.values() if torch.is_tensor(t)))
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--flavor", default="small")
+    p.add_argument("--presets", default="fp32,bf16-mixed,bf16-true,fp16-mixed")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--native-steps", type=int, default=1, help="plain-loop steps with native kernels; 0 skips")
+    p.add_argument("--native-presets", default="bf16-mixed", help="presets to run the native plain loop for (slow "
+                   "on CPUs without BF16/FP16 GEMM kernels)")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one preset in this process
+    p.add_argument("--json", help="also write the results here")
+    args, extra = p.parse_known_args()
+    if args.one:
+        print(json.dumps(one(args.one, args.flavor, args.steps, args.native_steps, extra)))
+        return
+    gemm = {}
+    for shape in ("small w1", "small w2"):
+        m, k, n = SHAPES[shape]
+        c = cases(m, k, n, torch.device("cpu"))
+        for kind in ("fp32", "bf16 native"):
+            gemm[kind] = max(gemm.get(kind, 0), gflops(c[kind], 2 * m * k * n, torch.device("cpu")) * 1e9)
+    results = []
+    for preset in args.presets.split(","):
+        cmd = [sys.executable, __file__, "--one", preset, "--flavor", args.flavor, "--steps", str(args.steps),
+               "--native-steps", str(args.native_steps if preset in args.native_presets.split(",") else 0), *extra]
+        print(f"--- {preset}", flush=True)
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    base = results[0]
+    print(f"\n{args.flavor} flavor, {base['tokens_per_step']} tokens per step, {torch.get_num_threads()} threads; "
+          f"GEMM peaks: fp32 {gemm['fp32'] / 1e9:.0f}, native bf16 {gemm['bf16 native'] / 1e9:.0f} GFLOP/s")
+    head = (f"{'preset':<12}{'tok/s':>8}{'vs base':>8}{'MFU fp32pk':>11}{'MFU bf16pk':>11}{'fwd ms':>8}{'bwd ms':>8}"
+            f"{'opt ms':>8}{'prec ms':>8}{'plain/mix':>10}{'native tok/s':>13}{'peak RSS MiB':>13}{'vs base':>8}")
+    print(head)
+    for r in results:
+        tps = r["tokens_per_step"] / r["mixprec_step_s"]
+        r["tokens_per_sec"] = tps
+        r["mfu_fp32_peak"] = r["flops_per_token"] * tps / gemm["fp32"]
+        r["mfu_bf16_peak"] = r["flops_per_token"] * tps / gemm["bf16 native"]
+        r["mixprec_vs_plain"] = r["plain_emulated_step_s"] / r["mixprec_step_s"]
+        b = r["breakdown_s"]
+        native = r["tokens_per_step"] / r["plain_native_step_s"] if "plain_native_step_s" in r else None
+        print(f"{r['preset']:<12}{tps:>8.0f}{tps * base['mixprec_step_s'] / base['tokens_per_step']:>8.2f}"
+              f"{r['mfu_fp32_peak']:>11.1%}{r['mfu_bf16_peak']:>11.0%}{b['forward'] * 1e3:>8.0f}"
+              f"{b['backward'] * 1e3:>8.0f}{b['optimizer'] * 1e3:>8.0f}{b['bookkeeping'] * 1e3:>8.1f}"
+              f"{r['mixprec_vs_plain']:>10.3f}{native if native else float('nan'):>13.1f}"
+              f"{r['peak_rss_bytes'] / 2**20:>13.0f}{r['peak_rss_bytes'] / base['peak_rss_bytes']:>8.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"gemm_peaks": gemm, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
