@@ -59,6 +59,7 @@ def _worker(rank: int, ranks: int, store: str, reduce_name: str, out: str) -> No
     grads = [p.grad.full_tensor() for p in model.parameters()]
     if rank == 0:
         torch.save(grads, out)
+    dist.barrier()  # no rank tears gloo down while a peer is still inside a collective
     dist.destroy_process_group()
 
 

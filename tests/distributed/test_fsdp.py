@@ -78,6 +78,7 @@ def _worker(rank: int, store_path: str, preset: str, out: str, layout: str) -> N
                        "states": sorted({str(t.dtype) for s in opt.state.values() for k, t in s.items()
                                          if k != "step"}),
                        "autocast": policy.uses_autocast, "log": messages, **seen}, f)
+    dist.barrier()  # no rank tears gloo down while a peer is still inside a collective
     dist.destroy_process_group()
 
 
@@ -172,6 +173,7 @@ def _overflow_worker(rank: int, store_path: str, out: str) -> None:
     weights = model.layers[0].attention.wq.weight.full_tensor()
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"applied": applied, "scales": scales, "checksum": float(weights.double().sum())}, f)
+    dist.barrier()  # no rank tears gloo down while a peer is still inside a collective
     dist.destroy_process_group()
 
 

@@ -13,8 +13,11 @@ import dataclasses
 import json
 import logging
 import math
+import subprocess
+import sys
 from pathlib import Path
 
+from mixprec.config import to_toml
 from mixprec.errors import UserError
 from mixprec.precision.presets import resolve_preset_name
 from mixprec.train.metrics import _pyplot, read_metrics
@@ -29,8 +32,6 @@ def run_compare(config, presets: list[str]) -> dict:
                         "baseline (for example fp32,bf16-mixed)")
     from tqdm.auto import tqdm
 
-    from mixprec.train.trainer import Trainer
-
     folder = Path(config.job.dump_folder)
     runs = {}
     for name in tqdm(names, desc="compare", unit="preset", disable=None):
@@ -40,8 +41,16 @@ def run_compare(config, presets: list[str]) -> dict:
         run_config = dataclasses.replace(config, precision=precision, training=training,
                                          job=dataclasses.replace(config.job, dump_folder=str(folder / name)),
                                          checkpoint=dataclasses.replace(config.checkpoint, enable=False))
+        # Each preset in a process of its own: a CPU's peak memory is the process's peak
+        # resident set, which one process would carry from one run into the next.
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        path = folder / name / "compare_config.toml"
+        path.write_text(to_toml(run_config))
         logger.info("compare: training %s into %s", name, folder / name)
-        runs[name] = Trainer(run_config).train()
+        proc = subprocess.run([sys.executable, "-m", "mixprec", "train", "--config", str(path)])
+        if proc.returncode != 0:
+            raise UserError(f"compare: the {name} run failed (exit code {proc.returncode}); its log is above")
+        runs[name] = json.loads((folder / name / "summary.json").read_text())
     report = judge(runs, config.compare)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
