@@ -219,6 +219,17 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         sys.stderr.write(f"mixprec {args.command}: error: {e}\n")
         return 2
+    finally:
+        _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    """Under torchrun, leave the process group before the interpreter shuts down: gloo's
+    threads must not outlive it (PyTorch's documented shutdown)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

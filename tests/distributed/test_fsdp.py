@@ -4,6 +4,7 @@ against one process."""
 import json
 import logging
 import math
+import os
 
 import pytest
 import torch
@@ -80,6 +81,10 @@ def _worker(rank: int, store_path: str, preset: str, out: str, layout: str) -> N
                        "autocast": policy.uses_autocast, "log": messages, **seen}, f)
     dist.barrier()  # no rank tears gloo down while a peer is still inside a collective
     dist.destroy_process_group()
+    # Skip interpreter finalization: gloo's worker threads can still hold finished work
+    # objects whose release then needs the GIL of a dying interpreter, and abort the
+    # process (seen as a rare SIGABRT, "terminate called without an active exception").
+    os._exit(0)
 
 
 def run_fsdp(tmp_path, preset: str, layout: str = "fsdp") -> dict:
@@ -175,6 +180,10 @@ def _overflow_worker(rank: int, store_path: str, out: str) -> None:
         json.dump({"applied": applied, "scales": scales, "checksum": float(weights.double().sum())}, f)
     dist.barrier()  # no rank tears gloo down while a peer is still inside a collective
     dist.destroy_process_group()
+    # Skip interpreter finalization: gloo's worker threads can still hold finished work
+    # objects whose release then needs the GIL of a dying interpreter, and abort the
+    # process (seen as a rare SIGABRT, "terminate called without an active exception").
+    os._exit(0)
 
 
 def test_fp16_mixed_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
