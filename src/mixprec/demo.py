@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mixprec.distributed.parallel import end_spawned_worker
 from mixprec.models.llama import build_model, model_args
 
 BF16 = torch.bfloat16
@@ -59,12 +60,7 @@ def _worker(rank: int, ranks: int, store: str, reduce_name: str, out: str) -> No
     grads = [p.grad.full_tensor() for p in model.parameters()]
     if rank == 0:
         torch.save(grads, out)
-    dist.barrier()  # no rank tears gloo down while a peer is still inside a collective
-    dist.destroy_process_group()
-    # Skip interpreter finalization: gloo's worker threads can still hold finished work
-    # objects whose release then needs the GIL of a dying interpreter, and abort the
-    # process (seen as a rare SIGABRT, "terminate called without an active exception").
-    os._exit(0)
+    end_spawned_worker()
 
 
 def measure(ranks: int = 2) -> dict[str, float]:

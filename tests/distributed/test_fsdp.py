@@ -4,7 +4,6 @@ against one process."""
 import json
 import logging
 import math
-import os
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch.multiprocessing as mp
 
 from mixprec import Policy, UserError, build_model, model_args
 from mixprec.distributed import apply_fsdp
+from mixprec.distributed.parallel import end_spawned_worker
 from mixprec.distributed.tensor_parallel import apply_tensor_parallel
 
 WORLD = 2
@@ -79,12 +79,7 @@ def _worker(rank: int, store_path: str, preset: str, out: str, layout: str) -> N
                        "states": sorted({str(t.dtype) for s in opt.state.values() for k, t in s.items()
                                          if k != "step"}),
                        "autocast": policy.uses_autocast, "log": messages, **seen}, f)
-    dist.barrier()  # no rank tears gloo down while a peer is still inside a collective
-    dist.destroy_process_group()
-    # Skip interpreter finalization: gloo's worker threads can still hold finished work
-    # objects whose release then needs the GIL of a dying interpreter, and abort the
-    # process (seen as a rare SIGABRT, "terminate called without an active exception").
-    os._exit(0)
+    end_spawned_worker()
 
 
 def run_fsdp(tmp_path, preset: str, layout: str = "fsdp") -> dict:
@@ -178,12 +173,7 @@ def _overflow_worker(rank: int, store_path: str, out: str) -> None:
     weights = model.layers[0].attention.wq.weight.full_tensor()
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"applied": applied, "scales": scales, "checksum": float(weights.double().sum())}, f)
-    dist.barrier()  # no rank tears gloo down while a peer is still inside a collective
-    dist.destroy_process_group()
-    # Skip interpreter finalization: gloo's worker threads can still hold finished work
-    # objects whose release then needs the GIL of a dying interpreter, and abort the
-    # process (seen as a rare SIGABRT, "terminate called without an active exception").
-    os._exit(0)
+    end_spawned_worker()
 
 
 def test_fp16_mixed_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):

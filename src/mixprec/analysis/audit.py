@@ -26,7 +26,7 @@ from mixprec.precision.emulation import _MATMULS, EmulatedMatmul
 from mixprec.precision.master import is_norm
 
 aten = torch.ops.aten
-FP32 = "float32"
+FP32 = torch.float32
 
 
 class _Observer(EmulatedMatmul):
@@ -36,7 +36,7 @@ class _Observer(EmulatedMatmul):
     def __init__(self, emulate: bool):
         super().__init__()
         self.emulate, self.backward = emulate, False
-        self.seen: dict[str, set[str]] = defaultdict(set)
+        self.seen: dict[str, set[torch.dtype]] = defaultdict(set)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -45,26 +45,26 @@ class _Observer(EmulatedMatmul):
         if func in _MATMULS:
             out = super().__torch_dispatch__(func, types, args, kwargs) if self.emulate else func(*args, **kwargs)
             if self.backward:
-                self.seen["local gradients (backward matmuls)"].add(dtype_name(out.dtype))
+                self.seen["local gradients (backward matmuls)"].add(out.dtype)
             else:
-                self.seen["compute parameters (matmul operands)"] |= {dtype_name(t.dtype) for t in tensors[-2:]}
-                self.seen["matmul output"].add(dtype_name(out.dtype))
+                self.seen["compute parameters (matmul operands)"] |= {t.dtype for t in tensors[-2:]}
+                self.seen["matmul output"].add(out.dtype)
             return out
         out = func(*args, **kwargs)
         if func is aten.rsqrt.default and not self.backward:
-            self.seen["norm (rsqrt)"].add(dtype_name(out.dtype))
+            self.seen["norm (rsqrt)"].add(out.dtype)
         elif func is aten._softmax.default and not self.backward:
-            self.seen["softmax"].add(dtype_name(out.dtype))
+            self.seen["softmax"].add(out.dtype)
         elif name.startswith("_scaled_dot_product") and not self.backward:
-            self.seen["fused attention output (SDPA)"].add(dtype_name(out[0].dtype))
+            self.seen["fused attention output (SDPA)"].add(out[0].dtype)
         elif func is aten._log_softmax.default and not self.backward:
-            self.seen["logits (log-softmax input)"].add(dtype_name(args[0].dtype))
+            self.seen["logits (log-softmax input)"].add(args[0].dtype)
         elif func is aten.nll_loss_forward.default and not self.backward:
-            self.seen["loss"].add(dtype_name(out[0].dtype))
+            self.seen["loss"].add(out[0].dtype)
         elif "all_gather" in name and tensors:
-            self.seen["all-gather traffic"] |= {dtype_name(t.dtype) for t in tensors}
+            self.seen["all-gather traffic"] |= {t.dtype for t in tensors}
         elif "reduce_scatter" in name and tensors:
-            self.seen["reduce-scatter traffic"] |= {dtype_name(t.dtype) for t in tensors}
+            self.seen["reduce-scatter traffic"] |= {t.dtype for t in tensors}
         return out
 
 
@@ -72,9 +72,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def promises(policy) -> dict[str, set[str] | None]:
+def promises(policy) -> dict[str, set[torch.dtype] | None]:
     """The dtypes the policy promises at each stage (after setup: `sharded` is known)."""
-    storage, compute = dtype_name(policy.storage_dtype), dtype_name(policy.param_dtype)
+    storage, compute = policy.storage_dtype, policy.param_dtype
     stored = {storage, FP32} if policy.master_weights and not policy.sharded else {storage}
     return {
         "stored parameters": stored,
@@ -91,7 +91,7 @@ def promises(policy) -> dict[str, set[str] | None]:
         "optimizer states": {FP32} if policy.master_weights else {storage},
         "master weights": {FP32} if policy.master_weights else None,
         "all-gather traffic": {compute} if policy.sharded else None,
-        "reduce-scatter traffic": {dtype_name(policy.reduce_dtype)} if policy.sharded else None,
+        "reduce-scatter traffic": {policy.reduce_dtype} if policy.sharded else None,
     }
 
 
@@ -115,14 +115,14 @@ def run_audit(config) -> dict:
         hooks = [model.register_forward_pre_hook(lambda *_: setattr(observer, "backward", False)),
                  model.register_forward_hook(lambda *_: setattr(observer, "backward", True))]
 
-        def grads() -> set[str]:
-            return {dtype_name(_local(p.grad).dtype) for p in model.parameters() if p.grad is not None}
+        def grads() -> set[torch.dtype]:
+            return {_local(p.grad).dtype for p in model.parameters() if p.grad is not None}
 
         def after_backward(micro: int) -> None:
             # micro-batch 0: accumulated locally; micro-batch 1: reduced across ranks
             observer.seen["accumulated gradients (micro-batch 1 of 2)" if micro == 0 else "reduced gradients"] |= grads()
 
-        stored = {dtype_name(_local(p).dtype) for p in model.parameters()}
+        stored = {_local(p).dtype for p in model.parameters()}
         with observer:
             trainer.train_step(before_step=after_backward)
         for h in hooks:
@@ -130,25 +130,25 @@ def run_audit(config) -> dict:
         policy.emulate_matmul = observer.emulate
         seen = observer.seen
         seen["stored parameters"] = stored
-        seen["optimizer states"] = {dtype_name(_local(t).dtype) for s in trainer.optimizer.state.values()
+        seen["optimizer states"] = {_local(t).dtype for s in trainer.optimizer.state.values()
                                     for k, t in s.items() if torch.is_tensor(t) and k != "step"}
         if policy._master is not None:
-            seen["master weights"] = {dtype_name(m.dtype) for m in policy._master.named_masters(model).values()}
+            seen["master weights"] = {m.dtype for m in policy._master.named_masters(model).values()}
         elif policy.master_weights and policy.sharded:
             seen["master weights"] = stored  # the sharded parameters are the masters
         expected = promises(policy)
         if seen.get("fused attention output (SDPA)"):
             # the softmax runs inside the fused kernel (FP32 accumulators), out of the dispatcher's sight
             expected["softmax"] = None
-            expected["fused attention output (SDPA)"] = {dtype_name(policy.param_dtype)}
+            expected["fused attention output (SDPA)"] = {policy.param_dtype}
         rows = []
         for stage, promise in expected.items():
-            observed = sorted(seen.get(stage, ()))
-            ok = promise is None or set(observed) <= promise
+            observed = seen.get(stage, set())  # torch dtypes; named only for the report
+            ok = promise is None or observed <= promise
             if promise is not None and not observed and not stage.endswith("traffic"):
                 ok = False  # a promised stage that never happened is a broken promise too
-            rows.append({"stage": stage, "promised": sorted(promise) if promise else None,
-                         "observed": observed, "ok": ok})
+            rows.append({"stage": stage, "promised": sorted(map(dtype_name, promise)) if promise else None,
+                         "observed": sorted(map(dtype_name, observed)), "ok": ok})
         path = ("fully_shard (FSDP2's MixedPrecisionPolicy)" if policy.sharded
                 else "torch.autocast" if policy.uses_autocast else "none: parameters are already in the compute dtype")
         return {"precision": policy.name, "path": path, "world_size": trainer.dims.world_size,

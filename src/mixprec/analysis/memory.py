@@ -59,10 +59,6 @@ class Setup:
                                 f"n_heads {a.n_heads}, n_kv_heads {a.n_kv_heads} and ffn width {a.ffn_dim}")
 
 
-def _nbytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _block_activations(a: ModelArgs, B: int, T: int, c: int, r: int, n: int, casts: bool, tp: int,
                        sdpa: bool = False) -> int:
     """Bytes one transformer block saves for backward. c: matmul dtype bytes; r: the
@@ -95,9 +91,9 @@ def plan(s: Setup) -> dict:
     master = p.master_weights and not sharded  # under FSDP the sharded FP32 params are the masters
     storage = FP32 if p.master_weights and sharded else p.storage_dtype
     autocast = not sharded and (p.param_dtype != p.storage_dtype or p.master_weights)
-    c, st = _nbytes(p.param_dtype), _nbytes(storage)
+    c, st = p.param_dtype.itemsize, storage.itemsize
 
-    params = grads = masters = states = cast_cache = unit_max = linear_params = 0
+    params = grads = masters = states = cast_cache = linear_params = 0
     n_params = 0
     seen = set()
     for fqn, module in model.named_modules():

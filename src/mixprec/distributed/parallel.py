@@ -26,6 +26,16 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def end_spawned_worker() -> None:
+    """The last call of a torch.multiprocessing.spawn worker: leave the group together,
+    then exit without interpreter finalization. gloo's threads can still hold finished
+    work objects whose release needs the GIL of a dying interpreter, which aborts the
+    process (a rare SIGABRT, "terminate called without an active exception")."""
+    dist.barrier()  # no rank tears gloo down while a peer is still inside a collective
+    dist.destroy_process_group()
+    os._exit(0)
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     dp_replicate: int

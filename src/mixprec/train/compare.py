@@ -20,7 +20,7 @@ from pathlib import Path
 from mixprec.config import to_toml
 from mixprec.errors import UserError
 from mixprec.precision.presets import resolve_preset_name
-from mixprec.train.metrics import _pyplot, read_metrics
+from mixprec.train.metrics import _pyplot, _save, read_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -121,13 +121,7 @@ def plot_loss_curves(metrics: dict[str, Path], out: Path) -> None:
         val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
         if val:
             ax.plot(*zip(*val), "o-", color=color, label=f"{name} validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, ax, out, "cross-entropy (nats/token)")
 
 
 def plot_speed_memory(report: dict, out: Path) -> None:
