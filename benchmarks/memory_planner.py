@@ -15,17 +15,22 @@ import torch
 
 from mixprec import Policy, build_model, model_args
 from mixprec.analysis.memory import Setup, plan
+from mixprec.models.loss import chunk_tokens
+from mixprec.train.parallelize import apply_activation_checkpointing
 
 
-def measured_peak(flavor: str, preset: str, batch: int, seq_len: int, attention: str = "eager") -> float:
+def measured_peak(flavor: str, preset: str, batch: int, seq_len: int, attention: str = "eager",
+                  checkpointing: str = "none", vocab_size: int = 256, loss: str = "full") -> float:
     """Peak bytes of one steady-state training step, as MemTracker sees it."""
     from dataclasses import replace
 
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    args = replace(model_args(flavor, 256), attention=attention)
+    args = replace(model_args(flavor, vocab_size), attention=attention,
+                   loss_chunk=chunk_tokens(vocab_size) if loss == "chunked" else 0)
     policy = Policy.from_preset(preset)
     model = build_model(args, device="cpu", storage_dtype=policy.storage_dtype, seed=0)
+    apply_activation_checkpointing(model, checkpointing)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     policy.setup(model, opt)
     x = torch.randint(0, args.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
@@ -52,12 +57,15 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--attention", default="eager", choices=["eager", "sdpa"])
+    p.add_argument("--checkpointing", default="none", choices=["none", "selective", "full"])
+    p.add_argument("--loss", default="full", choices=["full", "chunked"])
+    p.add_argument("--vocab-size", type=int, default=256)
     a = p.parse_args()
     print(f"{'preset':<12} {'measured MiB':>13} {'planned MiB':>12} {'error':>7}")
     for preset in a.presets.split(","):
-        got = measured_peak(a.flavor, preset, a.batch, a.seq_len, a.attention)
-        want = plan(Setup(model_args(a.flavor, 256), preset, a.batch, a.seq_len,
-                          attention=a.attention))["bytes"]["peak"]
+        got = measured_peak(a.flavor, preset, a.batch, a.seq_len, a.attention, a.checkpointing, a.vocab_size, a.loss)
+        want = plan(Setup(model_args(a.flavor, a.vocab_size), preset, a.batch, a.seq_len, attention=a.attention,
+                          checkpointing=a.checkpointing, loss=a.loss))["bytes"]["peak"]
         print(f"{preset:<12} {got / 2**20:13.1f} {want / 2**20:12.1f} {want / got - 1:+7.1%}", flush=True)
 
 

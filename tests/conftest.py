@@ -23,7 +23,7 @@ def tiny_args(folder: Path, source: Path, *extra: str) -> list[str]:
     return ["train", "--model.flavor", "debug", "--data.source", str(source), "--job.dump_folder", str(folder),
             "--training.steps", "6", "--training.seq_len", "32", "--training.local_batch_size", "4",
             "--training.warmup_steps", "2", "--training.eval_interval", "3", "--training.eval_batches", "2",
-            "--metrics.progress_bar", "false", "--metrics.plot", "false", *extra]
+            "--metrics.progress_bar", "false", "--metrics.plot", "false", "--training.device", "cpu", *extra]
 
 
 def run_train(folder: Path, source: Path, *extra: str) -> list[dict]:

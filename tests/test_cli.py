@@ -12,7 +12,7 @@ from mixprec.cli import build_parser, main
 SURFACE = """
 --config
 --job.dump_folder --job.description
---model.flavor --model.n_kv_heads --model.tie_embeddings --model.attention
+--model.flavor --model.n_kv_heads --model.tie_embeddings --model.attention --model.loss
 --data.source --data.tokenizer --data.bpe_vocab_size --data.val_fraction
 --training.steps --training.seq_len --training.local_batch_size --training.global_batch_size --training.lr
 --training.warmup_steps --training.min_lr_factor --training.weight_decay --training.beta1 --training.beta2 --training.eps
@@ -20,13 +20,15 @@ SURFACE = """
 --training.early_stopping_patience --training.dtype --training.mixed_precision_param
 --training.mixed_precision_reduce
 --precision.preset --precision.param_dtype --precision.reduce_dtype --precision.storage_dtype
---precision.emulate_matmul
+--precision.emulate_matmul --precision.tf32
 --loss_scale.init_scale --loss_scale.growth_factor --loss_scale.backoff_factor --loss_scale.growth_interval
 --loss_scale.min_scale --loss_scale.max_scale --loss_scale.hysteresis --loss_scale.fallback_after
 --loss_scale.fallback_to
 --parallelism.data_parallel_replicate_degree --parallelism.data_parallel_shard_degree
 --parallelism.tensor_parallel_degree --parallelism.pipeline_parallel_degree --parallelism.fsdp_reshard_after_forward
 --parallelism.enable_cpu_offload
+--activation_checkpoint.mode
+--compile.enable --compile.components
 --checkpoint.enable --checkpoint.folder --checkpoint.interval --checkpoint.keep_latest_k --checkpoint.load_step
 --metrics.log_freq --metrics.enable_tensorboard --metrics.plot --metrics.progress_bar
 --compare.max_loss_diff --compare.max_perplexity_diff --compare.max_overflow_rate

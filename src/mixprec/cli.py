@@ -44,7 +44,7 @@ def _config_parser(sub, name: str, help: str, description: str) -> argparse.Argu
         for f in fields(cls):
             default = f.default if f.default is not MISSING else None
             # Values stay strings here; load_config converts and checks them by the field's type.
-            group.add_argument(f"--{table}.{f.name}", dest=f"{table}.{f.name}", metavar=types[f.name].__name__.upper(),
+            group.add_argument(f"--{table}.{f.name}", dest=f"{table}.{f.name}", metavar="LIST" if types[f.name] == tuple[str, ...] else types[f.name].__name__.upper(),
                                default=argparse.SUPPRESS, nargs="?" if types[f.name] is bool else None,
                                const="true" if types[f.name] is bool else None,
                                help=f"{docs.get(f.name, '')} (default: {default!r})".replace("%", "%%"))

@@ -37,14 +37,17 @@ class Model:
     """Key/value heads for grouped-query attention; 0 keeps the flavor's."""
     tie_embeddings: str = "flavor"
     """Share the embedding and output weights: true, false, or flavor (the flavor's choice)."""
-    attention: str = "eager"
-    """eager (explicit FP32 softmax, observable by the audit) or sdpa (PyTorch's fused scaled_dot_product_attention)."""
+    attention: str = "auto"
+    """eager (explicit FP32 softmax, observable by the audit), sdpa (PyTorch's fused scaled_dot_product_attention), or auto: sdpa on CUDA, eager on a CPU (where the fused BF16 kernel is slower)."""
+    loss: str = "auto"
+    """full (the micro-batch's FP32 logits at once), chunked (output projection and loss a chunk of tokens at a time, gradients computed in the same pass: the full logits never exist), or auto: chunked when a micro-batch's FP32 logits exceed 256 MiB."""
 
     def __post_init__(self):
         _check(self.n_kv_heads >= 0, "model.n_kv_heads", self.n_kv_heads, "0 (flavor's) or a divisor of n_heads")
         _check(self.tie_embeddings in ("true", "false", "flavor"), "model.tie_embeddings",
                self.tie_embeddings, "true, false, flavor")
-        _check(self.attention in ("eager", "sdpa"), "model.attention", self.attention, "eager, sdpa")
+        _check(self.attention in ("auto", "eager", "sdpa"), "model.attention", self.attention, "auto, eager, sdpa")
+        _check(self.loss in ("auto", "chunked", "full"), "model.loss", self.loss, "auto, chunked, full")
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,8 @@ class Precision:
     """Dtype of stored parameters, gradients and optimizer states; empty: the preset's."""
     emulate_matmul: str = "auto"
     """bfloat16/float16 matmuls as float32 GEMMs on the rounded operands: true, false, or auto (when the device has no native kernel)."""
+    tf32: bool = False
+    """float32 matmuls on CUDA as TF32 (10-bit mantissa inputs, float32 accumulation; torch.set_float32_matmul_precision("high")). Off: true float32, as in Lightning's 32-true."""
 
     def __post_init__(self):
         _check(self.emulate_matmul in ("auto", "true", "false"), "precision.emulate_matmul", self.emulate_matmul,
@@ -222,8 +227,34 @@ class Parallelism:
                "parallelism.fsdp_reshard_after_forward", self.fsdp_reshard_after_forward, "default, always, never")
 
 
+COMPILE_COMPONENTS = ("model", "loss")
+
+
+@dataclass(frozen=True)
+class Compile:
+    enable: bool = False
+    """torch.compile the components below (Inductor). On a CPU that emulates bfloat16/float16 matmuls the emulation cannot be traced: those runs stay eager, with a log line saying so."""
+    components: tuple[str, ...] = COMPILE_COMPONENTS
+    """What to compile: model (each transformer block on its own, as TorchTitan does) and loss (the final norm's output projection and the loss)."""
+
+    def __post_init__(self):
+        _check(bool(self.components) and set(self.components) <= set(COMPILE_COMPONENTS), "compile.components",
+               list(self.components), "a non-empty list of model, loss")
+
+
+@dataclass(frozen=True)
+class ActivationCheckpoint:
+    mode: str = "none"
+    """none; selective (every other transformer block keeps only its input and recomputes the rest in backward); full (every block)."""
+
+    def __post_init__(self):
+        _check(self.mode in ("none", "selective", "full"), "activation_checkpoint.mode", self.mode,
+               "none, selective, full")
+
+
 TABLES = {"job": Job, "model": Model, "data": Data, "training": Training,
           "precision": Precision, "loss_scale": LossScaleConfig, "parallelism": Parallelism,
+          "activation_checkpoint": ActivationCheckpoint, "compile": Compile,
           "checkpoint": Checkpoint, "metrics": Metrics, "compare": Compare}
 
 
@@ -236,6 +267,8 @@ class Config:
     precision: Precision
     loss_scale: LossScaleConfig
     parallelism: Parallelism
+    activation_checkpoint: ActivationCheckpoint
+    compile: Compile
     checkpoint: Checkpoint
     metrics: Metrics
     compare: Compare
@@ -259,6 +292,11 @@ def field_types(cls) -> dict[str, type]:
 def _convert(table: str, name: str, kind: type, value):
     """A TOML or command-line value converted to the field's type."""
     key = f"{table}.{name}"
+    if kind == tuple[str, ...]:  # a TOML array, or "a,b" on the command line
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+            raise UserError(f"{key}: bad value {value!r}; accepted: a list of strings (a,b on the command line)")
+        return tuple(i.strip() for i in items if i.strip())
     if isinstance(value, str) and kind is not str:
         text = value.strip().lower()
         try:
@@ -327,7 +365,7 @@ def build_policy(precision: Precision, training: Training,
             labels[field], given[field] = pairs[0]
     if precision.preset:
         return Policy.from_preset(precision.preset, labels=labels, emulate_matmul=precision.emulate,
-                                  loss_scale=loss_scale, **given)
+                                  loss_scale=loss_scale, tf32=precision.tf32, **given)
     # TorchTitan's defaults: training.dtype float32, mixed_precision_param bfloat16; a
     # bfloat16 model (training.dtype = "bfloat16") computes in bfloat16.
     storage = parse_dtype(given.get("storage_dtype", "float32"), labels.get("storage_dtype", "storage_dtype"))
@@ -336,8 +374,13 @@ def build_policy(precision: Precision, training: Training,
     reduce = given.get("reduce_dtype", "float32")
     name = preset_for(storage, param)
     if name is None:  # no mode stores in one dtype and computes in a wider one: Policy says why
-        return Policy(param_dtype=param, storage_dtype=storage, reduce_dtype=reduce)
-    return Policy.from_preset(name, emulate_matmul=precision.emulate, loss_scale=loss_scale, reduce_dtype=reduce)
+        return Policy(param_dtype=param, storage_dtype=storage, reduce_dtype=reduce, tf32=precision.tf32)
+    return Policy.from_preset(name, emulate_matmul=precision.emulate, loss_scale=loss_scale, tf32=precision.tf32,
+                              reduce_dtype=reduce)
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def to_toml(config: Config) -> str:
@@ -350,7 +393,9 @@ def to_toml(config: Config) -> str:
             if isinstance(value, bool):
                 text = "true" if value else "false"
             elif isinstance(value, str):
-                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+                text = _quote(value)
+            elif isinstance(value, tuple):
+                text = "[" + ", ".join(map(_quote, value)) + "]"
             else:
                 text = repr(value)
             lines.append(f"{f.name} = {text}")

@@ -90,8 +90,9 @@ def test_emulation_keeps_the_dtypes_users_see(preset):
         model = build_model(model_args("debug", 256), device="cpu", storage_dtype=policy.storage_dtype, seed=0)
         policy.setup(model)
         linear_dtypes = set()
+        # the blocks' projections (the output layer returns the FP32 loss)
         hooks = [m.register_forward_hook(lambda m, i, o: linear_dtypes.add(o.dtype))
-                 for m in model.modules() if isinstance(m, torch.nn.Linear)]
+                 for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
         x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
         with policy.autocast():
             loss = model(x, x)

@@ -105,7 +105,11 @@ def run_audit(config) -> dict:
             job=dataclasses.replace(config.job, dump_folder=tmp),
             training=dataclasses.replace(config.training, steps=1, eval_interval=0, global_batch_size=-1),
             checkpoint=dataclasses.replace(config.checkpoint, enable=False),
-            metrics=dataclasses.replace(config.metrics, progress_bar=False, plot=False, enable_tensorboard=False))
+            metrics=dataclasses.replace(config.metrics, progress_bar=False, plot=False, enable_tensorboard=False),
+            # the observer sees aten ops as the eager program issues them; Inductor keeps
+            # their dtypes but fuses them out of a dispatch mode's sight
+            compile=dataclasses.replace(config.compile, enable=False))
+        notes = ["audited eager: compile.enable is ignored here"] if config.compile.enable else []
         trainer = Trainer(config)
         trainer.accum = 2  # two micro-batches: accumulation is a stage of its own
         policy, model = trainer.policy, trainer.raw_model
@@ -125,6 +129,7 @@ def run_audit(config) -> dict:
         stored = {_local(p).dtype for p in model.parameters()}
         with observer:
             trainer.train_step(before_step=after_backward)
+        observed_fp32_matmul = "tfloat32" if policy.tf32_active else "float32"
         for h in hooks:
             h.remove()
         policy.emulate_matmul = observer.emulate
@@ -149,10 +154,17 @@ def run_audit(config) -> dict:
                 ok = False  # a promised stage that never happened is a broken promise too
             rows.append({"stage": stage, "promised": sorted(map(dtype_name, promise)) if promise else None,
                          "observed": sorted(map(dtype_name, observed)), "ok": ok})
+        if policy.param_dtype == FP32:
+            # FP32 matmuls as TF32 or not: torch's process-wide
+            # setting during the step, against precision.tf32 (CUDA only)
+            promised = "tfloat32" if policy.tf32 and policy.device_type == "cuda" else "float32"
+            rows.append({"stage": "float32 matmuls", "promised": [promised], "observed": [observed_fp32_matmul],
+                         "ok": observed_fp32_matmul == promised})
         path = ("fully_shard (FSDP2's MixedPrecisionPolicy)" if policy.sharded
                 else "torch.autocast" if policy.uses_autocast else "none: parameters are already in the compute dtype")
         return {"precision": policy.name, "path": path, "world_size": trainer.dims.world_size,
-                "emulated_matmuls": observer.emulate, "stages": rows, "ok": all(r["ok"] for r in rows)}
+                "emulated_matmuls": observer.emulate, "stages": rows, "notes": notes,
+                "ok": all(r["ok"] for r in rows)}
 
 
 def format_report(report: dict) -> str:
@@ -165,6 +177,7 @@ def format_report(report: dict) -> str:
         observed = ", ".join(r["observed"]) or "not observed"
         mark = "ok" if r["ok"] and r["promised"] else ("VIOLATION" if not r["ok"] else "")
         lines.append(f"{r['stage']:<{width}}  {promised:<18} {observed:<28} {mark}")
+    lines += [f"note: {n}" for n in report["notes"]]
     lines.append("audit: " + ("every observed dtype keeps the policy's promise" if report["ok"]
                               else "an observed dtype breaks the policy's promise"))
     return "\n".join(lines)

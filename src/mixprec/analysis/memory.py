@@ -21,6 +21,7 @@ import torch
 
 from mixprec.errors import UserError
 from mixprec.models.llama import Llama, ModelArgs
+from mixprec.models.loss import chunk_tokens
 from mixprec.precision.master import is_norm
 from mixprec.precision.presets import FP32, PRESETS
 
@@ -41,12 +42,14 @@ class Setup:
     tp: int = 1
     reshard_after_forward: bool = True
     attention: str = "eager"  # or "sdpa": no (T, T) tensors saved
+    loss: str = "full"  # or "chunked": model.loss, the full logits never exist
     bandwidth_gbps: float = 100.0  # per device, for the communication time
 
     def __post_init__(self):
         for name, value, accepted in (("preset", self.preset, PRESETS), ("optimizer", self.optimizer, OPTIMIZER_STATES),
                                       ("checkpointing", self.checkpointing, CHECKPOINTING),
-                                      ("attention", self.attention, ("eager", "sdpa"))):
+                                      ("attention", self.attention, ("eager", "sdpa")),
+                                      ("loss", self.loss, ("full", "chunked"))):
             if value not in accepted:
                 raise UserError(f"--{name} {value!r} is not known; accepted: {', '.join(accepted)}")
         for name in ("batch", "seq_len", "dp_shard", "dp_replicate", "tp"):
@@ -128,18 +131,26 @@ def plan(s: Setup) -> dict:
     n = max(r, norm_w)
     block = _block_activations(a, B, T, c, r, n, autocast and n != c, s.tp, s.attention == "sdpa")
     inputs = r * B * T * a.dim  # what a checkpointed block keeps: its input
-    if s.checkpointing == "full":
-        layers = a.n_layers * inputs + block  # one block recomputed at a time
-    elif s.checkpointing == "selective":
-        half = a.n_layers // 2
-        layers = (a.n_layers - half) * block + half * inputs + block
+    # Saved through the forward: each block's activations, or only its input where it
+    # recomputes in backward (selective: every other block).
+    recomputed = {"none": 0, "selective": a.n_layers // 2, "full": a.n_layers}[s.checkpointing]
+    layers = (a.n_layers - recomputed) * block + recomputed * inputs
+    norm = (4 + r) * B * T * a.dim  # the final norm's FP32 input and output
+    if s.loss == "chunked":
+        # kept: the gradients of the hidden states and (FP32) of the output weight; while
+        # one chunk runs: its logits (compute dtype), FP32 copy, log-probs, and gradient
+        chunk = min(B * T, chunk_tokens(a.vocab_size))
+        head = norm + n * B * T * a.dim + 4 * a.vocab_size * a.dim
+        transient = chunk * a.vocab_size * (c + 4 + (4 if c != 4 else 0))
     else:
-        layers = a.n_layers * block
-    head = (4 + r) * B * T * a.dim + (c if autocast else n) * B * T * a.dim + 4 * B * T * a.vocab_size
-    logits_grad = 2 * 4 * B * T * a.vocab_size  # the backward's first tensors: d(log-probs), d(logits)
+        head = norm + (c if autocast else n) * B * T * a.dim + 4 * B * T * a.vocab_size
+        transient = 2 * 4 * B * T * a.vocab_size  # the backward's first tensors: d(log-probs), d(logits)
     activations = layers + head
+    # The peak is at the loss (everything saved, plus the loss's temporaries), or, with
+    # checkpointing, possibly later: a block recomputing its activations in backward.
+    working = max(head + transient, block if recomputed else 0)
 
-    peak = params + states + masters + cast_cache + unsharded + activations + logits_grad
+    peak = params + states + masters + cast_cache + unsharded + layers + working
     # Communication per step, per device, ring algorithms: all-gather and reduce-scatter
     # move (n-1)/n of the full size, all-reduce twice that.
     comm = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}

@@ -14,6 +14,34 @@ from mixprec.errors import UserError
 logger = logging.getLogger(__name__)
 
 
+def resolve_device(name: str) -> torch.device:
+    """training.device as a device. Under torchrun every rank takes cuda:LOCAL_RANK, and a
+    node needs a GPU per process (checked before any work)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if not name.startswith("cuda"):
+        return torch.device(name)
+    if not torch.cuda.is_available():
+        raise UserError(f"training.device {name!r}: no CUDA device here; accepted: cpu, auto")
+    count, local_world = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local_world > 1:
+        if name != "cuda":
+            raise UserError(f"training.device {name!r} under torchrun: each rank takes cuda:LOCAL_RANK; "
+                            "accepted: cuda, auto, cpu")
+        if local_world > count:
+            raise UserError(f"torchrun started {local_world} processes on this node, which has {count} CUDA "
+                            f"device(s): one GPU per process; accepted: --nproc-per-node {count} or fewer, or "
+                            "training.device cpu (gloo)")
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    else:
+        device = torch.device(name if name != "cuda" else f"cuda:{torch.cuda.current_device()}")
+        if device.index >= count:
+            raise UserError(f"training.device {name!r}: this machine has {count} CUDA device(s); accepted: "
+                            f"cuda:0 to cuda:{count - 1}")
+    torch.cuda.set_device(device)  # NCCL and the caching allocator follow the current device
+    return device
+
+
 def init_distributed(device: torch.device) -> tuple[int, int]:
     """(rank, world size). Under torchrun (WORLD_SIZE > 1) this joins the process group:
     nccl on CUDA, gloo on CPU. A single process needs no group."""

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec.errors import UserError
+from mixprec.models.loss import chunked_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,10 @@ class ModelArgs:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     attention: str = "eager"  # or "sdpa": F.scaled_dot_product_attention, fused, no (T, T) tensors kept
+    loss_chunk: int = 0  # tokens per chunk of the output projection and loss; 0: the full logits at once
+
+    # How the model computes, not what it is: a checkpoint resumes under other values.
+    RUNTIME_FIELDS = ("attention", "loss_chunk")
 
     def __post_init__(self):
         if self.dim % self.n_heads:
@@ -168,10 +173,35 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
+        self.checkpointed = False  # activation checkpointing: keep only the input, recompute in backward
 
     def forward(self, x, cos, sin, mask):
+        if self.checkpointed and torch.is_grad_enabled():
+            # non-reentrant: works under autocast, FSDP2 and torch.compile, and restores the RNG state
+            return torch.utils.checkpoint.checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False)
+        return self._forward(x, cos, sin, mask)
+
+    def _forward(self, x, cos, sin, mask):
         h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Output(nn.Linear):
+    """The output projection, and the loss when targets are given. The loss lives in this
+    module's forward so that FSDP2's hooks on it (all-gather, reshard) see the call."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args.dim, args.vocab_size, bias=False)
+        self.loss_chunk = args.loss_chunk
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        # h (B, T, D) -> FP32 logits (B, T, V), or the mean loss over B*T tokens
+        if targets is None:
+            return super().forward(h).float()
+        if self.loss_chunk:
+            return chunked_cross_entropy(h.flatten(0, 1), self.weight, targets.flatten(), self.loss_chunk)
+        logits = super().forward(h).float()  # upcast before the loss: log-softmax of BF16 logits is coarse
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 class Llama(nn.Module):
@@ -181,7 +211,7 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = Output(args)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
@@ -195,10 +225,7 @@ class Llama(nn.Module):
         h = self.tok_embeddings(tokens)  # (B, T, D)
         for layer in self.layers:
             h = layer(h, cos, sin, mask)
-        logits = self.output(self.norm(h)).float()  # upcast before the loss: log-softmax of BF16 logits is coarse
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return self.output(self.norm(h), targets)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

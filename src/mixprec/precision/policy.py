@@ -74,10 +74,12 @@ class Policy:
     loss_scale: dynamic loss scaling and fallback settings; None disables scaling.
     emulate_matmul: run BF16/FP16 matmuls as FP32 GEMMs on the rounded operands
         (mixprec.precision.emulation); None decides at setup: on without a native kernel.
+    tf32: FP32 matmuls on CUDA run as TF32 (set process-wide at setup). Off, the policy
+        leaves torch's setting alone and warns when something else turned TF32 on.
     """
 
     def __init__(self, param_dtype=FP32, reduce_dtype=FP32, storage_dtype=FP32, *, master_weights: bool = False,
-                 loss_scale: LossScaleConfig | None = None, emulate_matmul: bool | None = None):
+                 loss_scale: LossScaleConfig | None = None, emulate_matmul: bool | None = None, tf32: bool = False):
         self.param_dtype = parse_dtype(param_dtype, "param_dtype")
         self.reduce_dtype = parse_dtype(reduce_dtype, "reduce_dtype")
         self.storage_dtype = parse_dtype(storage_dtype, "storage_dtype")
@@ -92,6 +94,7 @@ class Policy:
                             "accepted: storage_dtype float16 or bfloat16")
         self.master_weights = master_weights
         self.loss_scale = loss_scale
+        self.tf32 = tf32
         self.fallback_to: str | None = None  # chosen at setup from loss_scale.fallback_to
         self._emulate_requested = self.emulate_matmul = emulate_matmul
         self.requested = self.name = self._match_preset()
@@ -106,7 +109,7 @@ class Policy:
 
     @classmethod
     def from_preset(cls, name: str, *, labels: dict[str, str] | None = None, emulate_matmul: bool | None = None,
-                    loss_scale: LossScaleConfig | None = None, **overrides) -> "Policy":
+                    loss_scale: LossScaleConfig | None = None, tf32: bool = False, **overrides) -> "Policy":
         """A preset by name or alias. `overrides` may change the fields a preset only
         defaults (reduce_dtype); one that contradicts the preset's own fields is an error
         naming both. `labels` names each override as the user wrote it (for messages)."""
@@ -126,7 +129,8 @@ class Policy:
                 )
             fields[key] = dtype
         scaling = (loss_scale or LossScaleConfig()) if preset.loss_scaling else None
-        return cls(**fields, master_weights=preset.master_weights, loss_scale=scaling, emulate_matmul=emulate_matmul)
+        return cls(**fields, master_weights=preset.master_weights, loss_scale=scaling, emulate_matmul=emulate_matmul,
+                   tf32=tf32)
 
     def _match_preset(self) -> str:
         key = (self.storage_dtype, self.param_dtype, self.master_weights, self.loss_scale is not None)
@@ -156,13 +160,23 @@ class Policy:
         compute = self.param_dtype if self.param_dtype != self.storage_dtype else None
         return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=self.reduce_dtype)
 
+    @property
+    def tf32_active(self) -> bool:
+        """Whether this run's FP32 matmuls run as TF32: on CUDA, by torch's process-wide setting."""
+        return self.device_type == "cuda" and torch.get_float32_matmul_precision() != "highest"
+
+    @property
+    def matmul_dtype(self) -> str:
+        """What the matmuls really compute in: param_dtype, or tf32 for FP32 matmuls as TF32."""
+        return "tfloat32" if self.param_dtype == FP32 and self.tf32_active else dtype_name(self.param_dtype)
+
     def describe(self) -> dict[str, str]:
         """Which dtype each kind of tensor is kept in under this policy."""
         stored = dtype_name(self.storage_dtype)
         master = "float32" if self.master_weights else stored
         return {
             "parameters": stored + (" (norms float32)" if self.master_weights and not self.sharded else ""),
-            "matmul compute": dtype_name(self.param_dtype),
+            "matmul compute": self.matmul_dtype,
             "norm, softmax, RoPE": "float32",
             "logits and loss": "float32",
             # autocast's casts are differentiable: the gradient of an FP32 leaf is FP32.
@@ -243,17 +257,37 @@ class Policy:
                         if self.name in PRESETS else "custom")
         if self._scaler is not None:
             logger.info("[MIXED PRECISION] training with %s, loss scale %g", self.name, self._scaler.get_scale())
+        self._set_tf32()
         self._choose_emulation()
         return model, optimizer
 
-    def _choose_emulation(self) -> None:
+    def _set_tf32(self) -> None:
+        if self.device_type != "cuda":
+            if self.tf32:
+                logger.info("precision.tf32: no effect on %s (TF32 is a CUDA tensor-core format)", self.device_type)
+            return
+        if self.tf32:
+            torch.set_float32_matmul_precision("high")
+            logger.info("float32 matmuls run as TF32 (10-bit mantissa inputs, float32 accumulation): precision.tf32")
+        elif torch.get_float32_matmul_precision() != "highest":
+            logger.warning("float32 matmuls run as TF32: torch.set_float32_matmul_precision(%r) was called outside "
+                           "mixprec; torch.set_float32_matmul_precision('highest') restores true float32",
+                           torch.get_float32_matmul_precision())
+
+    def will_emulate(self, device_type: str) -> bool:
+        """Whether setup on `device_type` emulates this policy's matmuls."""
         if self.param_dtype == FP32:
-            self.emulate_matmul = False
+            return False
+        if self._emulate_requested is None:
+            return not has_fast_matmul(device_type, self.param_dtype)
+        return self._emulate_requested
+
+    def _choose_emulation(self) -> None:
+        self.emulate_matmul = self.will_emulate(self.device_type)
+        if self.param_dtype == FP32:
             return
         native = has_fast_matmul(self.device_type, self.param_dtype)
-        self.emulate_matmul = self._emulate_requested
-        if self.emulate_matmul is None:
-            self.emulate_matmul = not native
+        if self._emulate_requested is None:
             if self.emulate_matmul:
                 logger.info(
                     "%s matmuls are emulated: float32 GEMMs on %s operands, %s results (the same numbers up to "
@@ -340,6 +374,7 @@ class Policy:
             "precision": self.requested,
             "precision_final": self.name,
             "param_dtype": dtype_name(self.param_dtype),
+            "matmul_dtype": self.matmul_dtype,
             "storage_dtype": dtype_name(self.storage_dtype),
             "reduce_dtype": dtype_name(self.reduce_dtype),
             "autocast": self.uses_autocast,

@@ -12,21 +12,35 @@ import torch
 
 from mixprec.errors import UserError
 
-# Dense peak FLOP/s of GPUs by name and compute dtype (vendor data sheets, no sparsity).
-_GPU_PEAK = {
-    "H100": {torch.bfloat16: 989e12, torch.float32: 494e12},  # float32 matmuls run as TF32
-    "H200": {torch.bfloat16: 989e12, torch.float32: 494e12},
-    "A100": {torch.bfloat16: 312e12, torch.float32: 156e12},
+# Dense peak TFLOP/s by GPU name and what the matmuls compute in (vendor data sheets).
+# The data sheets' headline figures assume 2:4 sparsity: an H100 SXM's 1979 is BF16 with
+# sparsity (or FP8 dense), its dense BF16 is 989. tfloat32: FP32 matmuls run as TF32
+# (precision.tf32); float32: true FP32 on the CUDA cores. More specific names first.
+_GPU_PEAK_TFLOPS = {
+    "H100 PCIe": {"bfloat16": 756, "float16": 756, "tfloat32": 378, "float32": 51, "float8": 1513},
+    "H100 NVL": {"bfloat16": 835, "float16": 835, "tfloat32": 418, "float32": 60, "float8": 1671},
+    "H100": {"bfloat16": 989, "float16": 989, "tfloat32": 494, "float32": 67, "float8": 1979},  # SXM
+    "H200": {"bfloat16": 989, "float16": 989, "tfloat32": 494, "float32": 67, "float8": 1979},
+    "A100": {"bfloat16": 312, "float16": 312, "tfloat32": 156, "float32": 19.5},
 }
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """Peak matmul FLOP/s for MFU. GPUs: the data sheet. CPUs have no useful data sheet
-    number: the best of ten 1024x1024 FP32 matmuls, measured here (about 0.2 s). FP32
-    because BF16 is either emulated by FP32 GEMMs or, natively, no faster here."""
+def gpu_peak_flops(device_name: str, matmul_dtype: str) -> float | None:
+    """The data-sheet peak for a GPU name (torch.cuda.get_device_name) and what its
+    matmuls compute in (Policy.matmul_dtype); None for a GPU or dtype not in the table."""
+    for key, peaks in _GPU_PEAK_TFLOPS.items():
+        if key in device_name:
+            return peaks[matmul_dtype] * 1e12 if matmul_dtype in peaks else None
+    return None
+
+
+def peak_flops(device: torch.device, matmul_dtype: str) -> float | None:
+    """Peak matmul FLOP/s for MFU. GPUs: the data sheet (None when unknown: no MFU).
+    CPUs have no useful data sheet number: the best of ten 1024x1024 FP32 matmuls,
+    measured here (about 0.2 s). FP32 because BF16 is either emulated by FP32 GEMMs or,
+    natively, no faster here."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return next((p[dtype] for k, p in _GPU_PEAK.items() if k in name), None)
+        return gpu_peak_flops(torch.cuda.get_device_name(device), matmul_dtype)
     a = torch.randn(1024, 1024)
     best = float("inf")
     for _ in range(11):

@@ -12,7 +12,7 @@ import logging
 import math
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -21,25 +21,18 @@ from mixprec.config import Config, build_policy, to_toml
 from mixprec.data.corpus import load_corpus
 from mixprec.data.loader import TrainLoader, val_batches
 from mixprec.data.tokenizer import build_tokenizer
-from mixprec.distributed.fsdp import apply_fsdp
-from mixprec.distributed.parallel import ParallelDims, init_distributed
-from mixprec.distributed.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+from mixprec.distributed.parallel import ParallelDims, init_distributed, resolve_device
+from mixprec.distributed.tensor_parallel import check_tensor_parallel
 from mixprec.errors import UserError
-from mixprec.models.llama import build_model, model_args
+from mixprec.models.llama import ModelArgs, build_model, model_args
+from mixprec.models.loss import chunk_tokens
 from mixprec.precision import Policy
 from mixprec.train.checkpoint import (CheckpointManager, check_compatible, keep_optimizer_kernels,
                                       load_full_into_sharded, load_sharded)
 from mixprec.train.metrics import MetricsLogger, peak_flops, peak_memory_bytes, plot_loss_curve, plot_loss_scale
+from mixprec.train.parallelize import parallelize
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"training.device {name!r}: no CUDA device here; accepted: cpu, auto")
-    return torch.device(name)
 
 
 def build_optimizer(model: torch.nn.Module, cfg, fused: bool = True,
@@ -51,6 +44,17 @@ def build_optimizer(model: torch.nn.Module, cfg, fused: bool = True,
     # The fused kernel updates all tensors in one pass on CPU and CUDA.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None,
                              foreach=foreach)
+
+
+def _loss_chunk(mode: str, args: ModelArgs, tokens: int) -> int:
+    """Tokens per chunk of the output layer and loss (0: the full logits at once)."""
+    chunk = chunk_tokens(args.vocab_size)
+    if mode == "chunked" or (mode == "auto" and tokens > chunk):
+        logger.info("model.loss %s: output layer and loss in chunks of %d tokens (%.0f MiB of FP32 logits; "
+                    "a micro-batch's full logits would be %.0f MiB)", mode, chunk, chunk * args.vocab_size * 4 / 2**20,
+                    tokens * args.vocab_size * 4 / 2**20)
+        return chunk
+    return 0
 
 
 def lr_lambda(cfg):
@@ -109,13 +113,17 @@ class Trainer:
         self.val = val_batches(val_tokens, tcfg.seq_len, lbs * dp, tcfg.eval_batches, self.device)
 
         mcfg = config.model
-        overrides = {}
+        overrides = {"attention": mcfg.attention, "loss_chunk": 0}
         if mcfg.n_kv_heads:
             overrides["n_kv_heads"] = mcfg.n_kv_heads
         if mcfg.tie_embeddings != "flavor":
             overrides["tie_embeddings"] = mcfg.tie_embeddings == "true"
-        overrides["attention"] = mcfg.attention
+        if mcfg.attention == "auto":
+            # The fused kernels win on GPUs; this CPU's BF16 flash backward is slower than eager.
+            overrides["attention"] = "sdpa" if self.device.type == "cuda" else "eager"
+            logger.info("model.attention auto: %s on %s", overrides["attention"], self.device.type)
         self.args = model_args(mcfg.flavor, self.tokenizer.vocab_size, **overrides)
+        self.args = replace(self.args, loss_chunk=_loss_chunk(mcfg.loss, self.args, lbs * tcfg.seq_len))
         if tcfg.seq_len > self.args.max_seq_len:
             raise UserError(f"training.seq_len {tcfg.seq_len} exceeds the {mcfg.flavor} flavor's "
                             f"max_seq_len {self.args.max_seq_len}")
@@ -123,7 +131,9 @@ class Trainer:
             check_tensor_parallel(self.args, self.dims.tp)
         self.model = self.raw_model = build_model(self.args, device=self.device,
                                                   storage_dtype=self.policy.storage_dtype, seed=tcfg.seed)
-        self._parallelize(pcfg)
+        self.compiled = parallelize(self.model, self.dims, self.policy, self.device, pcfg=pcfg,
+                                    ac_mode=config.activation_checkpoint.mode,
+                                    compile_components=config.compile.components if config.compile.enable else None)
         # The fused kernel needs plain tensors; under tensor parallel the parameters mix
         # DTensors of two meshes (or with plain tensors), which one foreach call cannot take.
         sharded = self.dims.fsdp_enabled or self.dims.tp_enabled
@@ -137,7 +147,8 @@ class Trainer:
         logger.info("model: %s flavor, %.2fM parameters, %s", mcfg.flavor, self.raw_model.num_params() / 1e6,
                     self.policy)
 
-        self.meta = {**asdict(self.args), "tokenizer": config.data.tokenizer}
+        self.meta = {**{k: v for k, v in asdict(self.args).items() if k not in ModelArgs.RUNTIME_FIELDS},
+                     "tokenizer": config.data.tokenizer}
         self.step, self.best_val, self.bad_evals = 0, math.inf, 0
         self.checkpoints = None
         if config.checkpoint.enable:
@@ -145,24 +156,6 @@ class Trainer:
             state = self.checkpoints.load(config.checkpoint.load_step)
             if state is not None:
                 self._restore(state)
-
-    def _parallelize(self, pcfg) -> None:
-        """Tensor parallel first, then FSDP over the data-parallel dims of the mesh."""
-        if self.dims.world_size == 1 or self.dims.ddp_enabled:
-            return  # DDP wraps the model after the policy's setup
-        mesh = self.dims.mesh(self.device.type)
-        if self.dims.tp_enabled:
-            apply_tensor_parallel(self.model, mesh["tp"])
-            logger.info("parallelism: tensor parallel over %d ranks (attention and MLP projections split "
-                        "column-/row-wise)", self.dims.tp)
-        if self.dims.fsdp_enabled:
-            apply_fsdp(self.model, self.dims.dp_mesh(mesh), self.policy,
-                       reshard_after_forward=pcfg.fsdp_reshard_after_forward, cpu_offload=pcfg.enable_cpu_offload)
-        elif self.policy.param_dtype != self.policy.storage_dtype:
-            # Without fully_shard there is no MixedPrecisionPolicy: autocast over the DTensor
-            # model casts each sharded matmul instead of leaving it in float32.
-            logger.info("parallelism: tensor parallel without FSDP: %s is applied by torch.autocast over the "
-                        "DTensor model (no fully_shard to cast the parameters)", self.policy.name)
 
     # ---- checkpoint state ---------------------------------------------------------------
     def _extras(self) -> dict:
@@ -215,7 +208,7 @@ class Trainer:
         accum = self.accum
         tokens_per_step = tcfg.local_batch_size * self.dims.dp_degree * accum * tcfg.seq_len
         flops_per_token = self.raw_model.flops_per_token(tcfg.seq_len) * self.dims.dp_degree
-        peak = peak_flops(self.device, self.policy.param_dtype)
+        peaks = {}  # by what the matmuls compute in: a fallback changes it
         logger.info("training %d steps of %d tokens (%d micro-batches of %d x %d) into %s",
                     tcfg.steps, tokens_per_step, accum, tcfg.local_batch_size, tcfg.seq_len, self.folder)
         bar = _progress(cfg.metrics.progress_bar and lead, self.step, tcfg.steps)
@@ -230,6 +223,9 @@ class Trainer:
             self.step += 1
             speeds.append(tokens_per_step / dt)
             stats = self.policy.stats()
+            if stats["matmul_dtype"] not in peaks:
+                peaks[stats["matmul_dtype"]] = peak_flops(self.device, stats["matmul_dtype"])
+            peak = peaks[stats["matmul_dtype"]]
             record = {
                 "step": self.step, "loss": loss, "lr": lr, "grad_norm": stats["grad_norm"],
                 "tokens_per_sec": speeds[-1],

@@ -1,0 +1,106 @@
+"""The steps that apply something to a built model, in TorchTitan's order: tensor
+parallel, activation checkpointing, torch.compile, then FSDP2 (fully_shard wraps the
+compiled blocks, so its hooks stay outside the compiled code).
+
+Each step keeps the parameters and their names (layers.3.attention.wq.weight stays
+that), so checkpoints move freely between runs with and without any of them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from mixprec.distributed.fsdp import apply_fsdp
+from mixprec.distributed.parallel import ParallelDims
+from mixprec.distributed.tensor_parallel import apply_tensor_parallel
+from mixprec.precision import Policy
+
+logger = logging.getLogger(__name__)
+
+AC_MODES = ("none", "selective", "full")
+
+
+def checkpointed_blocks(n_layers: int, mode: str) -> list[int]:
+    """Which blocks recompute in backward: none, every other one (selective: 1, 3, 5, ...,
+    as TorchTitan's layer-wise option "2"), or all. The memory planner counts the same."""
+    if mode not in AC_MODES:
+        raise ValueError(f"activation checkpointing mode {mode!r}; accepted: {', '.join(AC_MODES)}")
+    step = {"none": 0, "selective": 2, "full": 1}[mode]
+    return [i for i in range(n_layers) if step and (i + 1) % step == 0] if step else []
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> list[int]:
+    """Mark blocks to keep only their input and recompute the rest in backward
+    (torch.utils.checkpoint, non-reentrant). Returns the marked block indices."""
+    chosen = checkpointed_blocks(len(model.layers), mode)
+    for i, block in enumerate(model.layers):
+        block.checkpointed = i in chosen
+    if chosen:
+        logger.info("activation checkpointing: %s, %d of %d blocks recompute their forward in backward",
+                    mode, len(chosen), len(model.layers))
+    return chosen
+
+
+def compile_blocker(policy: Policy, device_type: str) -> str | None:
+    """Why this run cannot be compiled, or None."""
+    if policy.will_emulate(device_type):
+        return (f"{policy.name} emulates its {policy.matmul_dtype} matmuls on this {device_type} with a "
+                "TorchDispatchMode, which torch.compile cannot trace")
+    return None
+
+
+def apply_compile(model: nn.Module, components: tuple[str, ...], policy: Policy, device_type: str) -> bool:
+    """torch.compile each transformer block's forward (one graph reused by every block)
+    and the output layer's forward (projection and loss). Returns whether it compiled."""
+    reason = compile_blocker(policy, device_type)
+    if reason is not None:
+        logger.warning("compile: running eager: %s (precision.emulate_matmul = false compiles with the native "
+                       "kernels)", reason)
+        return False
+    _backward_outside_autocast()
+    if "model" in components:
+        for block in model.layers:
+            block.forward = torch.compile(block.forward)
+    if "loss" in components:
+        model.output.forward = torch.compile(model.output.forward)
+    logger.info("compile: torch.compile (Inductor) applied to %s", " and ".join(
+        {"model": f"each of the {len(model.layers)} transformer blocks", "loss": "the output layer and loss"}[c]
+        for c in components))
+    return True
+
+
+def _backward_outside_autocast() -> None:
+    """Eager autograd runs the backward outside autocast; compiled regions traced their
+    backward under the forward's autocast by default up to torch 2.13 (pytorch#153044),
+    so an fp16 backward could overflow where eager's does not. Match eager."""
+    import torch._functorch.config as functorch_config
+
+    if getattr(functorch_config, "backward_pass_autocast", "off") != "off":
+        functorch_config.backward_pass_autocast = "off"
+        logger.info("compile: compiled backward passes run outside autocast, as eager ones do "
+                    "(torch._functorch.config.backward_pass_autocast = 'off')")
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, policy: Policy, device: torch.device, *, pcfg, ac_mode: str,
+                compile_components: tuple[str, ...] | None) -> bool:
+    """Apply TP, activation checkpointing, compile and FSDP2 to `model` in place.
+    compile_components None: no compile. Returns whether the model was compiled."""
+    mesh = dims.mesh(device.type) if dims.world_size > 1 and not dims.ddp_enabled else None
+    if dims.tp_enabled:
+        apply_tensor_parallel(model, mesh["tp"])
+        logger.info("parallelism: tensor parallel over %d ranks (attention and MLP projections split "
+                    "column-/row-wise)", dims.tp)
+    apply_activation_checkpointing(model, ac_mode)
+    compiled = apply_compile(model, compile_components, policy, device.type) if compile_components else False
+    if dims.fsdp_enabled:
+        apply_fsdp(model, dims.dp_mesh(mesh), policy, reshard_after_forward=pcfg.fsdp_reshard_after_forward,
+                   cpu_offload=pcfg.enable_cpu_offload)
+    elif dims.tp_enabled and policy.param_dtype != policy.storage_dtype:
+        # Without fully_shard there is no MixedPrecisionPolicy: autocast over the DTensor
+        # model casts each sharded matmul instead of leaving it in float32.
+        logger.info("parallelism: tensor parallel without FSDP: %s is applied by torch.autocast over the "
+                    "DTensor model (no fully_shard to cast the parameters)", policy.name)
+    return compiled
