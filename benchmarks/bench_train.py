@@ -15,6 +15,16 @@ MFU is model FLOPs (6N per token plus attention) per second against the best FP3
 BF16 GEMM throughput bench_gemm.py measures on the same shapes.
 
     python benchmarks/bench_train.py --flavor small --presets fp32,bf16-mixed,bf16-true,fp16-mixed
+
+With --device cuda (or --modes) it measures, per preset, four runs each in its own
+process (so each peak memory is its own): mixprec's Trainer.train_step and a plain
+loop on the identical model and batch (autocast where the preset has it, a GradScaler
+for the fp16 presets, fused AdamW, clipping, the full-logits loss), each eager and compiled (mixprec:
+[compile] per block and loss; plain: torch.compile(model)). MFU is against the GPU's
+data-sheet peak for what the matmuls compute in (Policy.matmul_dtype).
+
+    python benchmarks/bench_train.py --device cuda --flavor 1B --batch 4 --seq-len 2048 \
+        --presets bf16-mixed,fp16-mixed,bf16-true [--section.key value ...]
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -130,6 +141,101 @@ def one(preset: str, flavor: str, steps: int, native_steps: int, extra: list[str
     return result
 
 
+def one_mode(preset: str, impl: str, compiled: bool, flavor: str, device: str, batch: int, seq_len: int, steps: int,
+             extra: list[str]) -> dict:
+    """One (preset, mixprec or plain, eager or compiled) run: tokens/s, MFU, peak memory."""
+    from mixprec.config import load_config
+    from mixprec.models.llama import build_model
+    from mixprec.train.metrics import peak_flops, peak_memory_bytes
+    from mixprec.train.trainer import Trainer
+
+    overrides = {"model.flavor": flavor, "precision.preset": preset, "checkpoint.enable": "false",
+                 "metrics.progress_bar": "false", "metrics.plot": "false", "training.eval_interval": "0",
+                 "training.warmup_steps": "1", "training.device": device, "training.local_batch_size": str(batch),
+                 "training.seq_len": str(seq_len), "compile.enable": str(compiled and impl == "mixprec").lower()}
+    overrides.update({k.removeprefix("--"): v for k, v in zip(extra[::2], extra[1::2])})  # --section.key value
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides["job.dump_folder"] = tmp
+        trainer = Trainer(load_config(None, overrides))
+    dev, policy = trainer.device, trainer.policy
+    if impl == "mixprec":
+        step = trainer.train_step
+    else:  # the plain loop on a fresh copy of the same model; the trainer's is dropped first
+        args, storage, x, y = trainer.args, policy.storage_dtype, *trainer.loader.next_batch()
+        del trainer
+        # the full-logits cross-entropy, as a plain loop writes it
+        model = build_model(replace(args, loss_chunk=0), device=dev, storage_dtype=storage, seed=0)
+        if compiled:
+            model = torch.compile(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        low = policy.param_dtype != storage
+        scaler = torch.amp.GradScaler(dev.type, enabled=policy.loss_scale is not None)
+
+        def step():
+            with torch.autocast(dev.type, dtype=policy.param_dtype, enabled=low):
+                loss = model(x, y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+    def synced():
+        out = step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return out
+
+    for _ in range(3):  # compile and allocator warm-up
+        synced()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    times = _timed(synced, steps, warmup=0)
+    tokens = batch * seq_len
+    tps = tokens / statistics.median(times)
+    peak = peak_flops(dev, policy.matmul_dtype)
+    flops = build_flops(flavor, seq_len)
+    return {"preset": preset, "impl": impl, "compiled": compiled, "tokens_per_sec": tps,
+            "mfu": flops * tps / peak if peak else None, "peak_memory_bytes": peak_memory_bytes(dev),
+            "matmul_dtype": policy.matmul_dtype}
+
+
+def build_flops(flavor: str, seq_len: int) -> int:
+    from mixprec.models.llama import Llama, model_args
+
+    with torch.device("meta"):
+        return Llama(model_args(flavor, 256)).flops_per_token(seq_len)
+
+
+def modes_table(args, extra: list[str]) -> None:
+    results = []
+    for preset in args.presets.split(","):
+        for impl in ("plain", "mixprec"):
+            for compiled in (False, True):
+                cmd = [sys.executable, __file__, "--one-mode", f"{preset}:{impl}:{int(compiled)}", "--flavor",
+                       args.flavor, "--device", args.device, "--batch", str(args.batch), "--seq-len",
+                       str(args.seq_len), "--steps", str(args.steps), *extra]
+                print(f"--- {preset} {impl} {'compiled' if compiled else 'eager'}", flush=True)
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                if proc.returncode:
+                    print(proc.stderr[-2000:], flush=True)
+                    continue
+                results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    print(f"\n{args.flavor} flavor, {args.batch} x {args.seq_len} tokens per step, {args.device}")
+    print(f"{'preset':<12}{'impl':<9}{'mode':<10}{'tok/s':>10}{'MFU':>8}{'peak GiB':>10}{'vs plain':>10}")
+    by_key = {(r["preset"], r["impl"], r["compiled"]): r for r in results}
+    for r in results:
+        plain = by_key.get((r["preset"], "plain", r["compiled"]))
+        ratio = r["tokens_per_sec"] / plain["tokens_per_sec"] if plain else float("nan")
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        print(f"{r['preset']:<12}{r['impl']:<9}{'compiled' if r['compiled'] else 'eager':<10}"
+              f"{r['tokens_per_sec']:>10.0f}{mfu:>8}{r['peak_memory_bytes'] / 2**30:>10.1f}{ratio:>10.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flavor", default="small")
@@ -140,7 +246,20 @@ def main() -> None:
                    "on CPUs without BF16/FP16 GEMM kernels)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one preset in this process
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--device", default="cpu", help="cpu or cuda; cuda measures eager and compiled (--modes)")
+    p.add_argument("--modes", action="store_true", help="eager and compiled, mixprec and plain (default on cuda)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per step (with --modes)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (with --modes)")
+    p.add_argument("--one-mode", help=argparse.SUPPRESS)  # internal: preset:impl:compiled in this process
     args, extra = p.parse_known_args()
+    if args.one_mode:
+        preset, impl, compiled = args.one_mode.split(":")
+        print(json.dumps(one_mode(preset, impl, compiled == "1", args.flavor, args.device, args.batch, args.seq_len,
+                                  args.steps, extra)))
+        return
+    if args.modes or args.device == "cuda":
+        modes_table(args, extra)
+        return
     if args.one:
         print(json.dumps(one(args.one, args.flavor, args.steps, args.native_steps, extra)))
         return

@@ -30,3 +30,15 @@ def run_train(folder: Path, source: Path, *extra: str) -> list[dict]:
     """Train and return the records of metrics.jsonl."""
     assert main(tiny_args(folder, source, *extra)) == 0
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu are skipped where there is no CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

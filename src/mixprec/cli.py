@@ -44,7 +44,9 @@ def _config_parser(sub, name: str, help: str, description: str) -> argparse.Argu
         for f in fields(cls):
             default = f.default if f.default is not MISSING else None
             # Values stay strings here; load_config converts and checks them by the field's type.
-            group.add_argument(f"--{table}.{f.name}", dest=f"{table}.{f.name}", metavar="LIST" if types[f.name] == tuple[str, ...] else types[f.name].__name__.upper(),
+            kind = types[f.name]
+            group.add_argument(f"--{table}.{f.name}", dest=f"{table}.{f.name}",
+                               metavar="LIST" if kind == tuple[str, ...] else kind.__name__.upper(),
                                default=argparse.SUPPRESS, nargs="?" if types[f.name] is bool else None,
                                const="true" if types[f.name] is bool else None,
                                help=f"{docs.get(f.name, '')} (default: {default!r})".replace("%", "%%"))
@@ -82,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--dp-replicate", type=int, default=1, help="DDP / HSDP replicas")
     memory.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     memory.add_argument("--attention", default="eager", help="eager or sdpa (model.attention)")
+    memory.add_argument("--loss", default="full", help="full or chunked (model.loss)")
     memory.add_argument("--no-reshard", action="store_true", help="keep all-gathered parameters after forward")
     memory.add_argument("--bandwidth-gbps", type=float, default=100.0, help="per-device link, GB/s")
     memory.add_argument("--json", action="store_true", help="print JSON")
@@ -171,7 +174,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     setup = Setup(model_args(args.flavor, args.vocab_size), resolve_preset_name(args.preset, "--preset"),
                   batch=args.batch, seq_len=args.seq_len, optimizer=args.optimizer, checkpointing=args.checkpointing,
                   dp_shard=args.dp_shard, dp_replicate=args.dp_replicate, tp=args.tp,
-                  reshard_after_forward=not args.no_reshard, attention=args.attention,
+                  reshard_after_forward=not args.no_reshard, attention=args.attention, loss=args.loss,
                   bandwidth_gbps=args.bandwidth_gbps)
     result = plan(setup)
     if args.json:

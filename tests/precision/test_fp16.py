@@ -15,8 +15,8 @@ BATCHES = [(torch.randint(0, 64, (2, 1), generator=torch.Generator().manual_seed
            for i in range(8)]
 
 
-def tiny(policy, seed=0):
-    model = build_model(model_args("debug", 256), device="cpu", storage_dtype=FP32, seed=seed)
+def tiny(policy, seed=0, device="cpu"):
+    model = build_model(model_args("debug", 256), device=device, storage_dtype=FP32, seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return policy.setup(model, opt)
 
@@ -40,19 +40,21 @@ def inf_grad(steps):
     return corrupt
 
 
-def test_fp16_mixed_equals_autocast_plus_gradscaler():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fp16_mixed_equals_autocast_plus_gradscaler(device):
     """The same recipe written by hand with torch.autocast and torch.amp.GradScaler
-    gives bitwise the same losses (native kernels on both sides)."""
+    gives the same losses, skipped step and scale (native kernels on both sides)."""
+    batches = [x.to(device) for x in BATCHES[:5]]
     policy = Policy.from_preset("fp16-mixed", emulate_matmul=False, loss_scale=LossScaleConfig(growth_interval=3))
-    model, opt = tiny(policy)
-    ours, _ = train(policy, model, opt, BATCHES[:5], inf_grad({2}))
+    model, opt = tiny(policy, device=device)
+    ours, applied = train(policy, model, opt, batches, inf_grad({2}))
 
-    ref = build_model(model_args("debug", 256), device="cpu", storage_dtype=FP32, seed=0)
+    ref = build_model(model_args("debug", 256), device=device, storage_dtype=FP32, seed=0)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", growth_interval=3)
+    scaler = torch.amp.GradScaler(device, growth_interval=3)
     theirs, scales = [], []
-    for i, x in enumerate(BATCHES[:5]):
-        with torch.autocast("cpu", dtype=torch.float16):
+    for i, x in enumerate(batches):
+        with torch.autocast(device, dtype=torch.float16):
             loss = ref(x[:, :-1], x[:, 1:])
         scaler.scale(loss).backward()
         inf_grad({2})(i, ref)
@@ -62,6 +64,7 @@ def test_fp16_mixed_equals_autocast_plus_gradscaler():
         scaler.update()
         ref_opt.zero_grad(set_to_none=True)
         theirs.append(loss.item())
+    assert applied == [True, True, False, True, True]
     assert ours == theirs
     assert policy.stats()["loss_scale"] == scaler.get_scale()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))

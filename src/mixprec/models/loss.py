@@ -65,6 +65,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 grad_h[start:start + chunk] = g @ weight  # (C, V) @ (V, D); autocast casts the weight
             if need_w:
                 grad_w += g.t() @ hc  # (V, C) @ (C, D), summed over chunks in FP32
+            del g  # before the next chunk's logits: one chunk's tensors alive at a time
         ctx.n, ctx.weight_dtype = n, weight.dtype
         ctx.save_for_backward(grad_h, grad_w)
         return total / n

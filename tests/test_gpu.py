@@ -1,0 +1,86 @@
+"""The important paths on CUDA (skipped without a GPU). Each keeps its CPU test:
+tests/train/test_trainer.py, test_parallelize.py, tests/precision/test_fp16.py,
+tests/analysis/test_audit.py, tests/models/test_loss.py."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import run_train, tiny_args
+from mixprec.cli import main
+from mixprec.models.loss import chunked_cross_entropy
+from mixprec.precision.presets import PRESETS
+
+pytestmark = pytest.mark.gpu
+CUDA = ("--training.device", "cuda")
+
+
+def losses(records):
+    return [r["loss"] for r in records]
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_preset_trains_to_a_finite_loss(tmp_path, text_file, preset):
+    extra = ("--training.eps", "1e-4") if preset == "fp16-true" else ()  # 1e-8 is 0 in float16
+    records = run_train(tmp_path / preset, text_file, *CUDA, "--precision.preset", preset, *extra)
+    assert all(math.isfinite(r["loss"]) for r in records)
+    summary = json.loads((tmp_path / preset / "summary.json").read_text())
+    assert summary["device"].startswith("cuda") and math.isfinite(summary["final_val_loss"])
+    assert all("mfu" in r for r in records)  # a number on a GPU in the peak table, else null: never a crash
+
+
+def test_bf16_mixed_audit_passes_on_cuda(tmp_path, text_file, capsys):
+    args = tiny_args(tmp_path / "unused", text_file, *CUDA, "--precision.preset", "bf16-mixed")
+    args[0] = "audit"
+    assert main([*args, "--json"]) == 0
+    stages = {r["stage"]: r["observed"] for r in json.loads(capsys.readouterr().out)["stages"]}
+    assert stages["matmul output"] == ["bfloat16"] and stages["reduced gradients"] == ["float32"]
+
+
+def test_tf32_is_what_the_audit_sees(tmp_path, text_file, capsys):
+    args = tiny_args(tmp_path / "unused", text_file, *CUDA, "--precision.preset", "fp32", "--precision.tf32")
+    args[0] = "audit"
+    try:
+        assert main([*args, "--json"]) == 0
+        stages = {r["stage"]: r["observed"] for r in json.loads(capsys.readouterr().out)["stages"]}
+        assert stages["float32 matmuls"] == ["tfloat32"]
+    finally:
+        torch.set_float32_matmul_precision("highest")
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp16-mixed", "bf16-true"])
+def test_compile_on_and_off_give_the_same_losses(tmp_path, text_file, preset):
+    eager = run_train(tmp_path / "eager", text_file, *CUDA, "--precision.preset", preset)
+    compiled = run_train(tmp_path / "compiled", text_file, *CUDA, "--precision.preset", preset, "--compile.enable",
+                         "--activation_checkpoint.mode", "selective", "--model.loss", "chunked")
+    assert [r["skipped"] for r in compiled] == [r["skipped"] for r in eager]
+    for a, b in zip(losses(eager), losses(compiled)):
+        assert abs(a - b) / a < 2e-2  # bf16 rounding in other places after fusion
+
+
+def test_checkpoint_resume_is_exact_on_cuda(tmp_path, text_file):
+    flags = (*CUDA, "--precision.preset", "bf16-mixed", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0")
+    full = run_train(tmp_path / "run", text_file, *flags)
+    (tmp_path / "run" / "checkpoint" / "step-6.pt").unlink()
+    resumed = run_train(tmp_path / "run", text_file, *flags)
+    assert losses(resumed) == losses(full)
+
+
+def test_chunked_loss_on_cuda_matches_the_plain_loss():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(2048, 256, device="cuda", generator=gen).requires_grad_()
+    w = (torch.randn(32000, 256, device="cuda", generator=gen) * 0.05).requires_grad_()
+    t = torch.randint(0, 32000, (2048,), device="cuda", generator=gen)
+    grads = []
+    for fn in (lambda: torch.nn.functional.cross_entropy((h @ w.t()).float(), t),
+               lambda: chunked_cross_entropy(h, w, t, 512)):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fn()
+        (loss * 1024).backward()
+        grads.append((loss.item(), h.grad.clone(), w.grad.clone()))
+        h.grad = w.grad = None
+    (l0, h0, w0), (l1, h1, w1) = grads
+    assert l1 == pytest.approx(l0, rel=1e-4)
+    assert (h1 - h0).norm() / h0.norm() < 1e-2 and (w1 - w0).norm() / w0.norm() < 1e-2
