@@ -1,10 +1,12 @@
-"""The memory planner against PyTorch's MemTracker on real CPU training steps.
+"""The memory planner against PyTorch's MemTracker on real training steps (CPU or CUDA).
 
 One warm-up step, then one step under torch.distributed._tools.mem_tracker.MemTracker,
 which tags every tensor allocation (parameters, gradients, optimizer states,
 activations, temporaries) and reports the peak; the planner's peak is printed beside it.
 
     python benchmarks/memory_planner.py --flavor small --presets fp32,bf16-mixed,bf16-true --batch 4 --seq-len 256
+    python benchmarks/memory_planner.py --device cuda --flavor 1B --presets bf16-mixed --batch 4 --seq-len 2048 \
+        --attention sdpa --loss chunked --checkpointing selective
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from mixprec.train.parallelize import apply_activation_checkpointing
 
 
 def measured_peak(flavor: str, preset: str, batch: int, seq_len: int, attention: str = "eager",
-                  checkpointing: str = "none", vocab_size: int = 256, loss: str = "full") -> float:
+                  checkpointing: str = "none", vocab_size: int = 256, loss: str = "full", device: str = "cpu") -> float:
     """Peak bytes of one steady-state training step, as MemTracker sees it."""
     from dataclasses import replace
 
@@ -29,11 +31,11 @@ def measured_peak(flavor: str, preset: str, batch: int, seq_len: int, attention:
     args = replace(model_args(flavor, vocab_size), attention=attention,
                    loss_chunk=chunk_tokens(vocab_size) if loss == "chunked" else 0)
     policy = Policy.from_preset(preset)
-    model = build_model(args, device="cpu", storage_dtype=policy.storage_dtype, seed=0)
+    model = build_model(args, device=device, storage_dtype=policy.storage_dtype, seed=0)
     apply_activation_checkpointing(model, checkpointing)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     policy.setup(model, opt)
-    x = torch.randint(0, args.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    x = torch.randint(0, args.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0)).to(device)
 
     def step():
         with policy.autocast():
@@ -47,7 +49,8 @@ def measured_peak(flavor: str, preset: str, batch: int, seq_len: int, attention:
     tracker.track_external(model, opt, *masters)
     with tracker:
         step()
-    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    snapshot = tracker.get_tracker_snapshot("peak")
+    return next(v["Total"] for k, v in snapshot.items() if k.type == torch.device(device).type)
 
 
 def main() -> None:
@@ -60,10 +63,12 @@ def main() -> None:
     p.add_argument("--checkpointing", default="none", choices=["none", "selective", "full"])
     p.add_argument("--loss", default="full", choices=["full", "chunked"])
     p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (MemTracker follows CUDA allocations too)")
     a = p.parse_args()
     print(f"{'preset':<12} {'measured MiB':>13} {'planned MiB':>12} {'error':>7}")
     for preset in a.presets.split(","):
-        got = measured_peak(a.flavor, preset, a.batch, a.seq_len, a.attention, a.checkpointing, a.vocab_size, a.loss)
+        got = measured_peak(a.flavor, preset, a.batch, a.seq_len, a.attention, a.checkpointing, a.vocab_size, a.loss,
+                            a.device)
         want = plan(Setup(model_args(a.flavor, a.vocab_size), preset, a.batch, a.seq_len, attention=a.attention,
                           checkpointing=a.checkpointing, loss=a.loss))["bytes"]["peak"]
         print(f"{preset:<12} {got / 2**20:13.1f} {want / 2**20:12.1f} {want / got - 1:+7.1%}", flush=True)
