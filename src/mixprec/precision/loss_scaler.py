@@ -12,7 +12,8 @@ defaults it is GradScaler's trajectory clamped to [1, 2^24]. Additions:
 
 from __future__ import annotations
 
-from collections import defaultdict
+import enum
+from collections import abc, defaultdict
 from dataclasses import dataclass, replace
 
 import torch
@@ -67,41 +68,69 @@ class LossScaleConfig:
             bad("fallback_to", "auto, fp32, bf16-mixed")
 
 
+def _fresh_state() -> dict:
+    return {"stage": _Stage.READY, "found_inf": None}
+
+
+class _Stage(enum.Enum):  # GradScaler's per-optimizer stages within one iteration
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
 class LossScaler:
-    def __init__(self, device: str = "cpu", config: LossScaleConfig | None = None, enabled: bool = True, **fields):
-        self.config = config if config is not None else LossScaleConfig(**fields)
+    """GradScaler's constructor, methods, errors and state_dict, plus `config` (a
+    LossScaleConfig: bounds, hysteresis, fallback) and bound/hysteresis keywords.
+    `LossScaler("cpu", 1024.0)` means init_scale=1024, as for GradScaler."""
+
+    def __init__(self, device: str | torch.device = "cpu", init_scale: float | None = None,
+                 growth_factor: float | None = None, backoff_factor: float | None = None,
+                 growth_interval: int | None = None, enabled: bool = True, *, config: LossScaleConfig | None = None,
+                 **fields):
+        given = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                     growth_interval=growth_interval, **fields)
+        given = {k: v for k, v in given.items() if v is not None}
+        self.config = replace(config, **given) if config is not None else LossScaleConfig(**given)
         self.device = device
         self._enabled = enabled
         c = self.config
         self._scale = torch.full((), c.init_scale, dtype=torch.float32, device=device)
         self._growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
         self._hysteresis_left = torch.full((), c.hysteresis, dtype=torch.int32, device=device)
-        self._per_optimizer = defaultdict(dict)  # id(optimizer) -> {"found_inf": tensor}
+        self._per_optimizer = defaultdict(_fresh_state)  # id(optimizer) -> {"stage", "found_inf"}
 
     # ---- GradScaler's methods --------------------------------------------------------
     def scale(self, outputs):
+        """Multiply a tensor, or each tensor of an iterable (a list or tuple keeps its
+        type; any other iterable gives a lazy map), by the scale."""
         if not self._enabled:
             return outputs
         if isinstance(outputs, torch.Tensor):
             return outputs * self._scale.to(outputs.device)
-        return type(outputs)(self.scale(o) for o in outputs)
+        if isinstance(outputs, abc.Iterable):
+            scaled = map(self.scale, outputs)
+            return type(outputs)(scaled) if isinstance(outputs, (list, tuple)) else scaled
+        raise ValueError("outputs must be a Tensor or an iterable of Tensors")
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide the optimizer's gradients by the scale in place and record non-finite ones."""
-        if not self._enabled:
-            return
-        state = self._per_optimizer[id(optimizer)]
-        if "found_inf" in state:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        inv_scale = self._scale.double().reciprocal().float()
+    def _check_and_unscale(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor) -> torch.Tensor:
+        """Multiply the optimizer's gradients by inv_scale in place (1: only check) and
+        return 1.0 where any was inf/NaN, agreed across ranks."""
         found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         groups = defaultdict(list)  # one fused call per (device, dtype)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP2: this rank's shard
-                    groups[(grad.device, grad.dtype)].append(grad)
         with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    if p.grad.is_sparse:
+                        # duplicate indices are summed by coalesce(); in float16 the sum may
+                        # overflow, so the coalesced values are the ones to check
+                        if p.grad.dtype is torch.float16:
+                            p.grad = p.grad.coalesce()
+                        grad = p.grad._values()
+                    else:
+                        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP2: the shard
+                    groups[(grad.device, grad.dtype)].append(grad)
             for (device, _), grads in groups.items():
                 found = torch.zeros((), dtype=torch.float32, device=device)
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
@@ -110,16 +139,48 @@ class LossScaler:
                 # An overflow in any rank's shard skips the step on every rank, so the
                 # scale and the parameters stay identical across ranks.
                 dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
-        state["found_inf"] = found_inf
+        return found_inf
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale in place and record non-finite ones."""
+        if not self._enabled:
+            return
+        state = self._per_optimizer[id(optimizer)]
+        if state["stage"] is _Stage.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if state["stage"] is _Stage.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        # the reciprocal in FP64, as GradScaler: FP32 division can be inexact
+        state["found_inf"] = self._check_and_unscale(optimizer, self._scale.double().reciprocal().float())
+        state["stage"] = _Stage.UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
         """Unscale if not done yet; step unless a gradient was inf/NaN. Returns the
-        optimizer's return value, or None when the step was skipped."""
+        optimizer's return value, or None when the step was skipped. An optimizer that
+        declares `_step_supports_amp_scaling` (torch's fused Adam, AdamW, SGD) gets
+        `grad_scale` and `found_inf` instead and unscales and skips inside its kernel."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
-        if "found_inf" not in self._per_optimizer[id(optimizer)]:
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        state = self._per_optimizer[id(optimizer)]
+        if state["stage"] is _Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            if state["stage"] is _Stage.READY:  # check only; the kernel unscales
+                state["found_inf"] = self._check_and_unscale(optimizer, torch.ones((), device=self._scale.device))
+            optimizer.grad_scale = (getattr(optimizer, "grad_scale", None) if state["stage"] is _Stage.UNSCALED
+                                    else self._scale * getattr(optimizer, "grad_scale", 1))
+            optimizer.found_inf = state["found_inf"]
+            try:
+                return optimizer.step(*args, **kwargs)
+            finally:
+                state["stage"] = _Stage.STEPPED
+                del optimizer.grad_scale, optimizer.found_inf
+        if state["stage"] is _Stage.READY:
             self.unscale_(optimizer)
-        if self._per_optimizer[id(optimizer)]["found_inf"].item():
+        state["stage"] = _Stage.STEPPED
+        if state["found_inf"].item():
             return None
         return optimizer.step(*args, **kwargs)
 
@@ -130,7 +191,7 @@ class LossScaler:
         if new_scale is not None:
             self._scale.fill_(float(new_scale))
         else:
-            founds = [s["found_inf"] for s in self._per_optimizer.values() if "found_inf" in s]
+            founds = [s["found_inf"] for s in self._per_optimizer.values() if s["found_inf"] is not None]
             if not founds:
                 raise AssertionError("No inf checks were recorded prior to update.")
             found = torch.stack(founds).sum().clamp(max=1.0)
@@ -140,7 +201,7 @@ class LossScaler:
             else:
                 self._update_with_hysteresis(found > 0)
             self._scale.clamp_(c.min_scale, c.max_scale)
-        self._per_optimizer = defaultdict(dict)
+        self._per_optimizer = defaultdict(_fresh_state)
 
     def _update_with_hysteresis(self, overflow: torch.Tensor) -> None:
         """Megatron's rule, in tensor ops (no host sync): every overflow resets the growth
@@ -162,10 +223,43 @@ class LossScaler:
     def is_enabled(self) -> bool:
         return self._enabled
 
+    def get_growth_factor(self) -> float:
+        return self.config.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self.config = replace(self.config, growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        return self.config.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self.config = replace(self.config, backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        return self.config.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self.config = replace(self.config, growth_interval=new_interval)
+
+    def _get_growth_tracker(self) -> int:
+        return int(self._growth_tracker.item()) if self._enabled else 0
+
+    def __getstate__(self) -> dict:
+        if self._enabled and any(s["stage"] is not _Stage.READY for s in self._per_optimizer.values()):
+            raise AssertionError("A GradScaler instance may only be pickled at the beginning of an iteration, "
+                                 "or at the end after scaler.update().")
+        state = self.__dict__.copy()
+        state["_per_optimizer"] = {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._per_optimizer = defaultdict(_fresh_state)
+
     @property
     def found_inf(self) -> bool:
         """Whether the gradients recorded since the last update() had an inf or NaN."""
-        return any(s["found_inf"].item() for s in self._per_optimizer.values() if "found_inf" in s)
+        return any(s["found_inf"].item() for s in self._per_optimizer.values() if s["found_inf"] is not None)
 
     def state_dict(self) -> dict:
         """GradScaler's five keys, then mixprec's."""
@@ -198,7 +292,7 @@ class LossScaler:
             growth_interval=int(state["growth_interval"]), min_scale=state.get("min_scale", c.min_scale),
             max_scale=state.get("max_scale", c.max_scale), hysteresis=int(state.get("hysteresis", c.hysteresis)),
         )
-        self._scale.fill_(float(state["scale"]))
+        self._scale.fill_(self.config.init_scale)  # the saved scale, within this scaler's bounds
         self._growth_tracker.fill_(int(state["_growth_tracker"]))
         self._hysteresis_left.fill_(int(state.get("_hysteresis_left", self.config.hysteresis)))
 

@@ -232,7 +232,7 @@ class Policy:
             logger.warning("%s: optimizer eps %g is 0 in float16, so a zero gradient gives a NaN update; "
                            "use eps >= 6e-8 (1e-4 is usual for float16 states)", self.name, tiny_eps[0])
         if self.loss_scale is not None:
-            self._scaler = LossScaler(first.device if first is not None else "cpu", self.loss_scale)
+            self._scaler = LossScaler(first.device if first is not None else "cpu", config=self.loss_scale)
             self.fallback_to = self.loss_scale.fallback_to
             if self.fallback_to == "auto":
                 self.fallback_to = "bf16-mixed" if has_fast_matmul(self.device_type, BF16) else "fp32"
