@@ -100,3 +100,34 @@ def test_fallback_is_recorded_and_training_goes_on(tmp_path, text_file):
     assert records[0]["skipped"] and not any(r["skipped"] for r in records[1:])
     assert [r["precision"] for r in records[1:]] == ["fp32"] * 11
     assert records[-1]["loss"] < records[1]["loss"]
+
+
+def assert_same(a, b, where="checkpoint"):
+    """Bitwise equality of two nested checkpoint structures."""
+    assert type(a) is type(b), where
+    if torch.is_tensor(a):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b or (a != a and b != b), where  # NaN equals NaN here
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp16-mixed"])
+def test_a_resumed_run_writes_the_uninterrupted_runs_checkpoint_bit_for_bit(tmp_path, text_file, preset):
+    # the whole checkpoint: weights, optimizer, scheduler, data order, loss scale and every random stream
+    flags = ("--precision.preset", preset, "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0")
+    run_train(tmp_path / "full", text_file, *flags)
+    run_train(tmp_path / "cut", text_file, *flags, "--training.steps", "2")
+    run_train(tmp_path / "cut", text_file, *flags)  # resumed at 2
+    for step in (4, 6):
+        full = torch.load(tmp_path / "full" / "checkpoint" / f"step-{step}.pt", weights_only=True)
+        resumed = torch.load(tmp_path / "cut" / "checkpoint" / f"step-{step}.pt", weights_only=True)
+        assert set(full["rng"]) >= {"cpu", "python"}
+        assert_same(resumed, full)

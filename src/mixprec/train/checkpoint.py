@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import pickle
+import random
 import re
 import shutil
 from pathlib import Path
@@ -154,6 +155,29 @@ def load_full_into_sharded(model, optimizer, model_sd: dict, optim_sd: dict) -> 
                 "param_groups": [{**g, "params": [fqn[i] for i in g["params"]]} for g in optim_sd["param_groups"]]}
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                    options=StateDictOptions(full_state_dict=True))
+
+
+def rng_state(device: torch.device) -> dict:
+    """Every random stream a run may draw from: torch's CPU generator, this device's CUDA
+    generator, Python's random. (The data order has its own state: TrainLoader's.)"""
+    state = {"cpu": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state, device: torch.device) -> None:
+    if torch.is_tensor(state):  # checkpoints before the dict: the CPU generator only
+        state = {"cpu": state}
+    torch.set_rng_state(state["cpu"])
+    if "python" in state:
+        random.setstate(_as_tuple(state["python"]))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _as_tuple(value):
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def check_compatible(state: dict, meta: dict, path: Path) -> None:

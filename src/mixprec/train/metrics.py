@@ -41,7 +41,8 @@ def peak_flops(device: torch.device, matmul_dtype: str) -> float | None:
     natively, no faster here."""
     if device.type == "cuda":
         return gpu_peak_flops(torch.cuda.get_device_name(device), matmul_dtype)
-    a = torch.randn(1024, 1024)
+    # its own generator: drawing from the global one would shift a resumed run's random stream
+    a = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
     best = float("inf")
     for _ in range(11):
         start = time.perf_counter()

@@ -28,7 +28,7 @@ from mixprec.models.llama import ModelArgs, build_model, model_args
 from mixprec.models.loss import chunk_tokens
 from mixprec.precision import Policy
 from mixprec.train.checkpoint import (CheckpointManager, check_compatible, keep_optimizer_kernels,
-                                      load_full_into_sharded, load_sharded)
+                                      load_full_into_sharded, load_sharded, rng_state, set_rng_state)
 from mixprec.train.metrics import MetricsLogger, peak_flops, peak_memory_bytes, plot_loss_curve, plot_loss_scale
 from mixprec.train.parallelize import parallelize
 
@@ -167,7 +167,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "data": self.loader.state_dict(),
             "policy": self.policy.state_dict(),
-            "rng": torch.get_rng_state(),
+            "rng": rng_state(self.device),
             "trainer": {"best_val": self.best_val, "bad_evals": self.bad_evals},
         }
 
@@ -192,7 +192,7 @@ class Trainer:
                 self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["data"])
-        torch.set_rng_state(state["rng"])
+        set_rng_state(state["rng"], self.device)
         self.step = state["step"]
         self.best_val, self.bad_evals = state["trainer"]["best_val"], state["trainer"]["bad_evals"]
         logger.info("checkpoint: resumed at step %d", self.step)
