@@ -1,9 +1,12 @@
 """The command line: its surface is frozen, bad input is one line and exit code 2."""
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import tiny_args
 from mixprec.cli import build_parser, main
@@ -81,6 +84,13 @@ def one_line_error(capsys, argv) -> str:
     (["--loss_scale.min_scale", "8", "--loss_scale.max_scale", "4"], ["min_scale", "max_scale"]),
     (["--loss_scale.init_scale", "1e30"], ["loss_scale.init_scale", "[min_scale, max_scale]"]),
     (["--loss_scale.fallback_to", "fp8"], ["loss_scale.fallback_to", "fp32, bf16-mixed"]),
+    (["--training.lr", "inf"], ["training.lr", "finite"]),
+    (["--training.lr", "nan"], ["training.lr", "not NaN"]),
+    (["--training.eps", "-1"], ["training.eps", "positive finite"]),
+    (["--training.max_norm", "inf"], ["training.max_norm", "finite"]),
+    (["--data.source", "~nosuchuser_mixprec/corpus"], ["data.source", "home folder"]),
+    (["--compile.components", "model,optimizer"], ["compile.components", "model, loss"]),
+    (["--activation_checkpoint.mode", "2"], ["activation_checkpoint.mode", "none, selective, full"]),
 ])
 def test_bad_values(tmp_path, text_file, capsys, extra, words):
     err = one_line_error(capsys, tiny_args(tmp_path / "r", text_file, *extra))
@@ -135,3 +145,78 @@ def test_python_dash_m_exit_code():
     proc = subprocess.run([sys.executable, "-m", "mixprec", "train", "--training.steps", "-1"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "training.steps" in proc.stderr
+
+
+def test_unwritable_run_and_checkpoint_folders_fail_before_any_work(tmp_path, text_file, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    cases = [
+        ([], afile, "is a file"),  # job.dump_folder is an existing file
+        ([], afile / "run", "is inside"),  # its parent is a file
+        ([], tmp_path / ("x" * 300), "bytes"),  # a name longer than the file system takes
+        ([], Path("/proc/mixprec-run"), "cannot write"),  # a folder nobody can create files in
+    ]
+    for extra, folder, words in cases:
+        err = one_line_error(capsys, tiny_args(folder, text_file, *extra))
+        assert words in err and "job.dump_folder" in err, err
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoint").write_text("a file where the checkpoint folder goes")
+    err = one_line_error(capsys, tiny_args(run, text_file))
+    assert "checkpoint.folder" in err and "is a file" in err
+    assert afile.read_text() == "keep me" and (run / "checkpoint").is_file()
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint"]  # nothing was written
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda s: s["model"].update({"layers.0.attention.wq.weight": torch.zeros(3, 3)}), "size mismatch"),
+    (lambda s: s["optimizer"]["param_groups"].pop(), "parameter group"),
+    (lambda s: s.pop("step"), "lacks step"),
+    (lambda s: s.pop("rng"), "lacks rng"),
+    (lambda s: s.update(meta="not a dict"), "does not match"),
+])
+def test_damaged_checkpoints_are_one_line_and_left_alone(tmp_path, text_file, capsys, damage, words):
+    folder = tmp_path / "run"
+    assert main(tiny_args(folder, text_file, "--training.steps", "3")) == 0
+    ckpt = folder / "checkpoint" / "step-3.pt"
+    state = torch.load(ckpt, weights_only=True)
+    damage(state)
+    torch.save(state, ckpt)
+    saved = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    err = one_line_error(capsys, tiny_args(folder, text_file))
+    assert words in err and "step-3.pt" in err, err
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == saved
+
+
+def test_a_mismatch_names_the_file_that_mismatched(tmp_path, text_file, capsys):
+    folder = tmp_path / "run"
+    assert main(tiny_args(folder, text_file, "--training.steps", "3")) == 0
+    (folder / "checkpoint" / "step-3.pt").rename(folder / "checkpoint" / "step-5.pt")  # content says step 3
+    err = one_line_error(capsys, tiny_args(folder, text_file, "--model.n_kv_heads", "4", "--training.steps", "9"))
+    assert "step-5.pt" in err and "n_kv_heads" in err
+
+
+def test_a_torn_metrics_line_is_dropped_on_resume(tmp_path, text_file):
+    folder = tmp_path / "run"
+    assert main(tiny_args(folder, text_file, "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0")) == 0
+    (folder / "checkpoint" / "step-6.pt").unlink()
+    metrics = folder / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join(lines[:4]) + "\n" + lines[4][:17])  # killed while writing step 5
+    assert main(tiny_args(folder, text_file)) == 0
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+
+
+def test_out_of_memory_is_one_line_with_the_plan(tmp_path, text_file):
+    """The 8B flavor in a process capped at 12 GiB of address space."""
+    import resource
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (12 * 2**30, 12 * 2**30))
+
+    proc = subprocess.run([sys.executable, "-m", "mixprec", *tiny_args(tmp_path / "r", text_file, "--model.flavor",
+                                                                      "8B")[0:1], *tiny_args(tmp_path / "r", text_file,
+                                                                                             "--model.flavor", "8B")[1:]],
+                          preexec_fn=cap, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr[-2000:]
+    assert "out of memory" in proc.stderr and "GiB per device" in proc.stderr and "8B" in proc.stderr

@@ -130,13 +130,51 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     overrides = {k: v for k, v in vars(args).items() if "." in k}
     config = load_config(args.config, overrides)
-    summary = Trainer(config).train()
+    try:
+        summary = Trainer(config).train()
+    except (MemoryError, RuntimeError) as e:
+        if not _out_of_memory(e):
+            raise
+        raise UserError(_memory_advice(config, e)) from None
     if int(os.environ.get("RANK", "0")) > 0:
         return 0
     print(f"run folder: {config.job.dump_folder}")
     print(f"final validation loss {summary['final_val_loss']:.4f}, perplexity {summary['val_perplexity']:.2f} "
           f"({summary['precision']}, {summary['steps']} steps, {summary['tokens_per_sec'] or 0:.0f} tokens/s)")
     return 0
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """An allocator's failure: CUDA's OutOfMemoryError, or the CPU allocator's message."""
+    import torch
+
+    text = str(e)
+    return (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in text
+            or "not enough memory" in text)
+
+
+def _memory_advice(config, error: BaseException) -> str:
+    """One line: what the planner says this run needs per device, and what to change."""
+    from mixprec.analysis.memory import Setup, plan
+    from mixprec.config import build_policy
+    from mixprec.models.llama import model_args
+
+    name = type(error).__name__
+    try:
+        policy_name = build_policy(config.precision, config.training, config.loss_scale).name
+        vocab = 256 if config.data.tokenizer == "byte" else config.data.bpe_vocab_size
+        shard = max(1, config.parallelism.data_parallel_shard_degree)
+        setup = Setup(model_args(config.model.flavor, vocab), policy_name, config.training.local_batch_size,
+                      config.training.seq_len, checkpointing=config.activation_checkpoint.mode, dp_shard=shard,
+                      attention="sdpa" if config.model.attention == "sdpa" else "eager")
+        b = plan(setup)["bytes"]
+        need = (f"the plan for {config.model.flavor} in {policy_name} is {b['peak'] / 2**30:.1f} GiB per device "
+                f"(parameters {b['parameters'] / 2**30:.1f}, optimizer states {b['optimizer_states'] / 2**30:.1f}, "
+                f"activations {b['activations'] / 2**30:.1f}; mixprec memory shows it all)")
+    except Exception:  # a custom policy the planner does not model: the advice without figures
+        need = "mixprec memory estimates what a setup needs"
+    return (f"out of memory ({name}): {need}; accepted: a smaller model.flavor or training.local_batch_size, "
+            "activation_checkpoint.mode full, or more ranks (FSDP2 shards the model state)")
 
 
 def cmd_audit(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ Each field's docstring is its documentation in `mixprec train --help` and the RE
 
 import ast
 import inspect
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, fields
@@ -119,12 +120,14 @@ class Training:
         gbs, lbs = self.global_batch_size, self.local_batch_size
         _check(gbs == -1 or (gbs > 0 and gbs % lbs == 0), "training.global_batch_size", gbs,
                f"-1 or a positive multiple of local_batch_size ({lbs})")
-        _check(self.lr > 0, "training.lr", self.lr, "a positive number")
+        _check(0 < self.lr < math.inf, "training.lr", self.lr, "a positive finite number")
+        _check(0 < self.eps < math.inf, "training.eps", self.eps, "a positive finite number (1e-8; 1e-4 for float16 "
+               "optimizer states)")
         _check(0 <= self.min_lr_factor <= 1, "training.min_lr_factor", self.min_lr_factor, "a number in [0, 1]")
-        _check(self.weight_decay >= 0, "training.weight_decay", self.weight_decay, "a number >= 0")
+        _check(0 <= self.weight_decay < math.inf, "training.weight_decay", self.weight_decay, "a finite number >= 0")
         for name in ("beta1", "beta2"):
             _check(0 <= getattr(self, name) < 1, f"training.{name}", getattr(self, name), "a number in [0, 1)")
-        _check(self.max_norm >= 0, "training.max_norm", self.max_norm, "a number >= 0 (0 disables)")
+        _check(0 <= self.max_norm < math.inf, "training.max_norm", self.max_norm, "a finite number >= 0 (0 disables)")
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
                "training.device", self.device, "auto, cpu, cuda, cuda:N")
 
@@ -309,6 +312,8 @@ def _convert(table: str, name: str, kind: type, value):
             raise UserError(f"{key}: bad value {value!r}; accepted: {accepted}") from None
     if kind is float and type(value) is int:
         value = float(value)
+    if kind is float and math.isnan(value):
+        raise UserError(f"{key}: bad value {value!r}; accepted: a number (not NaN)")
     if type(value) is not kind:
         raise UserError(f"{key}: bad value {value!r}; accepted: a {kind.__name__}")
     return value

@@ -6,7 +6,8 @@ from mixprec.train.checkpoint import CheckpointManager
 
 
 def state(step):
-    return {"format": 1, "meta": {}, "step": step, "w": torch.full((3,), float(step))}
+    filler = dict.fromkeys(("scheduler", "data", "policy", "rng", "trainer", "model", "optimizer"), {})
+    return {"format": 1, "meta": {}, "step": step, **filler, "w": torch.full((3,), float(step))}
 
 
 def test_save_load_latest_and_pruning(tmp_path):

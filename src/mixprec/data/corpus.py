@@ -50,7 +50,11 @@ def load_corpus(source: str, val_fraction: float) -> Corpus:
     if source == STDLIB:
         root, files = _stdlib_files()
     else:
-        path = Path(source).expanduser()
+        try:
+            path = Path(source).expanduser()
+        except RuntimeError:  # ~user of a user this machine does not have
+            raise UserError(f"data.source: {source!r} names a home folder this machine does not have; accepted: "
+                            "stdlib, or a text file or folder") from None
         if not path.exists():
             raise UserError(f"data.source: {source!r} does not exist; accepted: stdlib, or a text file or folder")
         if path.is_file():

@@ -103,10 +103,30 @@ class CheckpointManager:
             ) from None
         if not isinstance(state, dict) or "format" not in state or state["format"] != 1:
             raise UserError(f"checkpoint {path} is not a mixprec checkpoint (format 1); remove it or set checkpoint.load_step")
+        required = EXTRAS_KEYS if path.is_dir() else (*EXTRAS_KEYS, "model", "optimizer")
+        missing = [k for k in required if k not in state]
+        if missing:
+            raise UserError(f"checkpoint {path} lacks {', '.join(missing)}; accepted: a checkpoint written by mixprec "
+                            "train; remove it or set checkpoint.load_step")
         logger.info("checkpoint: loading step %d from %s", step, path)
+        state["source"] = str(path)  # the file (or folder) it came from, for messages
         if path.is_dir():
             state["dcp"] = str(path)
         return state
+
+
+EXTRAS_KEYS = ("meta", "step", "scheduler", "data", "policy", "rng", "trainer")  # what every checkpoint holds
+
+
+@contextlib.contextmanager
+def restoring(path: str):
+    """Turn what a checkpoint that does not fit this run raises into one clear line."""
+    try:
+        yield
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise UserError(f"checkpoint {path} does not fit this run ({reason[:300]}); accepted: a checkpoint of "
+                        "this config; remove it, set checkpoint.load_step, or use another job.dump_folder") from None
 
 
 def load_sharded(path: str, model, optimizer) -> None:
@@ -182,8 +202,8 @@ def _as_tuple(value):
 
 def check_compatible(state: dict, meta: dict, path: Path) -> None:
     """The checkpoint was made for the same model and tokenizer as this run."""
-    diffs = [f"{k}: checkpoint {state['meta'].get(k)!r} vs config {v!r}"
-             for k, v in meta.items() if state["meta"].get(k) != v]
+    saved = state["meta"] if isinstance(state["meta"], dict) else {}
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs config {v!r}" for k, v in meta.items() if saved.get(k) != v]
     if diffs:
         raise UserError(
             f"checkpoint {path} does not match this config ({'; '.join(diffs)}); "

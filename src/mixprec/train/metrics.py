@@ -63,8 +63,10 @@ class MetricsLogger:
 
     def __init__(self, folder: Path, resume_step: int, tensorboard: bool):
         self.path = folder / "metrics.jsonl"
-        # On resume, drop records past the checkpoint: they will be recomputed.
-        kept = [line for line in _read_lines(self.path) if json.loads(line).get("step", 0) <= resume_step]
+        # On resume, drop records past the checkpoint (they will be recomputed) and a line
+        # torn by a kill in mid-write.
+        kept = [line for line in _read_lines(self.path)
+                if (record := _parse(line)) is not None and record.get("step", 0) <= resume_step]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(self.path)
@@ -95,8 +97,17 @@ def _read_lines(path: Path) -> list[str]:
     return [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def _parse(line: str) -> dict | None:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in _read_lines(path)]
+    """The records of metrics.jsonl, without a torn line."""
+    return [r for line in _read_lines(path) if (r := _parse(line)) is not None]
 
 
 def _pyplot():

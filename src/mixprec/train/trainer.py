@@ -28,9 +28,10 @@ from mixprec.models.llama import ModelArgs, build_model, model_args
 from mixprec.models.loss import chunk_tokens
 from mixprec.precision import Policy
 from mixprec.train.checkpoint import (CheckpointManager, check_compatible, keep_optimizer_kernels,
-                                      load_full_into_sharded, load_sharded, rng_state, set_rng_state)
+                                      load_full_into_sharded, load_sharded, restoring, rng_state, set_rng_state)
 from mixprec.train.metrics import MetricsLogger, peak_flops, peak_memory_bytes, plot_loss_curve, plot_loss_scale
 from mixprec.train.parallelize import parallelize
+from mixprec.train.run_folder import check_writable
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,9 @@ class Trainer:
         self.device = resolve_device(tcfg.device)
         self.policy = build_policy(config.precision, tcfg, config.loss_scale)
         self.folder = Path(config.job.dump_folder)
+        check_writable(self.folder, "job.dump_folder")
+        if config.checkpoint.enable:
+            check_writable(self.folder / config.checkpoint.folder, "checkpoint.folder")
         torch.manual_seed(tcfg.seed)
         pcfg = config.parallelism
         self.rank, world = init_distributed(self.device)
@@ -180,21 +184,22 @@ class Trainer:
                                               "optimizer": self.optimizer.state_dict()})
 
     def _restore(self, state: dict) -> None:
-        check_compatible(state, self.meta, self.checkpoints.path(state["step"]))
-        self.policy.load_state_dict(state["policy"])  # first: it may re-apply a fallback
-        with keep_optimizer_kernels(self.optimizer):
-            if "dcp" in state:
-                load_sharded(state["dcp"], self.model, self.optimizer)
-            elif self.dims.fsdp_enabled or self.dims.tp_enabled:
-                load_full_into_sharded(self.model, self.optimizer, state["model"], state["optimizer"])
-            else:  # one process, or DDP: every rank loads the whole file
-                self.policy.load_model_state_dict(self.raw_model, state["model"])
-                self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.loader.load_state_dict(state["data"])
-        set_rng_state(state["rng"], self.device)
-        self.step = state["step"]
-        self.best_val, self.bad_evals = state["trainer"]["best_val"], state["trainer"]["bad_evals"]
+        check_compatible(state, self.meta, state["source"])
+        with restoring(state["source"]):
+            self.policy.load_state_dict(state["policy"])  # first: it may re-apply a fallback
+            with keep_optimizer_kernels(self.optimizer):
+                if "dcp" in state:
+                    load_sharded(state["dcp"], self.model, self.optimizer)
+                elif self.dims.fsdp_enabled or self.dims.tp_enabled:
+                    load_full_into_sharded(self.model, self.optimizer, state["model"], state["optimizer"])
+                else:  # one process, or DDP: every rank loads the whole file
+                    self.policy.load_model_state_dict(self.raw_model, state["model"])
+                    self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.loader.load_state_dict(state["data"])
+            set_rng_state(state["rng"], self.device)
+            self.step = int(state["step"])
+            self.best_val, self.bad_evals = state["trainer"]["best_val"], state["trainer"]["bad_evals"]
         logger.info("checkpoint: resumed at step %d", self.step)
 
     # ---- the loop -------------------------------------------------------------------------
