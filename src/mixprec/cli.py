@@ -139,8 +139,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) > 0:
         return 0
     print(f"run folder: {config.job.dump_folder}")
-    print(f"final validation loss {summary['final_val_loss']:.4f}, perplexity {summary['val_perplexity']:.2f} "
-          f"({summary['precision']}, {summary['steps']} steps, {summary['tokens_per_sec'] or 0:.0f} tokens/s)")
+    def num(key: str, spec: str) -> str:
+        return "n/a" if summary.get(key) is None else format(summary[key], spec)
+
+    print(f"final validation loss {num('final_val_loss', '.4f')}, perplexity {num('val_perplexity', '.2f')} "
+          f"({summary['precision']}, {summary['steps']} steps, {num('tokens_per_sec', '.0f')} tokens/s)")
     return 0
 
 

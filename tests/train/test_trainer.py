@@ -131,3 +131,21 @@ def test_a_resumed_run_writes_the_uninterrupted_runs_checkpoint_bit_for_bit(tmp_
         resumed = torch.load(tmp_path / "cut" / "checkpoint" / f"step-{step}.pt", weights_only=True)
         assert set(full["rng"]) >= {"cpu", "python"}
         assert_same(resumed, full)
+
+
+def test_a_finished_run_stays_finished(tmp_path, text_file, capsys):
+    folder = tmp_path / "run"
+    run_train(folder, text_file)
+    files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(tiny_args(folder, text_file)) == 0
+    assert f"{folder} is complete at step 6; raise training.steps to continue" in capsys.readouterr().out
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()} == files
+
+
+def test_summary_json_is_strict_json(tmp_path, text_file):
+    # fp16-true with eps 1e-8 (0 in float16) diverges to NaN: the summary says null and why
+    folder = tmp_path / "nan"
+    run_train(folder, text_file, "--precision.preset", "fp16-true")
+    summary = json.loads((folder / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert summary["final_val_loss"] is None and summary["final_val_loss_reason"] == "not finite (nan)"

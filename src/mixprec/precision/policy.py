@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 
 import torch
 
@@ -41,11 +42,11 @@ def has_fast_matmul(device_type: str, dtype: torch.dtype) -> bool:
     return True
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
-    """The global gradient norm, and the gradients scaled down to `max_norm` (when given).
-    Unlike clip_grad_norm_, the gradients may mix plain tensors with DTensors of several
-    meshes and layouts (tensor parallel: sharded projections, replicated norms): each
-    such group is reduced on its own, then the group norms are combined."""
+def _grad_norm(params: list[torch.Tensor]) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+    """The global gradient norm, and the parameters grouped as it was reduced. Unlike
+    clip_grad_norm_, the gradients may mix plain tensors with DTensors of several meshes
+    and layouts (tensor parallel: sharded projections, replicated norms): each such group
+    is reduced on its own, then the group norms are combined."""
     groups: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
         g = p.grad
@@ -56,10 +57,7 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.
         norm = torch.nn.utils.get_total_norm([p.grad for p in group])
         norms.append(norm.full_tensor() if key is not None else norm)  # a DTensor's norm: reduced over its mesh
     total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-    if max_norm:
-        for group in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
-    return total
+    return total, list(groups.values())
 
 
 class Policy:
@@ -100,7 +98,7 @@ class Policy:
         self.requested = self.name = self._match_preset()
         self.device_type: str | None = None
         self._model = self._optimizer = self._master = self._scaler = None
-        self._steps = self._skipped = 0
+        self._steps = self._skipped = self._nonfinite = 0
         self._last_grad_norm: float | None = None
         self._monitor = ScaleMonitor()
         self._fallback_step: int | None = None
@@ -328,14 +326,28 @@ class Policy:
             self._scaler.unscale_(optimizer)
             overflow = self._scaler.found_inf
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        self._last_grad_norm = clip_grad_norm(params, max_norm).float().item()
-        if not overflow:
+        norm, groups = _grad_norm(params)
+        # the one host sync of a step; the norm is the same on every rank, so is the choice
+        self._last_grad_norm = norm.float().item()
+        # Without a loss scaler nothing else guards the weights: an inf or NaN anywhere in
+        # the gradients makes the global norm non-finite, and that step is skipped too.
+        nonfinite = not overflow and not math.isfinite(self._last_grad_norm)
+        if not (overflow or nonfinite):
+            if max_norm:
+                for group in groups:
+                    torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
             optimizer.step()
             if self._master is not None:
                 self._master.master_to_model()
         optimizer.zero_grad(set_to_none=True)
         self._steps += 1
-        self._skipped += overflow
+        self._skipped += overflow or nonfinite
+        if nonfinite:
+            self._nonfinite += 1
+            if self._nonfinite <= 10 or self._nonfinite % 100 == 0:
+                logger.warning("[NONFINITE] step %d: gradient norm %s: step skipped (weights, optimizer state and "
+                               "learning-rate schedule untouched; %d such steps so far)", self._steps,
+                               self._last_grad_norm, self._nonfinite)
         if self._scaler is not None:
             before = self._scaler.get_scale()
             self._scaler.update()
@@ -347,7 +359,7 @@ class Policy:
                 reason = (f"at the minimum loss scale {before:g}" if at_minimum
                           else f"after {self._monitor.consecutive} consecutive overflows")
                 self._fall_back(reason)
-        return not overflow
+        return not (overflow or nonfinite)
 
     def _fall_back(self, reason: str | None) -> None:
         """Switch to `fallback_to`, keeping the FP32 weights and optimizer state."""
@@ -381,6 +393,7 @@ class Policy:
             "master_weights": self.master_weights,
             "steps": self._steps,
             "skipped_steps": self._skipped,
+            "nonfinite_steps": self._nonfinite,
             "grad_norm": self._last_grad_norm,
             "loss_scale": self._scaler.get_scale() if self._scaler is not None else None,
             "overflow_count": self._monitor.overflows,
@@ -406,7 +419,7 @@ class Policy:
     def state_dict(self) -> dict:
         return {
             "precision": self.requested, "precision_final": self.name, "steps": self._steps,
-            "skipped": self._skipped, "fallback_step": self._fallback_step, "monitor": self._monitor.state_dict(),
+            "skipped": self._skipped, "nonfinite": self._nonfinite, "fallback_step": self._fallback_step, "monitor": self._monitor.state_dict(),
             "scaler": self._scaler.state_dict() if self._scaler is not None else None,
         }
 
@@ -422,6 +435,7 @@ class Policy:
                         state["precision_final"], state["fallback_step"], self.name)
             self._fallback_step = state["fallback_step"]
         self._steps, self._skipped = int(state["steps"]), int(state["skipped"])
+        self._nonfinite = int(state.get("nonfinite", 0))
         self._monitor.load_state_dict(state.get("monitor", {}))
         if self._scaler is not None and state.get("scaler"):
             self._scaler.load_state_dict(state["scaler"])

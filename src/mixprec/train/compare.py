@@ -50,7 +50,10 @@ def run_compare(config, presets: list[str]) -> dict:
         proc = subprocess.run([sys.executable, "-m", "mixprec", "train", "--config", str(path)])
         if proc.returncode != 0:
             raise UserError(f"compare: the {name} run failed (exit code {proc.returncode}); its log is above")
-        runs[name] = json.loads((folder / name / "summary.json").read_text())
+        summary = json.loads((folder / name / "summary.json").read_text())
+        for key in ("final_train_loss", "final_val_loss", "val_perplexity"):  # null in the file: not finite
+            summary[key] = math.nan if summary.get(key) is None else summary[key]
+        runs[name] = summary
     report = judge(runs, config.compare)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "compare.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -205,6 +205,11 @@ class Trainer:
     # ---- the loop -------------------------------------------------------------------------
     def train(self) -> dict:
         cfg, tcfg = self.config, self.config.training
+        done = self.folder / "summary.json"
+        if self.step >= tcfg.steps and done.exists():
+            # a finished run stays as it finished: no file is rewritten
+            logger.info("%s is complete at step %d; raise training.steps to continue", self.folder, self.step)
+            return json.loads(done.read_text())
         self.folder.mkdir(parents=True, exist_ok=True)
         lead = self.rank == 0  # the one process that writes files and logs
         if lead:
@@ -285,7 +290,8 @@ class Trainer:
         }
         if not lead:
             return summary
-        (self.folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary = _strict_json(summary)
+        done.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
         if cfg.metrics.plot:
             plot_loss_curve(self.folder / "metrics.jsonl", self.folder / "loss_curve.png",
                             f"{cfg.model.flavor}, {self.policy.requested}")
@@ -322,6 +328,19 @@ class Trainer:
         elif self.dims.ddp_enabled and not last:
             return self.model.no_sync()
         return contextlib.nullcontext()
+
+
+def _strict_json(summary: dict) -> dict:
+    """NaN and infinities are not JSON: null, with a `<key>_reason` saying why."""
+    out = {}
+    for key, value in summary.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            out[key], out[f"{key}_reason"] = None, f"not finite ({value})"
+        elif value is None and key == "tokens_per_sec":
+            out[key], out[f"{key}_reason"] = None, "no step ran in this process"
+        else:
+            out[key] = value
+    return out
 
 
 def _progress(enabled: bool, initial: int, total: int):
