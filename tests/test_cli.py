@@ -220,3 +220,16 @@ def test_out_of_memory_is_one_line_with_the_plan(tmp_path, text_file):
                           preexec_fn=cap, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr[-2000:]
     assert "out of memory" in proc.stderr and "GiB per device" in proc.stderr and "8B" in proc.stderr
+
+
+def test_help_parses_before_torch_loads():
+    code = ("import sys; from mixprec.cli import build_parser; build_parser().format_help(); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_commands_with_options_show_them_first():
+    text = subprocess.run([sys.executable, "-m", "mixprec", "compare", "--help"], capture_output=True, text=True,
+                          check=True).stdout
+    assert text.index("--presets") < text.index("--config") < text.index("[job]") < text.index("--job.dump_folder")
+    assert text.splitlines()[0].startswith("usage: mixprec compare [-h] [--presets")

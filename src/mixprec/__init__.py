@@ -1,21 +1,31 @@
-"""mixprec: mixed-precision training on PyTorch."""
+"""mixprec: mixed-precision training on PyTorch.
 
-from mixprec.config import Config, build_policy, load_config
-from mixprec.errors import UserError
-from mixprec.models.llama import Llama, ModelArgs, build_model, model_args
-from mixprec.precision import (ALIASES, APEX_LEVELS, PRESETS, LossScaleConfig, LossScaler, Policy, dtype_name,
-                               has_fast_matmul, parse_dtype)
+Names load on first use (PEP 562): `import mixprec` and the command line's --help do
+not wait for torch; `mixprec.Policy` imports it.
+"""
 
-__all__ = [
+import importlib
+
+_WHERE = {
     # precision policy
-    "Policy", "PRESETS", "ALIASES", "APEX_LEVELS", "has_fast_matmul", "parse_dtype", "dtype_name",
+    "Policy": "mixprec.precision", "PRESETS": "mixprec.precision", "ALIASES": "mixprec.precision",
+    "APEX_LEVELS": "mixprec.precision", "has_fast_matmul": "mixprec.precision", "parse_dtype": "mixprec.precision",
+    "dtype_name": "mixprec.precision",
     # loss scaling
-    "LossScaler", "LossScaleConfig",
+    "LossScaler": "mixprec.precision", "LossScaleConfig": "mixprec.precision",
     # model
-    "Llama", "ModelArgs", "model_args", "build_model",
+    "Llama": "mixprec.models.llama", "ModelArgs": "mixprec.models.llama", "model_args": "mixprec.models.llama",
+    "build_model": "mixprec.models.llama",
     # config
-    "Config", "load_config", "build_policy",
+    "Config": "mixprec.config", "load_config": "mixprec.config", "build_policy": "mixprec.config",
     # errors
-    "UserError",
-]
+    "UserError": "mixprec.errors",
+}
+__all__ = list(_WHERE)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'mixprec' has no attribute {name!r}")

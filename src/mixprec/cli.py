@@ -33,10 +33,15 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _config_parser(sub, name: str, help: str, description: str) -> argparse.ArgumentParser:
-    """A subcommand that takes a training config: --config FILE and every --section.key."""
+def _config_parser(sub, name: str, help: str, description: str, own=None,
+                   own_usage: str = "") -> argparse.ArgumentParser:
+    """A subcommand that takes a training config: its own options (`own(parser)`) first,
+    then --config FILE, then every --section.key grouped by table."""
+    usage = f"mixprec {name} [-h] {own_usage}[--config FILE.toml] [--section.key VALUE ...]"
     p = sub.add_parser(name, help=help, description=description + " Precedence: --section.key > --config file > "
-                       "defaults.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       "defaults.", usage=usage, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    if own is not None:
+        own(p)
     p.add_argument("--config", metavar="FILE.toml", help="TOML file with [job], [model], ... tables")
     for table, cls in TABLES.items():
         group = p.add_argument_group(f"[{table}]")
@@ -57,17 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mixprec", description="Mixed-precision training on PyTorch.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _config_parser(sub, "train", "train a Llama-style model on real text", "Train under a precision policy.")
-    audit = _config_parser(sub, "audit", "observe the dtypes of one real training step against the policy",
-                           "Run one training step (two micro-batches) of the config with hooks and compare the dtype "
-                           "observed at each stage with the one the precision policy promises. Exit code 1 when one "
-                           "breaks the promise. Works under torchrun.")
-    audit.add_argument("--json", action="store_true", help="print JSON")
-    compare = _config_parser(sub, "compare", "train several presets side by side and judge them against the first",
-                             "Train each preset with the same seed, data, initialisation and steps; write "
-                             "compare.json, compare.md, loss_curves.png and speed_memory.png to the run folder. Exit "
-                             "code 1 when a preset fails the [compare] thresholds.")
-    compare.add_argument("--presets", default="fp32,bf16-mixed,bf16-true",
-                         help="comma-separated presets; the first is the baseline")
+    _config_parser(sub, "audit", "observe the dtypes of one real training step against the policy",
+                   "Run one training step (two micro-batches) of the config with hooks and compare the dtype "
+                   "observed at each stage with the one the precision policy promises. Exit code 1 when one "
+                   "breaks the promise. Works under torchrun.",
+                   own=lambda g: g.add_argument("--json", action="store_true", help="print JSON"), own_usage="[--json] ")
+    _config_parser(sub, "compare", "train several presets side by side and judge them against the first",
+                   "Train each preset with the same seed, data, initialisation and steps; write compare.json, "
+                   "compare.md, loss_curves.png and speed_memory.png to the run folder. Exit code 1 when a preset "
+                   "fails the [compare] thresholds.",
+                   own=lambda g: g.add_argument("--presets", default="fp32,bf16-mixed,bf16-true",
+                                                help="comma-separated presets; the first is the baseline"),
+                   own_usage="[--presets P1,P2,...] ")
     formats = sub.add_parser("formats", help="limits of FP32, TF32, FP16, BF16, FP8 E4M3 and E5M2")
     formats.add_argument("--json", action="store_true", help="print JSON")
     memory = sub.add_parser("memory", help="plan per-device memory and per-step communication",

@@ -13,8 +13,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from mixprec.errors import UserError
-from mixprec.precision import LossScaleConfig, Policy, parse_dtype
-from mixprec.precision.presets import FP32, preset_for
+from mixprec.precision.scaling_config import LossScaleConfig
 
 
 def _check(ok: bool, field: str, value, accepted: str) -> None:
@@ -349,9 +348,12 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
 
 
 def build_policy(precision: Precision, training: Training,
-                 loss_scale: LossScaleConfig = LossScaleConfig()) -> Policy:
-    """The precision policy from [precision] and TorchTitan's [training] dtype keys.
-    The same field given twice with different values is an error naming both keys."""
+                 loss_scale: LossScaleConfig = LossScaleConfig()):
+    """The precision policy (a mixprec.Policy) from [precision] and TorchTitan's [training]
+    dtype keys. The same field given twice with different values is an error naming both keys."""
+    from mixprec.precision import Policy, parse_dtype
+    from mixprec.precision.presets import FP32, preset_for
+
     sources = {
         "storage_dtype": [("precision.storage_dtype", precision.storage_dtype), ("training.dtype", training.dtype)],
         "param_dtype": [("precision.param_dtype", precision.param_dtype),

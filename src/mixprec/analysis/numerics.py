@@ -1,4 +1,4 @@
-"""`mixprec analyze`: seed 002's experiments on real tensors.
+"""`mixprec analyze`: the formats' limits, measured on real tensors.
 
 - range: chosen values cast to each format: overflow, flush to zero, subnormal;
 - accumulation: N additions of one value in each accumulator dtype against the exact sum;

@@ -66,9 +66,11 @@ def format_analysis(r: dict) -> str:
     q = r["quantisation"]
     lines.append(f"Normal(0, {q['std']:g}) weights cast (SQNR dB, share flushed to zero):")
     lines.append("  " + "  ".join(f"{f}: {q[f]['sqnr_db']:.1f} dB, {q[f]['underflow']:.2%}" for f in numerics.LOW))
-    lines.append("seed 001's reduction examples (summed in order):")
+    lines.append("gradients summed across ranks in order, bfloat16 against float32 (the claim: BF16 reductions lose "
+                 "small contributions):")
     for ex in r["reduction"]:
-        lines.append(f"  {ex}")
+        lines.append(f"  {ex['case']:<38} bfloat16 {ex['bfloat16']:.6g}  float32 {ex['float32']:.6g}  "
+                     f"exact {ex['exact']:.6g}")
     s = r["census_setup"]
     lines.append(f"gradient census, {s['flavor']} flavor, one step of {s['batch']} x {s['seq_len']} tokens, "
                  f"loss scale {s['loss_scale']:g} (all parameters; per layer in --json):")

@@ -19,7 +19,7 @@ from mixprec.precision.master import cast_parameters
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, policy: Policy, *, reshard_after_forward: str = "default",
                cpu_offload: bool = False) -> nn.Module:
     """Shard the token embeddings, each transformer block, the final norm together with
-    the output layer, and the root (seed 001's layout), under `policy`. A 2-D mesh
+    the output layer, and the root (TorchTitan's layout), under `policy`. A 2-D mesh
     (replicate, shard) gives HSDP. reshard_after_forward: default (every unit but the
     root, whose parameters the backward needs first), always, never."""
     mp_policy = policy.fsdp_mixed_precision()  # first: it may change the storage dtype (master weights)

@@ -146,7 +146,7 @@ class Policy:
 
     def fsdp_mixed_precision(self):
         """FSDP2's MixedPrecisionPolicy for this policy. From then on the policy leaves the
-        casts to fully_shard and never autocasts on top of them (seed 001, 8.2.3)."""
+        casts to fully_shard and never autocasts on top of them (that would cast twice)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         self.sharded = True

@@ -4,7 +4,7 @@ steps, one after another, and judge each against the first (the baseline).
 Writes into the run folder: one subfolder per preset (its own run), compare.json,
 compare.md, loss_curves.png and speed_memory.png. A preset fails when its validation
 loss or perplexity is too far above the baseline's, or it overflowed too often
-([compare] thresholds; defaults from seed 003: 5%, 3%, 10%).
+([compare] thresholds; defaults 5%, 3%, 10%).
 """
 
 from __future__ import annotations

@@ -36,13 +36,17 @@ def gpu_peak_flops(device_name: str, matmul_dtype: str) -> float | None:
 
 def peak_flops(device: torch.device, matmul_dtype: str) -> float | None:
     """Peak matmul FLOP/s for MFU. GPUs: the data sheet (None when unknown: no MFU).
-    CPUs have no useful data sheet number: the best of ten 1024x1024 FP32 matmuls,
-    measured here (about 0.2 s). FP32 because BF16 is either emulated by FP32 GEMMs or,
-    natively, no faster here."""
+    CPUs have no useful data sheet number: the best of ten 1024x1024 matmuls, measured
+    here (about 0.2 s), in BF16/FP16 where this CPU has a native kernel for them, else in
+    FP32 (what the emulation runs)."""
     if device.type == "cuda":
         return gpu_peak_flops(torch.cuda.get_device_name(device), matmul_dtype)
+    from mixprec.precision.policy import has_fast_matmul
+
+    dtype = getattr(torch, matmul_dtype, torch.float32) if matmul_dtype in ("bfloat16", "float16") else torch.float32
+    dtype = dtype if has_fast_matmul("cpu", dtype) else torch.float32
     # its own generator: drawing from the global one would shift a resumed run's random stream
-    a = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
+    a = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0)).to(dtype)
     best = float("inf")
     for _ in range(11):
         start = time.perf_counter()

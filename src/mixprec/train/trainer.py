@@ -104,12 +104,15 @@ class Trainer:
                             f"{dp} data-parallel ranks")
         self.accum = global_bs // (lbs * dp)
 
+        t0 = time.perf_counter()  # each setup phase logs its duration: a log without a terminal shows progress
         corpus = load_corpus(config.data.source, config.data.val_fraction)
         self.tokenizer = build_tokenizer(config.data.tokenizer, corpus.train, config.data.bpe_vocab_size,
                                          self.folder / "tokenizer.json")
         train_tokens, val_tokens = self.tokenizer.encode(corpus.train), self.tokenizer.encode(corpus.val)
-        logger.info("data: %s: %d training and %d validation tokens (%s tokenizer, vocabulary %d)",
-                    corpus.name, len(train_tokens), len(val_tokens), config.data.tokenizer, self.tokenizer.vocab_size)
+        logger.info("data: %s: %d training and %d validation tokens (%s tokenizer, vocabulary %d) in %.1f s",
+                    corpus.name, len(train_tokens), len(val_tokens), config.data.tokenizer, self.tokenizer.vocab_size,
+                    time.perf_counter() - t0)
+        t0 = time.perf_counter()
         # Every rank draws the same global micro-batch and keeps its own rows.
         self.loader = TrainLoader(train_tokens, tcfg.seq_len, lbs * dp, tcfg.seed, self.device)
         dp_rank = self.dims.dp_rank(self.rank)
@@ -148,8 +151,8 @@ class Trainer:
             logger.info("parallelism: DDP over %d processes", world)
             self.model = torch.nn.parallel.DistributedDataParallel(self.model)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(tcfg))
-        logger.info("model: %s flavor, %.2fM parameters, %s", mcfg.flavor, self.raw_model.num_params() / 1e6,
-                    self.policy)
+        logger.info("model: %s flavor, %.2fM parameters, %s, built in %.1f s", mcfg.flavor,
+                    self.raw_model.num_params() / 1e6, self.policy, time.perf_counter() - t0)
 
         self.meta = {**{k: v for k, v in asdict(self.args).items() if k not in ModelArgs.RUNTIME_FIELDS},
                      "tokenizer": config.data.tokenizer}
@@ -157,9 +160,11 @@ class Trainer:
         self.checkpoints = None
         if config.checkpoint.enable:
             self.checkpoints = CheckpointManager(self.folder / config.checkpoint.folder, config.checkpoint.keep_latest_k)
+            t0 = time.perf_counter()
             state = self.checkpoints.load(config.checkpoint.load_step)
             if state is not None:
                 self._restore(state)
+                logger.info("checkpoint: restored in %.1f s", time.perf_counter() - t0)
 
     # ---- checkpoint state ---------------------------------------------------------------
     def _extras(self) -> dict:
