@@ -132,9 +132,11 @@ def plan(s: Setup) -> dict:
     block = _block_activations(a, B, T, c, r, n, autocast and n != c, s.tp, s.attention == "sdpa")
     inputs = r * B * T * a.dim  # what a checkpointed block keeps: its input
     # Saved through the forward: each block's activations, or only its input where it
-    # recomputes in backward (selective: every other block).
-    recomputed = {"none": 0, "selective": a.n_layers // 2, "full": a.n_layers}[s.checkpointing]
-    layers = (a.n_layers - recomputed) * block + recomputed * inputs
+    # recomputes in backward (selective: every other block, 1, 3, 5, ...; full: all).
+    every = {"none": 0, "selective": 2, "full": 1}[s.checkpointing]
+    recomputed = [i for i in range(a.n_layers) if every and (i + 1) % every == 0]
+    saved = [inputs if i in recomputed else block for i in range(a.n_layers)]
+    layers = sum(saved)
     norm = (4 + r) * B * T * a.dim  # the final norm's FP32 input and output
     if s.loss == "chunked":
         # kept: the gradients of the hidden states and (FP32) of the output weight; while
@@ -147,8 +149,13 @@ def plan(s: Setup) -> dict:
         transient = 2 * 4 * B * T * a.vocab_size  # the backward's first tensors: d(log-probs), d(logits)
     activations = layers + head
     # The peak is at the loss (everything saved, plus the loss's temporaries), or, with
-    # checkpointing, possibly later: a block recomputing its activations in backward.
-    working = max(head + transient, block if recomputed else 0)
+    # checkpointing, possibly in backward: block i recomputing its activations while the
+    # blocks below it still hold theirs and the gradients above it exist.
+    block_grads = grads * block_params / n_params  # one block's share of the gradient bytes
+    other_grads = grads - a.n_layers * block_grads  # embeddings, final norm, output layer
+    backward = max((sum(saved[:i]) + block + (a.n_layers - i) * block_grads + other_grads for i in recomputed),
+                   default=0)
+    working = max(head + transient, backward - layers)
 
     peak = params + states + masters + cast_cache + unsharded + layers + working
     # Communication per step, per device, ring algorithms: all-gather and reduce-scatter
