@@ -171,11 +171,19 @@ def _memory_advice(config, error: BaseException) -> str:
     name = type(error).__name__
     try:
         policy_name = build_policy(config.precision, config.training, config.loss_scale).name
-        vocab = 256 if config.data.tokenizer == "byte" else config.data.bpe_vocab_size
-        shard = max(1, config.parallelism.data_parallel_shard_degree)
-        setup = Setup(model_args(config.model.flavor, vocab), policy_name, config.training.local_batch_size,
-                      config.training.seq_len, checkpointing=config.activation_checkpoint.mode, dp_shard=shard,
-                      attention="sdpa" if config.model.attention == "sdpa" else "eager")
+        import torch
+
+        from mixprec.models.loss import chunk_tokens
+
+        m, t = config.model, config.training
+        args = model_args(m.flavor, 256 if config.data.tokenizer == "byte" else config.data.bpe_vocab_size)
+        on_cuda = t.device.startswith("cuda") or (t.device == "auto" and torch.cuda.is_available())
+        chunked = m.loss == "chunked" or (m.loss == "auto" and t.local_batch_size * t.seq_len > chunk_tokens(
+            args.vocab_size))  # the trainer's own choices for attention and loss
+        setup = Setup(args, policy_name, t.local_batch_size, t.seq_len, checkpointing=config.activation_checkpoint.mode,
+                      dp_shard=max(1, config.parallelism.data_parallel_shard_degree),
+                      attention="sdpa" if m.attention == "sdpa" or (m.attention == "auto" and on_cuda) else "eager",
+                      loss="chunked" if chunked else "full")
         b = plan(setup)["bytes"]
         need = (f"the plan for {config.model.flavor} in {policy_name} is {b['peak'] / 2**30:.1f} GiB per device "
                 f"(parameters {b['parameters'] / 2**30:.1f}, optimizer states {b['optimizer_states'] / 2**30:.1f}, "

@@ -20,10 +20,12 @@ import torch
 from mixprec.errors import UserError
 from mixprec.precision.dtypes import dtype_name, parse_dtype
 from mixprec.precision.emulation import EmulatedMatmul
+from mixprec.precision.grad_norm import grad_norm
 from mixprec.precision.loss_scaler import LossScaleConfig, LossScaler
 from mixprec.precision.master import MasterWeights, cast_parameters, is_norm
 from mixprec.precision.monitor import ScaleMonitor
 from mixprec.precision.presets import BF16, FP16, FP32, PRESETS, resolve_preset_name
+from mixprec.precision.tf32 import set_tf32, tf32_active
 
 logger = logging.getLogger(__name__)
 
@@ -40,24 +42,6 @@ def has_fast_matmul(device_type: str, dtype: torch.dtype) -> bool:
             return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
         return torch.cpu._is_amx_fp16_supported()
     return True
-
-
-def _grad_norm(params: list[torch.Tensor]) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
-    """The global gradient norm, and the parameters grouped as it was reduced. Unlike
-    clip_grad_norm_, the gradients may mix plain tensors with DTensors of several meshes
-    and layouts (tensor parallel: sharded projections, replicated norms): each such group
-    is reduced on its own, then the group norms are combined."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for p in params:
-        g = p.grad
-        key = (g.device_mesh, g.placements) if hasattr(g, "device_mesh") else None
-        groups.setdefault(key, []).append(p)
-    norms = []
-    for key, group in groups.items():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
-        norms.append(norm.full_tensor() if key is not None else norm)  # a DTensor's norm: reduced over its mesh
-    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-    return total, list(groups.values())
 
 
 class Policy:
@@ -161,7 +145,7 @@ class Policy:
     @property
     def tf32_active(self) -> bool:
         """Whether this run's FP32 matmuls run as TF32: on CUDA, by torch's process-wide setting."""
-        return self.device_type == "cuda" and torch.get_float32_matmul_precision() != "highest"
+        return tf32_active(self.device_type)
 
     @property
     def matmul_dtype(self) -> str:
@@ -255,22 +239,9 @@ class Policy:
                         if self.name in PRESETS else "custom")
         if self._scaler is not None:
             logger.info("[MIXED PRECISION] training with %s, loss scale %g", self.name, self._scaler.get_scale())
-        self._set_tf32()
+        set_tf32(self.device_type, self.tf32)
         self._choose_emulation()
         return model, optimizer
-
-    def _set_tf32(self) -> None:
-        if self.device_type != "cuda":
-            if self.tf32:
-                logger.info("precision.tf32: no effect on %s (TF32 is a CUDA tensor-core format)", self.device_type)
-            return
-        if self.tf32:
-            torch.set_float32_matmul_precision("high")
-            logger.info("float32 matmuls run as TF32 (10-bit mantissa inputs, float32 accumulation): precision.tf32")
-        elif torch.get_float32_matmul_precision() != "highest":
-            logger.warning("float32 matmuls run as TF32: torch.set_float32_matmul_precision(%r) was called outside "
-                           "mixprec; torch.set_float32_matmul_precision('highest') restores true float32",
-                           torch.get_float32_matmul_precision())
 
     def will_emulate(self, device_type: str) -> bool:
         """Whether setup on `device_type` emulates this policy's matmuls."""
@@ -326,7 +297,7 @@ class Policy:
             self._scaler.unscale_(optimizer)
             overflow = self._scaler.found_inf
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        norm, groups = _grad_norm(params)
+        norm, groups = grad_norm(params)
         # the one host sync of a step; the norm is the same on every rank, so is the choice
         self._last_grad_norm = norm.float().item()
         # Without a loss scaler nothing else guards the weights: an inf or NaN anywhere in
