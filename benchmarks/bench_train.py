@@ -158,6 +158,7 @@ def one_mode(preset: str, impl: str, compiled: bool, flavor: str, device: str, b
         overrides["job.dump_folder"] = tmp
         trainer = Trainer(load_config(None, overrides))
     dev, policy = trainer.device, trainer.policy
+    flops = trainer.raw_model.flops_per_token(seq_len)
     if impl == "mixprec":
         step = trainer.train_step
     else:  # the plain loop on a fresh copy of the same model; the trainer's is dropped first
@@ -195,18 +196,10 @@ def one_mode(preset: str, impl: str, compiled: bool, flavor: str, device: str, b
     times = _timed(synced, steps, warmup=0)
     tokens = batch * seq_len
     tps = tokens / statistics.median(times)
-    peak = peak_flops(dev, policy.matmul_dtype)
-    flops = build_flops(flavor, seq_len)
+    peak = peak_flops(dev, policy)
     return {"preset": preset, "impl": impl, "compiled": compiled, "tokens_per_sec": tps,
             "mfu": flops * tps / peak if peak else None, "peak_memory_bytes": peak_memory_bytes(dev),
             "matmul_dtype": policy.matmul_dtype}
-
-
-def build_flops(flavor: str, seq_len: int) -> int:
-    from mixprec.models.llama import Llama, model_args
-
-    with torch.device("meta"):
-        return Llama(model_args(flavor, 256)).flops_per_token(seq_len)
 
 
 def modes_table(args, extra: list[str]) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from mixprec import Policy, build_model, model_args
 from mixprec.analysis.memory import Setup, plan
-from mixprec.models.loss import chunk_tokens
+from mixprec.models.loss import loss_chunk
 from mixprec.train.parallelize import apply_activation_checkpointing
 
 
@@ -28,8 +28,8 @@ def measured_peak(flavor: str, preset: str, batch: int, seq_len: int, attention:
 
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    args = replace(model_args(flavor, vocab_size), attention=attention,
-                   loss_chunk=chunk_tokens(vocab_size) if loss == "chunked" else 0)
+    args = replace(model_args(flavor, vocab_size), attention=attention)
+    args = replace(args, loss_chunk=loss_chunk(loss, args.vocab_size, batch * seq_len))
     policy = Policy.from_preset(preset)
     model = build_model(args, device=device, storage_dtype=policy.storage_dtype, seed=0)
     apply_activation_checkpointing(model, checkpointing)

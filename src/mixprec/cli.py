@@ -164,26 +164,25 @@ def _out_of_memory(e: BaseException) -> bool:
 
 def _memory_advice(config, error: BaseException) -> str:
     """One line: what the planner says this run needs per device, and what to change."""
+    import torch
+
     from mixprec.analysis.memory import Setup, plan
     from mixprec.config import build_policy
-    from mixprec.models.llama import model_args
+    from mixprec.models.llama import model_args, resolve_attention
+    from mixprec.models.loss import loss_chunk
 
     name = type(error).__name__
     try:
         policy_name = build_policy(config.precision, config.training, config.loss_scale).name
-        import torch
-
-        from mixprec.models.loss import chunk_tokens
-
         m, t = config.model, config.training
         args = model_args(m.flavor, 256 if config.data.tokenizer == "byte" else config.data.bpe_vocab_size)
-        on_cuda = t.device.startswith("cuda") or (t.device == "auto" and torch.cuda.is_available())
-        chunked = m.loss == "chunked" or (m.loss == "auto" and t.local_batch_size * t.seq_len > chunk_tokens(
-            args.vocab_size))  # the trainer's own choices for attention and loss
+        device_type = "cuda" if t.device.startswith("cuda") or (t.device == "auto" and torch.cuda.is_available()) \
+            else "cpu"
+        # the trainer's own choices of attention and loss
         setup = Setup(args, policy_name, t.local_batch_size, t.seq_len, checkpointing=config.activation_checkpoint.mode,
                       dp_shard=max(1, config.parallelism.data_parallel_shard_degree),
-                      attention="sdpa" if m.attention == "sdpa" or (m.attention == "auto" and on_cuda) else "eager",
-                      loss="chunked" if chunked else "full")
+                      attention=resolve_attention(m.attention, device_type),
+                      loss="chunked" if loss_chunk(m.loss, args.vocab_size, t.local_batch_size * t.seq_len) else "full")
         b = plan(setup)["bytes"]
         need = (f"the plan for {config.model.flavor} in {policy_name} is {b['peak'] / 2**30:.1f} GiB per device "
                 f"(parameters {b['parameters'] / 2**30:.1f}, optimizer states {b['optimizer_states'] / 2**30:.1f}, "

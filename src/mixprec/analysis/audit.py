@@ -19,11 +19,9 @@ import tempfile
 from collections import defaultdict
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec.precision.dtypes import dtype_name
 from mixprec.precision.emulation import _MATMULS, EmulatedMatmul
-from mixprec.precision.master import is_norm
 
 aten = torch.ops.aten
 FP32 = torch.float32
@@ -129,7 +127,7 @@ def run_audit(config) -> dict:
         stored = {_local(p).dtype for p in model.parameters()}
         with observer:
             trainer.train_step(before_step=after_backward)
-        observed_fp32_matmul = "tfloat32" if policy.tf32_active else "float32"
+        tf32_during_step = policy.tf32_active
         for h in hooks:
             h.remove()
         policy.emulate_matmul = observer.emulate
@@ -155,16 +153,20 @@ def run_audit(config) -> dict:
             rows.append({"stage": stage, "promised": sorted(map(dtype_name, promise)) if promise else None,
                          "observed": sorted(map(dtype_name, observed)), "ok": ok})
         if policy.param_dtype == FP32:
-            # FP32 matmuls as TF32 or not: torch's process-wide
-            # setting during the step, against precision.tf32 (CUDA only)
-            promised = "tfloat32" if policy.tf32 and policy.device_type == "cuda" else "float32"
-            rows.append({"stage": "float32 matmuls", "promised": [promised], "observed": [observed_fp32_matmul],
-                         "ok": observed_fp32_matmul == promised})
+            # FP32 matmuls as TF32 or not: torch's process-wide setting during the step,
+            # against precision.tf32 (which only acts on CUDA)
+            promised = policy.tf32 and policy.device_type == "cuda"
+            rows.append({"stage": "float32 matmuls", "promised": [_fp32_matmul_name(promised)],
+                         "observed": [_fp32_matmul_name(tf32_during_step)], "ok": tf32_during_step == promised})
         path = ("fully_shard (FSDP2's MixedPrecisionPolicy)" if policy.sharded
                 else "torch.autocast" if policy.uses_autocast else "none: parameters are already in the compute dtype")
         return {"precision": policy.name, "path": path, "world_size": trainer.dims.world_size,
                 "emulated_matmuls": observer.emulate, "stages": rows, "notes": notes,
                 "ok": all(r["ok"] for r in rows)}
+
+
+def _fp32_matmul_name(tf32: bool) -> str:
+    return "tfloat32" if tf32 else "float32"
 
 
 def format_report(report: dict) -> str:

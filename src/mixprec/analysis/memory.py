@@ -24,9 +24,9 @@ from mixprec.models.llama import Llama, ModelArgs
 from mixprec.models.loss import chunk_tokens
 from mixprec.precision.master import is_norm
 from mixprec.precision.presets import FP32, PRESETS
+from mixprec.train.parallelize import AC_MODES, checkpointed_blocks
 
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}  # state tensors per parameter (SGD: momentum)
-CHECKPOINTING = ("none", "selective", "full")  # selective: every other block, as TorchTitan's "2"
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Setup:
 
     def __post_init__(self):
         for name, value, accepted in (("preset", self.preset, PRESETS), ("optimizer", self.optimizer, OPTIMIZER_STATES),
-                                      ("checkpointing", self.checkpointing, CHECKPOINTING),
+                                      ("checkpointing", self.checkpointing, AC_MODES),
                                       ("attention", self.attention, ("eager", "sdpa")),
                                       ("loss", self.loss, ("full", "chunked"))):
             if value not in accepted:
@@ -133,8 +133,7 @@ def plan(s: Setup) -> dict:
     inputs = r * B * T * a.dim  # what a checkpointed block keeps: its input
     # Saved through the forward: each block's activations, or only its input where it
     # recomputes in backward (selective: every other block, 1, 3, 5, ...; full: all).
-    every = {"none": 0, "selective": 2, "full": 1}[s.checkpointing]
-    recomputed = [i for i in range(a.n_layers) if every and (i + 1) % every == 0]
+    recomputed = checkpointed_blocks(a.n_layers, s.checkpointing)
     saved = [inputs if i in recomputed else block for i in range(a.n_layers)]
     layers = sum(saved)
     norm = (4 + r) * B * T * a.dim  # the final norm's FP32 input and output

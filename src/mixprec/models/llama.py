@@ -79,6 +79,14 @@ FLAVORS: dict[str, dict] = {
 }
 
 
+def resolve_attention(mode: str, device_type: str) -> str:
+    """model.attention: auto is sdpa on CUDA, where the fused kernels win, and eager on a
+    CPU, whose fused BF16 backward measured slower than eager."""
+    if mode != "auto":
+        return mode
+    return "sdpa" if device_type == "cuda" else "eager"
+
+
 def model_args(flavor: str, vocab_size: int, **overrides) -> ModelArgs:
     """The flavor's shape; the tokenizer's vocab unless the flavor fixes its own."""
     if flavor not in FLAVORS:
@@ -196,12 +204,10 @@ class Output(nn.Linear):
 
     def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         # h (B, T, D) -> FP32 logits (B, T, V), or the mean loss over B*T tokens
-        if targets is None:
-            return super().forward(h).float()
-        if self.loss_chunk:
+        if targets is not None and self.loss_chunk:
             return chunked_cross_entropy(h.flatten(0, 1), self.weight, targets.flatten(), self.loss_chunk)
         logits = super().forward(h).float()  # upcast before the loss: log-softmax of BF16 logits is coarse
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 class Llama(nn.Module):

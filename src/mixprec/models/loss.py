@@ -34,6 +34,13 @@ def chunk_tokens(vocab_size: int, budget: int = FP32_LOGITS_BUDGET) -> int:
     return tokens
 
 
+def loss_chunk(mode: str, vocab_size: int, tokens: int) -> int:
+    """model.loss as tokens per chunk (0: the full logits): chunked when asked, or under
+    auto when a micro-batch of `tokens` has more FP32 logits than one chunk holds."""
+    chunk = chunk_tokens(vocab_size)
+    return chunk if mode == "chunked" or (mode == "auto" and tokens > chunk) else 0
+
+
 def _chunk_loss(hc: torch.Tensor, weight: torch.Tensor, tc: torch.Tensor, want_grad: bool):
     """Summed loss of one chunk; with want_grad also d(sum)/d(logits) in the compute dtype."""
     logits = F.linear(hc, weight)  # (C, V), compute dtype

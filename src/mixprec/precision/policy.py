@@ -390,7 +390,8 @@ class Policy:
     def state_dict(self) -> dict:
         return {
             "precision": self.requested, "precision_final": self.name, "steps": self._steps,
-            "skipped": self._skipped, "nonfinite": self._nonfinite, "fallback_step": self._fallback_step, "monitor": self._monitor.state_dict(),
+            "skipped": self._skipped, "nonfinite": self._nonfinite, "fallback_step": self._fallback_step,
+            "monitor": self._monitor.state_dict(),
             "scaler": self._scaler.state_dict() if self._scaler is not None else None,
         }
 

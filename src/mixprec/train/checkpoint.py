@@ -191,13 +191,9 @@ def set_rng_state(state, device: torch.device) -> None:
         state = {"cpu": state}
     torch.set_rng_state(state["cpu"])
     if "python" in state:
-        random.setstate(_as_tuple(state["python"]))
+        random.setstate(state["python"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def _as_tuple(value):
-    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def check_compatible(state: dict, meta: dict, path: Path) -> None:

@@ -34,17 +34,14 @@ def gpu_peak_flops(device_name: str, matmul_dtype: str) -> float | None:
     return None
 
 
-def peak_flops(device: torch.device, matmul_dtype: str) -> float | None:
-    """Peak matmul FLOP/s for MFU. GPUs: the data sheet (None when unknown: no MFU).
-    CPUs have no useful data sheet number: the best of ten 1024x1024 matmuls, measured
-    here (about 0.2 s), in BF16/FP16 where this CPU has a native kernel for them, else in
-    FP32 (what the emulation runs)."""
+def peak_flops(device: torch.device, policy) -> float | None:
+    """Peak matmul FLOP/s for MFU under `policy` (a set-up mixprec.Policy). GPUs: the data
+    sheet for what the matmuls compute in (None when unknown: no MFU). CPUs have no useful
+    data sheet number: the best of ten 1024x1024 matmuls in the dtype the GEMM kernels
+    really run in (FP32 where the policy emulates), measured here (about 0.2 s)."""
     if device.type == "cuda":
-        return gpu_peak_flops(torch.cuda.get_device_name(device), matmul_dtype)
-    from mixprec.precision.policy import has_fast_matmul
-
-    dtype = getattr(torch, matmul_dtype, torch.float32) if matmul_dtype in ("bfloat16", "float16") else torch.float32
-    dtype = dtype if has_fast_matmul("cpu", dtype) else torch.float32
+        return gpu_peak_flops(torch.cuda.get_device_name(device), policy.matmul_dtype)
+    dtype = torch.float32 if policy.emulate_matmul else policy.param_dtype
     # its own generator: drawing from the global one would shift a resumed run's random stream
     a = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0)).to(dtype)
     best = float("inf")

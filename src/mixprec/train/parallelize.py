@@ -44,22 +44,15 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> list[int]:
     return chosen
 
 
-def compile_blocker(policy: Policy, device_type: str) -> str | None:
-    """Why this run cannot be compiled, or None."""
-    if policy.will_emulate(device_type):
-        return (f"{policy.name} emulates its {policy.matmul_dtype} matmuls on this {device_type} with a "
-                "TorchDispatchMode, which torch.compile cannot trace")
-    return None
-
-
-def apply_compile(model: nn.Module, components: tuple[str, ...], policy: Policy, device_type: str) -> bool:
+def apply_compile(model: nn.Module, components: tuple[str, ...], policy: Policy, device_type: str) -> None:
     """torch.compile each transformer block's forward (one graph reused by every block)
-    and the output layer's forward (projection and loss). Returns whether it compiled."""
-    reason = compile_blocker(policy, device_type)
-    if reason is not None:
-        logger.warning("compile: running eager: %s (precision.emulate_matmul = false compiles with the native "
-                       "kernels)", reason)
-        return False
+    and the output layer's forward (projection and loss), unless the policy emulates its
+    matmuls here: a TorchDispatchMode, which torch.compile cannot trace."""
+    if policy.will_emulate(device_type):
+        logger.warning("compile: running eager: %s emulates its %s matmuls on this %s with a TorchDispatchMode, "
+                       "which torch.compile cannot trace (precision.emulate_matmul = false compiles with the native "
+                       "kernels)", policy.name, policy.matmul_dtype, device_type)
+        return
     _backward_outside_autocast()
     if "model" in components:
         for block in model.layers:
@@ -69,7 +62,6 @@ def apply_compile(model: nn.Module, components: tuple[str, ...], policy: Policy,
     logger.info("compile: torch.compile (Inductor) applied to %s", " and ".join(
         {"model": f"each of the {len(model.layers)} transformer blocks", "loss": "the output layer and loss"}[c]
         for c in components))
-    return True
 
 
 def _backward_outside_autocast() -> None:
@@ -85,16 +77,17 @@ def _backward_outside_autocast() -> None:
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, policy: Policy, device: torch.device, *, pcfg, ac_mode: str,
-                compile_components: tuple[str, ...] | None) -> bool:
+                compile_components: tuple[str, ...] | None) -> None:
     """Apply TP, activation checkpointing, compile and FSDP2 to `model` in place.
-    compile_components None: no compile. Returns whether the model was compiled."""
+    compile_components None: no compile."""
     mesh = dims.mesh(device.type) if dims.world_size > 1 and not dims.ddp_enabled else None
     if dims.tp_enabled:
         apply_tensor_parallel(model, mesh["tp"])
         logger.info("parallelism: tensor parallel over %d ranks (attention and MLP projections split "
                     "column-/row-wise)", dims.tp)
     apply_activation_checkpointing(model, ac_mode)
-    compiled = apply_compile(model, compile_components, policy, device.type) if compile_components else False
+    if compile_components:
+        apply_compile(model, compile_components, policy, device.type)
     if dims.fsdp_enabled:
         apply_fsdp(model, dims.dp_mesh(mesh), policy, reshard_after_forward=pcfg.fsdp_reshard_after_forward,
                    cpu_offload=pcfg.enable_cpu_offload)
@@ -103,4 +96,3 @@ def parallelize(model: nn.Module, dims: ParallelDims, policy: Policy, device: to
         # model casts each sharded matmul instead of leaving it in float32.
         logger.info("parallelism: tensor parallel without FSDP: %s is applied by torch.autocast over the "
                     "DTensor model (no fully_shard to cast the parameters)", policy.name)
-    return compiled

@@ -24,8 +24,8 @@ from mixprec.data.tokenizer import build_tokenizer
 from mixprec.distributed.parallel import ParallelDims, init_distributed, resolve_device
 from mixprec.distributed.tensor_parallel import check_tensor_parallel
 from mixprec.errors import UserError
-from mixprec.models.llama import ModelArgs, build_model, model_args
-from mixprec.models.loss import chunk_tokens
+from mixprec.models.llama import ModelArgs, build_model, model_args, resolve_attention
+from mixprec.models.loss import loss_chunk
 from mixprec.precision import Policy
 from mixprec.train.checkpoint import (CheckpointManager, check_compatible, keep_optimizer_kernels,
                                       load_full_into_sharded, load_sharded, restoring, rng_state, set_rng_state)
@@ -45,17 +45,6 @@ def build_optimizer(model: torch.nn.Module, cfg, fused: bool = True,
     # The fused kernel updates all tensors in one pass on CPU and CUDA.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None,
                              foreach=foreach)
-
-
-def _loss_chunk(mode: str, args: ModelArgs, tokens: int) -> int:
-    """Tokens per chunk of the output layer and loss (0: the full logits at once)."""
-    chunk = chunk_tokens(args.vocab_size)
-    if mode == "chunked" or (mode == "auto" and tokens > chunk):
-        logger.info("model.loss %s: output layer and loss in chunks of %d tokens (%.0f MiB of FP32 logits; "
-                    "a micro-batch's full logits would be %.0f MiB)", mode, chunk, chunk * args.vocab_size * 4 / 2**20,
-                    tokens * args.vocab_size * 4 / 2**20)
-        return chunk
-    return 0
 
 
 def lr_lambda(cfg):
@@ -120,17 +109,20 @@ class Trainer:
         self.val = val_batches(val_tokens, tcfg.seq_len, lbs * dp, tcfg.eval_batches, self.device)
 
         mcfg = config.model
-        overrides = {"attention": mcfg.attention, "loss_chunk": 0}
+        overrides = {"attention": resolve_attention(mcfg.attention, self.device.type)}
+        if mcfg.attention == "auto":
+            logger.info("model.attention auto: %s on %s", overrides["attention"], self.device.type)
         if mcfg.n_kv_heads:
             overrides["n_kv_heads"] = mcfg.n_kv_heads
         if mcfg.tie_embeddings != "flavor":
             overrides["tie_embeddings"] = mcfg.tie_embeddings == "true"
-        if mcfg.attention == "auto":
-            # The fused kernels win on GPUs; this CPU's BF16 flash backward is slower than eager.
-            overrides["attention"] = "sdpa" if self.device.type == "cuda" else "eager"
-            logger.info("model.attention auto: %s on %s", overrides["attention"], self.device.type)
         self.args = model_args(mcfg.flavor, self.tokenizer.vocab_size, **overrides)
-        self.args = replace(self.args, loss_chunk=_loss_chunk(mcfg.loss, self.args, lbs * tcfg.seq_len))
+        tokens, vocab = lbs * tcfg.seq_len, self.args.vocab_size
+        self.args = replace(self.args, loss_chunk=loss_chunk(mcfg.loss, vocab, tokens))
+        if self.args.loss_chunk:
+            logger.info("model.loss %s: output layer and loss in chunks of %d tokens (%.0f MiB of FP32 logits; a "
+                        "micro-batch's full logits would be %.0f MiB)", mcfg.loss, self.args.loss_chunk,
+                        self.args.loss_chunk * vocab * 4 / 2**20, tokens * vocab * 4 / 2**20)
         if tcfg.seq_len > self.args.max_seq_len:
             raise UserError(f"training.seq_len {tcfg.seq_len} exceeds the {mcfg.flavor} flavor's "
                             f"max_seq_len {self.args.max_seq_len}")
@@ -138,9 +130,9 @@ class Trainer:
             check_tensor_parallel(self.args, self.dims.tp)
         self.model = self.raw_model = build_model(self.args, device=self.device,
                                                   storage_dtype=self.policy.storage_dtype, seed=tcfg.seed)
-        self.compiled = parallelize(self.model, self.dims, self.policy, self.device, pcfg=pcfg,
-                                    ac_mode=config.activation_checkpoint.mode,
-                                    compile_components=config.compile.components if config.compile.enable else None)
+        parallelize(self.model, self.dims, self.policy, self.device, pcfg=pcfg,
+                    ac_mode=config.activation_checkpoint.mode,
+                    compile_components=config.compile.components if config.compile.enable else None)
         # The fused kernel needs plain tensors; under tensor parallel the parameters mix
         # DTensors of two meshes (or with plain tensors), which one foreach call cannot take.
         sharded = self.dims.fsdp_enabled or self.dims.tp_enabled
@@ -239,7 +231,7 @@ class Trainer:
             speeds.append(tokens_per_step / dt)
             stats = self.policy.stats()
             if stats["matmul_dtype"] not in peaks:
-                peaks[stats["matmul_dtype"]] = peak_flops(self.device, stats["matmul_dtype"])
+                peaks[stats["matmul_dtype"]] = peak_flops(self.device, self.policy)
             peak = peaks[stats["matmul_dtype"]]
             record = {
                 "step": self.step, "loss": loss, "lr": lr, "grad_norm": stats["grad_norm"],
