@@ -173,7 +173,7 @@ def _memory_advice(config, error: BaseException) -> str:
 
     name = type(error).__name__
     try:
-        policy_name = build_policy(config.precision, config.training, config.loss_scale).name
+        policy_name = build_policy(config.precision, config.training, config.loss_scale, config.fp8).name
         m, t = config.model, config.training
         args = model_args(m.flavor, 256 if config.data.tokenizer == "byte" else config.data.bpe_vocab_size)
         device_type = "cuda" if t.device.startswith("cuda") or (t.device == "auto" and torch.cuda.is_available()) \

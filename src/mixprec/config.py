@@ -134,7 +134,7 @@ class Training:
 @dataclass(frozen=True)
 class Precision:
     preset: str = ""
-    """fp32, bf16-mixed, bf16-true, fp16-mixed, fp16-master, bf16-master, fp16-true, or an alias (32-true, no, bf16, 16-mixed, fp16, 16-true, O0-O3). Empty: built from the dtype keys, which default to bf16-mixed."""
+    """fp32, bf16-mixed, bf16-true, fp16-mixed, fp16-master, bf16-master, fp16-true, fp8-tensorwise, fp8-delayed, fp8-rowwise, fp8-blockwise, or an alias (32-true, no, bf16, 16-mixed, fp16, 16-true, O0-O3). Empty: built from the dtype keys, which default to bf16-mixed."""
     param_dtype: str = ""
     """Compute dtype (float32, bfloat16 or float16); empty: the preset's."""
     reduce_dtype: str = ""
@@ -153,6 +153,33 @@ class Precision:
     @property
     def emulate(self) -> bool | None:
         return None if self.emulate_matmul == "auto" else self.emulate_matmul == "true"
+
+
+@dataclass(frozen=True)
+class FP8:
+    recipe: str = ""
+    """FP8 GEMMs for the block projections on top of precision.preset: tensorwise, delayed, rowwise, blockwise. Empty: none, or the recipe of an fp8-* preset."""
+    filter_fqns: tuple[str, ...] = ("output",)
+    """Linear layers left in the base mode: substrings of their names or fnmatch globs (layers.0.*). Layers whose dimensions are not multiples of 16 are always left out."""
+    amax_history_len: int = 16
+    """Delayed scaling: steps of amax history per tensor."""
+    amax_compute_algo: str = "max"
+    """Delayed scaling: the scale comes from the history's max or its most_recent amax."""
+    margin: int = 0
+    """Delayed scaling: scale = fp8_max / amax / 2**margin."""
+
+    def __post_init__(self):
+        _check(self.recipe in ("", "tensorwise", "delayed", "rowwise", "blockwise"), "fp8.recipe", self.recipe,
+               "tensorwise, delayed, rowwise, blockwise (or empty)")
+        _check(self.amax_history_len >= 1, "fp8.amax_history_len", self.amax_history_len, "a positive integer")
+        _check(self.amax_compute_algo in ("max", "most_recent"), "fp8.amax_compute_algo", self.amax_compute_algo,
+               "max, most_recent")
+        _check(self.margin >= 0, "fp8.margin", self.margin, "an integer >= 0")
+
+    @property
+    def options(self) -> dict:
+        return {"amax_history_len": self.amax_history_len, "amax_compute_algo": self.amax_compute_algo,
+                "margin": self.margin}
 
 
 @dataclass(frozen=True)
@@ -255,7 +282,7 @@ class ActivationCheckpoint:
 
 
 TABLES = {"job": Job, "model": Model, "data": Data, "training": Training,
-          "precision": Precision, "loss_scale": LossScaleConfig, "parallelism": Parallelism,
+          "precision": Precision, "fp8": FP8, "loss_scale": LossScaleConfig, "parallelism": Parallelism,
           "activation_checkpoint": ActivationCheckpoint, "compile": Compile,
           "checkpoint": Checkpoint, "metrics": Metrics, "compare": Compare}
 
@@ -267,6 +294,7 @@ class Config:
     data: Data
     training: Training
     precision: Precision
+    fp8: FP8
     loss_scale: LossScaleConfig
     parallelism: Parallelism
     activation_checkpoint: ActivationCheckpoint
@@ -348,9 +376,10 @@ def load_config(path: str | None = None, overrides: dict[str, str] | None = None
 
 
 def build_policy(precision: Precision, training: Training,
-                 loss_scale: LossScaleConfig = LossScaleConfig()):
-    """The precision policy (a mixprec.Policy) from [precision] and TorchTitan's [training]
-    dtype keys. The same field given twice with different values is an error naming both keys."""
+                 loss_scale: LossScaleConfig = LossScaleConfig(), fp8: FP8 = FP8()):
+    """The precision policy (a mixprec.Policy) from [precision], [fp8] and TorchTitan's
+    [training] dtype keys. The same field given twice with different values is an error
+    naming both keys."""
     from mixprec.precision import Policy, parse_dtype
     from mixprec.precision.presets import FP32, preset_for
 
@@ -370,9 +399,10 @@ def build_policy(precision: Precision, training: Training,
             raise UserError(f"{l1} = {v1!r} contradicts {l2} = {v2!r}; give one")
         if pairs:
             labels[field], given[field] = pairs[0]
+    fp8_args = dict(fp8_recipe=fp8.recipe, fp8_options=fp8.options, fp8_exclude=fp8.filter_fqns)
     if precision.preset:
         return Policy.from_preset(precision.preset, labels=labels, emulate_matmul=precision.emulate,
-                                  loss_scale=loss_scale, tf32=precision.tf32, **given)
+                                  loss_scale=loss_scale, tf32=precision.tf32, **fp8_args, **given)
     # TorchTitan's defaults: training.dtype float32, mixed_precision_param bfloat16; a
     # bfloat16 model (training.dtype = "bfloat16") computes in bfloat16.
     storage = parse_dtype(given.get("storage_dtype", "float32"), labels.get("storage_dtype", "storage_dtype"))
@@ -383,7 +413,7 @@ def build_policy(precision: Precision, training: Training,
     if name is None:  # no mode stores in one dtype and computes in a wider one: Policy says why
         return Policy(param_dtype=param, storage_dtype=storage, reduce_dtype=reduce, tf32=precision.tf32)
     return Policy.from_preset(name, emulate_matmul=precision.emulate, loss_scale=loss_scale, tf32=precision.tf32,
-                              reduce_dtype=reduce)
+                              reduce_dtype=reduce, **fp8_args)
 
 
 def _quote(text: str) -> str:

@@ -18,13 +18,15 @@ import math
 import torch
 
 from mixprec.errors import UserError
+from mixprec.fp8.convert import DEFAULT_EXCLUDE, convert_to_fp8
+from mixprec.fp8.recipe import FP8Recipe
 from mixprec.precision.dtypes import dtype_name, parse_dtype
 from mixprec.precision.emulation import EmulatedMatmul
 from mixprec.precision.grad_norm import grad_norm
 from mixprec.precision.loss_scaler import LossScaleConfig, LossScaler
 from mixprec.precision.master import MasterWeights, cast_parameters, is_norm
 from mixprec.precision.monitor import ScaleMonitor
-from mixprec.precision.presets import BF16, FP16, FP32, PRESETS, resolve_preset_name
+from mixprec.precision.presets import BF16, FP16, FP32, FP8_BASES, PRESETS, resolve_preset_name
 from mixprec.precision.tf32 import set_tf32, tf32_active
 
 logger = logging.getLogger(__name__)
@@ -58,10 +60,13 @@ class Policy:
         (mixprec.precision.emulation); None decides at setup: on without a native kernel.
     tf32: FP32 matmuls on CUDA run as TF32 (set process-wide at setup). Off, the policy
         leaves torch's setting alone and warns when something else turned TF32 on.
+    fp8: an FP8 recipe (mixprec.fp8) for the Linear layers that `fp8_exclude` and the
+        default filter leave (not the output layer); everything else computes as above.
     """
 
     def __init__(self, param_dtype=FP32, reduce_dtype=FP32, storage_dtype=FP32, *, master_weights: bool = False,
-                 loss_scale: LossScaleConfig | None = None, emulate_matmul: bool | None = None, tf32: bool = False):
+                 loss_scale: LossScaleConfig | None = None, emulate_matmul: bool | None = None, tf32: bool = False,
+                 fp8: FP8Recipe | None = None, fp8_exclude: tuple[str, ...] = DEFAULT_EXCLUDE):
         self.param_dtype = parse_dtype(param_dtype, "param_dtype")
         self.reduce_dtype = parse_dtype(reduce_dtype, "reduce_dtype")
         self.storage_dtype = parse_dtype(storage_dtype, "storage_dtype")
@@ -77,9 +82,13 @@ class Policy:
         self.master_weights = master_weights
         self.loss_scale = loss_scale
         self.tf32 = tf32
+        self.fp8, self.fp8_exclude, self._fp8 = fp8, tuple(fp8_exclude), None
         self.fallback_to: str | None = None  # chosen at setup from loss_scale.fallback_to
         self._emulate_requested = self.emulate_matmul = emulate_matmul
         self.requested = self.name = self._match_preset()
+        if fp8 is not None and (loss_scale is not None or self.param_dtype == FP16):
+            # a float16 mode may fall back to another precision mid-run; the FP8 layers' output dtype is fixed
+            raise UserError(f"fp8 recipe {fp8.name!r} on {self.name}: FP8 recipes build on {', '.join(FP8_BASES)}")
         self.device_type: str | None = None
         self._model = self._optimizer = self._master = self._scaler = None
         self._steps = self._skipped = self._nonfinite = 0
@@ -91,10 +100,14 @@ class Policy:
 
     @classmethod
     def from_preset(cls, name: str, *, labels: dict[str, str] | None = None, emulate_matmul: bool | None = None,
-                    loss_scale: LossScaleConfig | None = None, tf32: bool = False, **overrides) -> "Policy":
+                    loss_scale: LossScaleConfig | None = None, tf32: bool = False, fp8_recipe: str = "",
+                    fp8_options: dict | None = None, fp8_exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
+                    **overrides) -> "Policy":
         """A preset by name or alias. `overrides` may change the fields a preset only
         defaults (reduce_dtype); one that contradicts the preset's own fields is an error
-        naming both. `labels` names each override as the user wrote it (for messages)."""
+        naming both. `labels` names each override as the user wrote it (for messages).
+        `fp8_recipe` adds an FP8 recipe to a preset without one; `fp8_options` are the
+        recipe's tunable fields (amax_history_len, ...)."""
         labels = labels or {}
         preset_name = resolve_preset_name(name, labels.get("preset", "preset"))
         preset = PRESETS[preset_name]
@@ -111,15 +124,22 @@ class Policy:
                 )
             fields[key] = dtype
         scaling = (loss_scale or LossScaleConfig()) if preset.loss_scaling else None
+        if preset.fp8 and fp8_recipe and fp8_recipe != preset.fp8:
+            raise UserError(f"{labels.get('preset', 'preset')} = {name!r} contradicts fp8.recipe = {fp8_recipe!r}: "
+                            f"{preset_name} has the {preset.fp8} recipe; drop one of the two")
+        recipe_name = preset.fp8 or fp8_recipe
+        recipe = FP8Recipe.from_name(recipe_name).with_options(**(fp8_options or {})) if recipe_name else None
         return cls(**fields, master_weights=preset.master_weights, loss_scale=scaling, emulate_matmul=emulate_matmul,
-                   tf32=tf32)
+                   tf32=tf32, fp8=recipe, fp8_exclude=fp8_exclude)
 
     def _match_preset(self) -> str:
         key = (self.storage_dtype, self.param_dtype, self.master_weights, self.loss_scale is not None)
-        for name, p in PRESETS.items():
-            if (p.storage_dtype, p.param_dtype, p.master_weights, p.loss_scaling) == key:
-                return name
-        return "custom"
+        base = next((name for name, p in PRESETS.items() if not p.fp8
+                     and (p.storage_dtype, p.param_dtype, p.master_weights, p.loss_scaling) == key), "custom")
+        if self.fp8 is None:
+            return base
+        fp8_name = f"fp8-{self.fp8.name}"
+        return fp8_name if base == "bf16-mixed" and fp8_name in PRESETS else f"{base}+{fp8_name}"
 
     # ---- what the policy promises -------------------------------------------------
     @property
@@ -152,20 +172,29 @@ class Policy:
         """What the matmuls really compute in: param_dtype, or tf32 for FP32 matmuls as TF32."""
         return "tfloat32" if self.param_dtype == FP32 and self.tf32_active else dtype_name(self.param_dtype)
 
+    @property
+    def optimizer_moments_dtype(self) -> torch.dtype:
+        """The dtype the mode keeps AdamW's moments in beside FP32 weights (bfloat16 under
+        fp8-blockwise, as DeepSeek-V3; mixprec.optim.AdamW keeps them so)."""
+        return self.fp8.moments_dtype if self.fp8 is not None and self.storage_dtype == FP32 else FP32
+
     def describe(self) -> dict[str, str]:
         """Which dtype each kind of tensor is kept in under this policy."""
         stored = dtype_name(self.storage_dtype)
         master = "float32" if self.master_weights else stored
+        fp8 = (f"float8 in the block projections ({self.fp8.summary()}), {self.matmul_dtype} elsewhere"
+               if self.fp8 is not None else None)
         return {
             "parameters": stored + (" (norms float32)" if self.master_weights and not self.sharded else ""),
-            "matmul compute": self.matmul_dtype,
+            "matmul compute": fp8 or self.matmul_dtype,
             "norm, softmax, RoPE": "float32",
             "logits and loss": "float32",
             # autocast's casts are differentiable: the gradient of an FP32 leaf is FP32.
             "gradients": stored,
             "master weights": ("float32 (the sharded parameters)" if self.sharded else master)
             if self.master_weights else "none",
-            "optimizer states": master,
+            "optimizer states": dtype_name(self.optimizer_moments_dtype) + " moments" if
+            self.optimizer_moments_dtype != FP32 else master,
             "gradient reduction": dtype_name(self.reduce_dtype),
             "loss scaling": "dynamic" if self.loss_scale is not None else "none",
         }
@@ -174,7 +203,8 @@ class Policy:
         return (f"Policy({self.name}: storage_dtype={dtype_name(self.storage_dtype)}, "
                 f"param_dtype={dtype_name(self.param_dtype)}, reduce_dtype={dtype_name(self.reduce_dtype)}"
                 f"{', master_weights' if self.master_weights else ''}"
-                f"{', loss scaling' if self.loss_scale is not None else ''})")
+                f"{', loss scaling' if self.loss_scale is not None else ''}"
+                f"{f', fp8 {self.fp8.name}' if self.fp8 is not None else ''})")
 
     def _warn_known_bad(self) -> None:
         if self.reduce_dtype != FP32:
@@ -192,6 +222,17 @@ class Policy:
                 "fp16-master avoid this", self.name, "" if self.loss_scale else " without loss scaling")
 
     # ---- hooks ----------------------------------------------------------------------
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """The model rewrites the mode needs before anything wraps the model (compile,
+        fully_shard): the FP8 conversion. Runs once; setup calls it when nobody did."""
+        if self.fp8 is not None and self._fp8 is None:
+            self._fp8 = convert_to_fp8(model, self.fp8, compute_dtype=self.param_dtype, exclude=self.fp8_exclude)
+
+    @property
+    def fp8_conversion(self):
+        """The mixprec.fp8.Conversion made at setup (layers, reasons, GEMM routes), or None."""
+        return self._fp8
+
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
         """Cast the parameters in place (the same Parameter objects, so an optimizer built
         before keeps working; buffers are left alone), swap in FP32 master weights where
@@ -203,6 +244,12 @@ class Policy:
         first = next(model.parameters(), None)
         self.device_type = first.device.type if first is not None else "cpu"
         self._model, self._optimizer = model, optimizer
+        self.prepare_model(model)
+        moments = self.optimizer_moments_dtype
+        if moments != FP32 and optimizer is not None and getattr(optimizer, "moments_dtype", FP32) != moments:
+            logger.warning("%s keeps AdamW moments in %s (DeepSeek-V3's memory layout); this %s keeps its own: "
+                           "mixprec.optim.AdamW(..., moments_dtype=torch.%s) does it", self.name, dtype_name(moments),
+                           type(optimizer).__name__, dtype_name(moments))
         cast_parameters(model, self.storage_dtype, keep_fp32=is_norm if self.master_weights else None)
         if self.master_weights and not self.sharded:
             self._master = MasterWeights(model, optimizer)
@@ -311,6 +358,8 @@ class Policy:
             if self._master is not None:
                 self._master.master_to_model()
         optimizer.zero_grad(set_to_none=True)
+        if self._fp8 is not None:
+            self._fp8.after_step()
         self._steps += 1
         self._skipped += overflow or nonfinite
         if nonfinite:
@@ -371,6 +420,8 @@ class Policy:
             "overflow_rate": self._monitor.overflows / self._steps if self._steps else 0.0,
             "fallback_triggered": self._fallback_step is not None,
             "fallback_step": self._fallback_step,
+            "fp8_recipe": self.fp8.name if self.fp8 is not None else None,
+            "fp8_layers": len(self._fp8.modules) if self._fp8 is not None else 0,
         }
 
     def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -393,6 +444,7 @@ class Policy:
             "skipped": self._skipped, "nonfinite": self._nonfinite, "fallback_step": self._fallback_step,
             "monitor": self._monitor.state_dict(),
             "scaler": self._scaler.state_dict() if self._scaler is not None else None,
+            "fp8": self._fp8.state_dict() if self._fp8 is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -411,3 +463,5 @@ class Policy:
         self._monitor.load_state_dict(state.get("monitor", {}))
         if self._scaler is not None and state.get("scaler"):
             self._scaler.load_state_dict(state["scaler"])
+        if self._fp8 is not None and state.get("fp8"):
+            self._fp8.load_state_dict(state["fp8"])

@@ -18,6 +18,7 @@ class Preset:
     master_weights: bool = False  # FP32 copies live with the optimizer; norms stay FP32 in the model
     loss_scaling: bool = False  # dynamic loss scaling
     summary: str = ""
+    fp8: str = ""  # an FP8 recipe (mixprec.fp8) for the block projections, on top of the fields above
 
 
 PRESETS: dict[str, Preset] = {
@@ -33,7 +34,19 @@ PRESETS: dict[str, Preset] = {
     "bf16-master": Preset(BF16, BF16, master_weights=True,
                           summary="bfloat16 model with float32 norms, float32 master weights and optimizer states"),
     "fp16-true": Preset(FP16, FP16, summary="everything in float16, no master weights, no loss scaling"),
+    # bf16-mixed with the block projections' GEMMs in FP8 (embeddings, norms, attention,
+    # the output layer and the loss stay as bf16-mixed has them)
+    "fp8-tensorwise": Preset(FP32, BF16, fp8="tensorwise",
+                             summary="bf16-mixed, block projections in FP8 with one current scale per tensor"),
+    "fp8-delayed": Preset(FP32, BF16, fp8="delayed",
+                          summary="bf16-mixed, block projections in FP8 with scales from an amax history"),
+    "fp8-rowwise": Preset(FP32, BF16, fp8="rowwise",
+                          summary="bf16-mixed, block projections in FP8 with a power-of-two scale per row"),
+    "fp8-blockwise": Preset(FP32, BF16, fp8="blockwise",
+                            summary="bf16-mixed, block projections in FP8 with DeepSeek-V3's 1x128 and 128x128 "
+                                    "scales, AdamW moments in bfloat16"),
 }
+FP8_BASES = ("fp32", "bf16-mixed", "bf16-master", "bf16-true")  # modes an FP8 recipe may build on
 
 # Lightning's precision=..., Accelerate's mixed_precision=..., Apex's opt_level=...
 ALIASES: dict[str, str] = {
@@ -70,5 +83,5 @@ def resolve_preset_name(name: str, field: str = "precision.preset") -> str:
 
 def preset_for(storage_dtype: torch.dtype, param_dtype: torch.dtype) -> str | None:
     """The mode without master weights that stores and computes in these dtypes."""
-    return next((name for name, p in PRESETS.items()
-                 if (p.storage_dtype, p.param_dtype, p.master_weights) == (storage_dtype, param_dtype, False)), None)
+    return next((name for name, p in PRESETS.items() if not p.fp8
+                 and (p.storage_dtype, p.param_dtype, p.master_weights) == (storage_dtype, param_dtype, False)), None)

@@ -16,6 +16,7 @@ from torch import nn
 from mixprec.distributed.fsdp import apply_fsdp
 from mixprec.distributed.parallel import ParallelDims
 from mixprec.distributed.tensor_parallel import apply_tensor_parallel
+from mixprec.errors import UserError
 from mixprec.precision import Policy
 
 logger = logging.getLogger(__name__)
@@ -78,8 +79,12 @@ def _backward_outside_autocast() -> None:
 
 def parallelize(model: nn.Module, dims: ParallelDims, policy: Policy, device: torch.device, *, pcfg, ac_mode: str,
                 compile_components: tuple[str, ...] | None) -> None:
-    """Apply TP, activation checkpointing, compile and FSDP2 to `model` in place.
-    compile_components None: no compile."""
+    """Apply the policy's model rewrites (FP8), TP, activation checkpointing, compile and
+    FSDP2 to `model` in place. compile_components None: no compile."""
+    if dims.tp_enabled and policy.fp8 is not None:
+        raise UserError(f"{policy.name} with parallelism.tensor_parallel_degree {dims.tp}: the FP8 layers are not "
+                        "tensor-parallel; accepted: tensor_parallel_degree 1 (FSDP2 and DDP shard or replicate them)")
+    policy.prepare_model(model)
     mesh = dims.mesh(device.type) if dims.world_size > 1 and not dims.ddp_enabled else None
     if dims.tp_enabled:
         apply_tensor_parallel(model, mesh["tp"])

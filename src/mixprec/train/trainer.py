@@ -26,6 +26,7 @@ from mixprec.distributed.tensor_parallel import check_tensor_parallel
 from mixprec.errors import UserError
 from mixprec.models.llama import ModelArgs, build_model, model_args, resolve_attention
 from mixprec.models.loss import loss_chunk
+from mixprec.optim import AdamW
 from mixprec.precision import Policy
 from mixprec.train.checkpoint import (CheckpointManager, check_compatible, keep_optimizer_kernels,
                                       load_full_into_sharded, load_sharded, restoring, rng_state, set_rng_state)
@@ -36,12 +37,17 @@ from mixprec.train.run_folder import check_writable
 logger = logging.getLogger(__name__)
 
 
-def build_optimizer(model: torch.nn.Module, cfg, fused: bool = True,
-                    foreach: bool | None = None) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on norm weights)."""
+def build_optimizer(model: torch.nn.Module, cfg, fused: bool = True, foreach: bool | None = None,
+                    moments_dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not on norm weights); with moments in a
+    narrower dtype than FP32, mixprec's AdamW (same update, narrower state)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if moments_dtype != torch.float32:
+        logger.info("optimizer: AdamW with %s moments (one parameter at a time, FP32 arithmetic)",
+                    str(moments_dtype).removeprefix("torch."))
+        return AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, moments_dtype=moments_dtype)
     # The fused kernel updates all tensors in one pass on CPU and CUDA.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None,
                              foreach=foreach)
@@ -76,7 +82,7 @@ class Trainer:
         self.config = config
         tcfg = config.training
         self.device = resolve_device(tcfg.device)
-        self.policy = build_policy(config.precision, tcfg, config.loss_scale)
+        self.policy = build_policy(config.precision, tcfg, config.loss_scale, config.fp8)
         self.folder = Path(config.job.dump_folder)
         check_writable(self.folder, "job.dump_folder")
         if config.checkpoint.enable:
@@ -137,7 +143,8 @@ class Trainer:
         # DTensors of two meshes (or with plain tensors), which one foreach call cannot take.
         sharded = self.dims.fsdp_enabled or self.dims.tp_enabled
         self.optimizer = build_optimizer(self.model, tcfg, fused=not sharded,
-                                         foreach=False if self.dims.tp_enabled else None)
+                                         foreach=False if self.dims.tp_enabled else None,
+                                         moments_dtype=self.policy.optimizer_moments_dtype)
         self.model, self.optimizer = self.policy.setup(self.model, self.optimizer)
         if self.dims.ddp_enabled:
             logger.info("parallelism: DDP over %d processes", world)

@@ -1,0 +1,138 @@
+"""The one entry point: swap a model's Linear layers for FP8 ones.
+
+    conversion = convert_to_fp8(model, recipe, compute_dtype=torch.bfloat16)
+    ...                                  # train; after each optimizer step:
+    conversion.after_step()              # delayed scaling: push the amaxes into the history
+
+Which layers: plain nn.Linear modules (not subclasses: the output layer computes the loss
+in its forward) whose dimensions are multiples of 16 (torch's FP8 kernels need them), less
+those matching a pattern of `exclude` (a substring of the module name or an fnmatch glob;
+the default leaves out "output"), and, when given, only those `module_filter_fn(fqn,
+module)` accepts. Every layer left out is logged with its reason.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from mixprec.fp8.gemm import probe
+from mixprec.fp8.linear import FP8Linear, Plan, Tiles
+from mixprec.fp8.recipe import E4M3, FP8Recipe
+from mixprec.fp8.scaling import DelayedScales
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_EXCLUDE = ("output",)
+
+
+def matches(fqn: str, patterns) -> str | None:
+    return next((p for p in patterns if p in fqn or fnmatch.fnmatchcase(fqn, p)), None)
+
+
+def why_not(fqn: str, module: nn.Module, exclude=DEFAULT_EXCLUDE) -> str | None:
+    """The reason a module stays in the base mode, or None for a layer to convert."""
+    if not isinstance(module, nn.Linear):
+        return "not a Linear"
+    if type(module) is not nn.Linear:
+        return f"{type(module).__name__} is not a plain nn.Linear (its forward does more than the GEMM)"
+    pattern = matches(fqn, exclude)
+    if pattern is not None:
+        return f"matches fp8.filter_fqns pattern {pattern!r}"
+    if module.in_features % 16 or module.out_features % 16:
+        return f"{module.in_features} x {module.out_features}: FP8 GEMMs need dimensions that are multiples of 16"
+    return None
+
+
+@dataclass
+class Conversion:
+    """The result of a conversion: what runs in FP8, what does not and why, and the GEMM
+    route (torch's kernel, or the emulation and why) of each of the three GEMMs."""
+    recipe: FP8Recipe
+    modules: dict[str, FP8Linear] = field(default_factory=dict)
+    left_out: dict[str, str] = field(default_factory=dict)
+    routes: dict[str, str | None] = field(default_factory=dict)  # GEMM -> None (kernel) or why emulated
+
+    def after_step(self) -> None:
+        """Delayed scaling: fold each step's amaxes into the history and derive the next
+        scales. Across processes the amaxes are first reduced to their maximum, so every
+        rank casts with the same scales."""
+        delayed = [m for m in self.modules.values() if m.plan.recipe.delayed]
+        if not delayed:
+            return
+        pending = torch.stack([m.amax_pending for m in delayed])  # (layers, 3)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(pending, op=torch.distributed.ReduceOp.MAX)
+        dtypes = (E4M3, E4M3, self.recipe.grad_dtype)
+        for m, p in zip(delayed, pending):
+            m.amax_pending.copy_(p)
+            DelayedScales.advance(m.amax_history, m.amax_pending, m.scale, dtypes, self.recipe.amax_compute_algo,
+                                  self.recipe.margin)
+
+    def state_dict(self) -> dict:
+        return {"recipe": self.recipe.name,
+                "delayed": {name: {"amax_history": m.amax_history.cpu(), "scale": m.scale.cpu()}
+                            for name, m in self.modules.items() if m.plan.recipe.delayed}}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state.get("delayed", {})
+        for name, m in self.modules.items():
+            if not m.plan.recipe.delayed:
+                continue
+            if name not in saved:
+                logger.warning("fp8: the checkpoint has no amax history for %s (saved by %s); it starts afresh",
+                               name, state.get("recipe"))
+                continue
+            history = saved[name]["amax_history"]
+            n = min(history.shape[1], m.amax_history.shape[1])  # a changed amax_history_len keeps the newest
+            m.amax_history.zero_()
+            m.amax_history[:, :n].copy_(history[:, :n])
+            m.scale.copy_(saved[name]["scale"])
+
+    def describe(self) -> str:
+        kernels = ", ".join(f"{g}: {'torch kernel' if why is None else 'emulated'}" for g, why in self.routes.items())
+        return f"{len(self.modules)} Linear layers in FP8 ({self.recipe.name}: {self.recipe.summary()}; {kernels})"
+
+
+def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.dtype,
+                   exclude=DEFAULT_EXCLUDE, module_filter_fn=None) -> Conversion:
+    """Replace the chosen nn.Linear modules of `model` in place by FP8Linear modules that
+    hold the same parameters. Returns the Conversion (and logs it)."""
+    conversion = Conversion(recipe)
+    tiles = Tiles.of(recipe)
+    device = next(model.parameters()).device.type
+    for name, (a_tile, b_tile), dtypes in zip(
+            ("forward", "input gradient", "weight gradient"), [g[1:] for g in tiles.gemms()],
+            ((E4M3, E4M3, compute_dtype), (recipe.grad_dtype, E4M3, compute_dtype),
+             (recipe.grad_dtype, E4M3, torch.float32))):
+        conversion.routes[name] = probe(device, a_tile, b_tile, *dtypes)
+    plan = Plan(recipe, tiles, compute_dtype, tuple(why is None for why in conversion.routes.values()))
+    for fqn, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        reason = why_not(fqn, module, exclude)
+        if reason is None and module_filter_fn is not None and not module_filter_fn(fqn, module):
+            reason = "refused by module_filter_fn"
+        if reason is not None:
+            conversion.left_out[fqn] = reason
+            continue
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        new = FP8Linear.from_linear(module, plan)
+        setattr(parent, child, new)
+        conversion.modules[fqn] = new
+    logger.info("fp8: %s", conversion.describe())
+    for fqn, reason in conversion.left_out.items():
+        logger.info("fp8: %s stays in %s: %s", fqn, str(compute_dtype).removeprefix("torch."), reason)
+    reasons = {}
+    for gemm, why in conversion.routes.items():
+        if why is not None:
+            reasons.setdefault(why, []).append(gemm)
+    for why, gemms in reasons.items():
+        logger.info("fp8: %s GEMMs emulated on this %s (the same numerics: FP32 partial sums of the FP8 products): "
+                    "%s", ", ".join(gemms), device, why)
+    return conversion

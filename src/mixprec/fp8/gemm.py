@@ -1,0 +1,106 @@
+"""Scaled FP8 GEMMs: torch's own kernels where the device has one for the layout, and an
+emulation with the same numerics where it has none.
+
+    out = scaled_mm(a, b, out_dtype)        # a (M, K), b (K, N), both Quantized
+
+The emulation is DeepSeek-V3's accumulation scheme: FP8 x FP8 products are exact in FP32;
+they are summed in FP32 over one tile of K (128 for block-wise, all of K for tensor- and
+row-wise), and each partial sum is multiplied by its two scales and added into an FP32
+accumulator. For tensor- and row-wise scales that is the same as dequantising first and
+running an FP32 GEMM; tests/fp8/test_gemm.py checks both, and the kernels against it.
+
+Which route each GEMM takes is decided once per (device, layout) by `probe`: the kernel is
+run on a 256 x 256 x 256 problem and compared with the emulation; a kernel that is missing,
+refuses the layout or disagrees is not used, and the caller logs why.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from mixprec.fp8.scaling import EPS, Quantized, expand, quantize
+
+
+def emulated_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    (M, K), N = a.data.shape, b.data.shape[1]
+    kb = min(a.tile[1], b.tile[0])  # K elements per partial sum
+    sa = expand(a.scale_inv, (a.tile[0], 1), (M, a.scale_inv.shape[1]))  # (M, K tiles of a)
+    sb = expand(b.scale_inv, (1, b.tile[1]), (b.scale_inv.shape[0], N))  # (K tiles of b, N)
+    a32, b32 = a.data.float(), b.data.float()
+    if kb >= K:
+        return ((a32 @ b32) * sa * sb).to(out_dtype)
+    out = torch.zeros(M, N, device=a.data.device)
+    for k in range(0, K, kb):  # one partial sum per K tile, promoted into the FP32 accumulator
+        partial = a32[:, k:k + kb] @ b32[k:k + kb]
+        out += partial * sa[:, k // a.tile[1], None] * sb[None, k // b.tile[0]]
+    return out.to(out_dtype)
+
+
+def layout(q: Quantized, side: str) -> str:
+    """tensorwise (one scale), rowwise (one per row of a, per column of b) or blockwise."""
+    rows, cols = q.data.shape
+    if q.scale_inv.numel() == 1:
+        return "tensorwise"
+    if (side == "a" and q.tile == (1, cols)) or (side == "b" and q.tile == (rows, 1)):
+        return "rowwise"
+    return "blockwise"
+
+
+def _kernel_scales(q: Quantized, kind: str) -> torch.Tensor:
+    """The scale layout torch's kernels read: a 0-dim tensor for tensor-wise, (M, 1) and
+    (1, N) for row-wise, column-major tiles for block-wise (the layout DeepSeek's kernels use)."""
+    s = q.scale_inv.float()
+    if kind == "tensorwise":
+        return s.reshape(())
+    if kind == "rowwise":  # (M, 1) or (1, N) with unit strides (a transposed view has the other's)
+        return s.reshape(-1).contiguous().view(s.shape)
+    return s.t().contiguous().t()
+
+
+def kernel_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+    """torch's scaled GEMM: a row-major, b column-major (a transposed row-major tensor)."""
+    A, B = a.data.contiguous(), b.data.t().contiguous().t()
+    kind_a, kind_b = layout(a, "a"), layout(b, "b")
+    if "blockwise" in (kind_a, kind_b):
+        import torch.nn.functional as F
+
+        types = {(1, 128): F.ScalingType.BlockWise1x128, (128, 1): F.ScalingType.BlockWise1x128,
+                 (128, 128): F.ScalingType.BlockWise128x128}
+        return F.scaled_mm(A, B, _kernel_scales(a, kind_a), types[a.tile], _kernel_scales(b, kind_b), types[b.tile],
+                           output_dtype=out_dtype)
+    return torch._scaled_mm(A, B, _kernel_scales(a, kind_a), _kernel_scales(b, kind_b), out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
+
+
+def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, kernel: bool,
+              fast_accum: bool = False) -> torch.Tensor:
+    return kernel_mm(a, b, out_dtype, fast_accum) if kernel else emulated_mm(a, b, out_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def probe(device: str, a_tile: tuple[int, int], b_tile: tuple[int, int], a_dtype: torch.dtype,
+          b_dtype: torch.dtype, out_dtype: torch.dtype) -> str | None:
+    """None when torch has a kernel for this layout (tiles as `quantize` takes them, 0 for a
+    whole dimension) on `device` that agrees with the emulation on a 256^3 problem;
+    otherwise the reason it is not used."""
+    gen = torch.Generator().manual_seed(0)
+    a, _ = quantize(torch.randn(256, 256, generator=gen).to(device), a_dtype, a_tile)
+    b, _ = quantize(torch.randn(256, 256, generator=gen).to(device), b_dtype, b_tile)
+    if "blockwise" in (layout(a, "a"), layout(b, "b")):
+        import torch.nn.functional as F
+
+        if device == "cpu":
+            return "torch has no block-wise scaled GEMM on the CPU"
+        if not hasattr(F, "scaled_mm"):
+            return f"torch {torch.__version__} has no torch.nn.functional.scaled_mm for block-wise scales"
+    try:
+        got = kernel_mm(a, b, out_dtype).float()
+    except (RuntimeError, NotImplementedError, ValueError, TypeError) as e:
+        return f"torch's scaled GEMM refused the layout ({str(e).splitlines()[0][:160]})"
+    want = emulated_mm(a, b, torch.float32)
+    err = float((got - want).norm() / want.norm().clamp(min=EPS))
+    if not err < 1e-2:  # bfloat16 output rounding alone is about 2^-9 relative
+        return f"torch's scaled GEMM disagrees with the emulation (relative error {err:.2g})"
+    return None

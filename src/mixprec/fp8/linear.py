@@ -1,0 +1,146 @@
+"""The FP8 Linear: an nn.Linear whose three GEMMs (forward, input gradient, weight
+gradient) run on scaled FP8 operands.
+
+    y  = x  @ W^T      x (M, K) e4m3,  W (N, K) e4m3             -> compute dtype
+    dx = dy @ W        dy (M, N) in the recipe's gradient format  -> compute dtype
+    dW = dy^T @ x                                                  -> FP32
+
+Saved for backward: the FP8 input and its scales (half the bytes of a bfloat16 input)
+and the weight as the module holds it (alive anyway: the parameter, or FSDP2's
+all-gathered copy, which fully_shard gathers again for backward). The input's FP8 copy
+is cast along K; a recipe whose weight-gradient GEMM scales along M (row- and block-wise)
+re-casts it from its dequantised value, as DeepSeek-V3 does with its cached activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mixprec.fp8.gemm import scaled_mm
+from mixprec.fp8.recipe import E4M3, FP8Recipe, Granularity
+from mixprec.fp8.scaling import DelayedScales, cast, quantize, resolve_tile, tile_amax
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The tile of each cast, as `quantize` takes it (0: the whole dimension). None reuses
+    the cast of the role before it: the weight's for dgrad, the gradient's for wgrad."""
+    x: tuple[int, int]
+    w: tuple[int, int]
+    g: tuple[int, int]
+    w_dgrad: tuple[int, int] | None
+    g_wgrad: tuple[int, int] | None
+    x_wgrad: tuple[int, int] | None
+
+    @classmethod
+    def of(cls, recipe: FP8Recipe) -> "Tiles":
+        b = recipe.block
+        if recipe.granularity is Granularity.TENSORWISE:
+            return cls((0, 0), (0, 0), (0, 0), None, None, None)
+        if recipe.granularity is Granularity.ROWWISE:  # each operand along the dimension its GEMM sums over
+            return cls((1, 0), (1, 0), (1, 0), (0, 1), (0, 1), (0, 1))
+        return cls((1, b), (b, b), (1, b), None, (b, 1), (b, 1))  # 128x128 blocks serve W and W^T alike
+
+    def gemms(self):
+        """(name, a tile, b tile) of the three GEMMs, b as the (K, N) operand: what to probe."""
+        swap = lambda t: (t[1], t[0])  # noqa: E731
+        return (("forward", self.x, swap(self.w)),
+                ("input gradient", self.g, self.w_dgrad or self.w),
+                ("weight gradient", swap(self.g_wgrad or self.g), self.x_wgrad or self.x))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a converted Linear needs to know, fixed at conversion."""
+    recipe: FP8Recipe
+    tiles: Tiles
+    compute_dtype: torch.dtype  # the base mode's matmul dtype: the forward's and dgrad's output
+    kernels: tuple[bool, bool, bool]  # forward, dgrad, wgrad: torch's kernel, or the emulation
+
+
+class _FP8Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, plan: Plan, state):
+        r, t = plan.recipe, plan.tiles
+        pow2 = r.power_of_2_scales
+        if r.delayed:
+            xq = _delayed_cast(x, state, DelayedScales.INPUT, E4M3)
+            wq = _delayed_cast(weight, state, DelayedScales.WEIGHT, E4M3)
+        else:
+            xq, _ = quantize(x, E4M3, t.x, power_of_2=pow2)
+            wq, _ = quantize(weight, E4M3, t.w, power_of_2=pow2)
+        ctx.plan, ctx.state, ctx.x_dtype = plan, state, x.dtype
+        ctx.save_for_backward(xq.data, xq.scale_inv, weight, wq.data, wq.scale_inv)
+        ctx.x_tile, ctx.w_tile = xq.tile, wq.tile
+        return scaled_mm(xq, wq.t(), plan.compute_dtype, kernel=plan.kernels[0], fast_accum=r.fast_accum)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        from mixprec.fp8.scaling import Quantized
+
+        plan, state = ctx.plan, ctx.state
+        r, t = plan.recipe, plan.tiles
+        x_data, x_scale_inv, weight, w_data, w_scale_inv = ctx.saved_tensors
+        xq, wq = Quantized(x_data, x_scale_inv, ctx.x_tile), Quantized(w_data, w_scale_inv, ctx.w_tile)
+        pow2 = r.power_of_2_scales
+        dy = dy.contiguous()
+        if r.delayed:
+            gq = _delayed_cast(dy, state, DelayedScales.GRAD, r.grad_dtype)
+        else:
+            gq, _ = quantize(dy, r.grad_dtype, t.g, power_of_2=pow2)
+        wq_d = quantize(weight, E4M3, t.w_dgrad, power_of_2=pow2)[0] if t.w_dgrad else wq
+        dx = scaled_mm(gq, wq_d, plan.compute_dtype, kernel=plan.kernels[1]).to(ctx.x_dtype)
+        gq_w = quantize(dy, r.grad_dtype, t.g_wgrad, power_of_2=pow2)[0] if t.g_wgrad else gq
+        xq_w = quantize(xq.dequantize(), E4M3, t.x_wgrad, power_of_2=pow2)[0] if t.x_wgrad else xq
+        dw = scaled_mm(gq_w.t(), xq_w, torch.float32, kernel=plan.kernels[2]).to(weight.dtype)
+        return dx, dw, None, None
+
+
+def _delayed_cast(x: torch.Tensor, state, role: int, dtype: torch.dtype):
+    """Cast with this step's delayed scale, recording the amax for the next. Before the
+    first completed step (scale 0) the tensor is scaled by its own amax."""
+    history, pending, scale = state
+    tile = resolve_tile((0, 0), x.shape)
+    amax = tile_amax(x, tile).reshape(())
+    pending[role] = torch.maximum(pending[role], amax)
+    current = torch.finfo(dtype).max / amax.clamp(min=1e-12)
+    used = torch.where(scale[role] > 0, scale[role], current)
+    return cast(x, used.reshape(1, 1), tile, dtype)
+
+
+class FP8Linear(nn.Linear):
+    """An nn.Linear whose matmuls run in FP8 under `plan`. It holds the original
+    Parameter objects: the state_dict, the optimizer and FSDP2 see nothing new."""
+
+    plan: Plan
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, plan: Plan) -> "FP8Linear":
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight, new.bias = linear.weight, linear.bias
+        new.plan = plan
+        if plan.recipe.delayed:
+            dev, length = linear.weight.device, plan.recipe.amax_history_len
+            # not persistent: the policy checkpoints them by module name (mixprec.fp8.convert)
+            new.register_buffer("amax_history", torch.zeros(3, length, device=dev), persistent=False)
+            new.register_buffer("amax_pending", torch.zeros(3, device=dev), persistent=False)
+            new.register_buffer("scale", torch.zeros(3, device=dev), persistent=False)
+        return new
+
+    def delayed_state(self):
+        return (self.amax_history, self.amax_pending, self.scale) if self.plan.recipe.delayed else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (..., K) -> (..., N) in the compute dtype; autocast has no say over FP8 GEMMs
+        with torch.autocast(x.device.type, enabled=False):
+            out = _FP8Matmul.apply(x.reshape(-1, x.shape[-1]), self.weight, self.plan, self.delayed_state())
+            out = out.unflatten(0, x.shape[:-1])
+            return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8={self.plan.recipe.name}"

@@ -1,0 +1,115 @@
+"""The scaling math: amax, scale, the cast to FP8, and delayed scaling's amax history.
+
+A tensor (R, C) is cast in tiles of (tr, tc) elements, one FP32 scale per tile:
+(R, C) is one tensor-wise scale, (1, C) one per row, (1, 128) DeepSeek-V3's activation
+tiles, (128, 128) its weight blocks. A tile size of 0 means the whole dimension. The cast
+is x * scale, clamped to the format's largest finite value (e4m3fn has no infinity: an
+unclamped overflow would be NaN on some devices), and the stored factor is 1 / scale,
+which torch's scaled GEMMs multiply back in.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from mixprec.fp8.recipe import E4M3, E5M2
+
+FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448, 57344
+EPS = 1e-12  # an all-zero tile gets a finite scale
+
+
+class Quantized(NamedTuple):
+    data: torch.Tensor  # FP8, the source's (R, C)
+    scale_inv: torch.Tensor  # FP32 (ceil(R / tr), ceil(C / tc)): data * scale_inv is the value
+    tile: tuple[int, int]  # (tr, tc), resolved: never 0
+
+    def t(self) -> "Quantized":
+        return Quantized(self.data.t(), self.scale_inv.t(), (self.tile[1], self.tile[0]))
+
+    def dequantize(self) -> torch.Tensor:
+        """The FP32 values this FP8 tensor stands for."""
+        return self.data.float() * expand(self.scale_inv, self.tile, self.data.shape)
+
+
+def resolve_tile(tile: tuple[int, int], shape) -> tuple[int, int]:
+    return (tile[0] or shape[0], tile[1] or shape[1])
+
+
+def expand(scale: torch.Tensor, tile: tuple[int, int], shape) -> torch.Tensor:
+    """Per-tile values (ceil(R/tr), ceil(C/tc)) broadcastable against (R, C)."""
+    for dim, size in enumerate(tile):
+        if scale.shape[dim] not in (1, shape[dim]):
+            scale = scale.repeat_interleave(size, dim).narrow(dim, 0, shape[dim])
+    return scale
+
+
+def tile_amax(x: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+    """max |x| per tile, FP32, shape (ceil(R/tr), ceil(C/tc)); partial edge tiles are
+    padded with zeros, which do not change a max of absolute values."""
+    (R, C), (tr, tc) = x.shape, tile
+    pr, pc = -R % tr, -C % tc
+    a = x.abs().float()
+    if pr or pc:
+        a = F.pad(a, (0, pc, 0, pr))
+    return a.view((R + pr) // tr, tr, (C + pc) // tc, tc).amax(dim=(1, 3))
+
+
+def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool = False, margin: int = 0) -> torch.Tensor:
+    """The scale that maps `amax` to the format's largest value (divided by 2**margin).
+    Rounded down to a power of two, scaling changes only exponents: x * scale is exact."""
+    scale = FP8_MAX[dtype] / amax.float().clamp(min=EPS) / 2.0**margin
+    return torch.exp2(torch.floor(torch.log2(scale))) if power_of_2 else scale
+
+
+def cast(x: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int], dtype: torch.dtype) -> Quantized:
+    """x (R, C) times its per-tile scale, saturated to the format's range, in FP8."""
+    limit = FP8_MAX[dtype]
+    data = (x.float() * expand(scale, tile, x.shape)).clamp(-limit, limit).to(dtype)
+    return Quantized(data, scale.reciprocal(), tile)
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, tile: tuple[int, int], *,
+             power_of_2: bool = False) -> tuple[Quantized, torch.Tensor]:
+    """Current scaling: each tile scaled by its own amax. Returns the FP8 tensor and the amax."""
+    tile = resolve_tile(tile, x.shape)
+    amax = tile_amax(x, tile)
+    return cast(x, amax_to_scale(amax, dtype, power_of_2), tile, dtype), amax
+
+
+def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: 20 log10(|ref| / |ref - approx|)."""
+    ref = reference.double()
+    return float(20 * torch.log10(ref.norm() / (ref - approx.double()).norm()))
+
+
+class DelayedScales:
+    """Transformer Engine's delayed scaling for one Linear's three operands (input,
+    weight, gradient of the output), as tensors a module keeps as buffers:
+
+    history (3, L)  the amax of each of the last L steps, newest first;
+    pending (3,)    the amax seen so far in this step (max over micro-batches and recomputes);
+    scale (3,)      this step's scales, from the history; 0 until a first step completes,
+                    and meanwhile each tensor is scaled by its own amax.
+
+    During a step each cast uses `scale` and raises `pending`; a value beyond what the
+    scale expected saturates (clamps to the format's maximum). After the optimizer step,
+    `advance` pushes `pending` into the history and derives the next scales:
+    scale = fp8_max / amax_ref / 2**margin, amax_ref the history's max or its newest entry.
+    """
+
+    INPUT, WEIGHT, GRAD = 0, 1, 2
+
+    @staticmethod
+    def advance(history: torch.Tensor, pending: torch.Tensor, scale: torch.Tensor, dtypes, algo: str,
+                margin: int) -> None:
+        # A non-finite amax (an overflowing step) is not history: it would zero the scale.
+        new = torch.where(torch.isfinite(pending), pending, torch.zeros_like(pending))
+        history.copy_(torch.cat([new[:, None], history[:, :-1]], dim=1))
+        ref = history.amax(dim=1) if algo == "max" else history[:, 0]
+        fp8_max = torch.tensor([FP8_MAX[d] for d in dtypes], device=history.device)
+        fresh = fp8_max / ref.clamp(min=EPS) / 2.0**margin
+        scale.copy_(torch.where(ref > 0, fresh, scale))  # nothing recorded: keep the old scale
+        pending.zero_()
