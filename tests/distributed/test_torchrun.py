@@ -8,9 +8,12 @@ import sys
 import pytest
 
 from conftest import run_train, tiny_args
+import torch
+
 from mixprec import UserError
-from mixprec.config import Parallelism
+from mixprec.config import Parallelism, build_policy, load_config
 from mixprec.distributed.parallel import ParallelDims
+from mixprec.train.parallelize import parallelize
 
 
 def torchrun(folder, source, *extra, ranks: int = 2) -> list[dict]:
@@ -178,3 +181,25 @@ def test_audit_under_fsdp_sees_the_collectives(tmp_path, text_file):
     assert stages["stored parameters"] == ["float32"] and stages["compute parameters (matmul operands)"] == ["bfloat16"]
     assert stages["all-gather traffic"] == ["bfloat16"] and stages["reduce-scatter traffic"] == ["float32"]
     assert stages["reduced gradients"] == ["float32"] and stages["optimizer states"] == ["float32"]
+
+
+@pytest.mark.parametrize("layout", [
+    ("--parallelism.data_parallel_shard_degree", "2"),  # FSDP2: all-gathered in bfloat16, then cast to FP8
+    ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"),  # DDP
+], ids=["fsdp2", "ddp"])
+def test_fp8_delayed_on_two_ranks_tracks_one_process(tmp_path, text_file, layout):
+    # Not bit-identical: each rank scales its half of the batch by its own amax in the first
+    # step; after that the amax histories are reduced to their max over ranks.
+    single = run_train(tmp_path / "one", text_file, "--checkpoint.enable", "false", "--precision.preset", "fp8-delayed")
+    records = torchrun(tmp_path / "run", text_file, "--precision.preset", "fp8-delayed", *layout)
+    assert len(records) == len(single)
+    for a, b in zip(records, single):
+        assert abs(a["loss"] - b["loss"]) / b["loss"] < 1e-2
+
+
+def test_fp8_with_tensor_parallel_is_refused_before_any_work():
+    cfg = load_config(overrides={"precision.preset": "fp8-tensorwise"})
+    policy = build_policy(cfg.precision, cfg.training, fp8=cfg.fp8)
+    with pytest.raises(UserError, match="FP8 layers are not tensor-parallel"):
+        parallelize(torch.nn.Module(), ParallelDims.resolve(1, 1, 2, 2), policy, torch.device("cpu"),
+                    pcfg=cfg.parallelism, ac_mode="none", compile_components=None)

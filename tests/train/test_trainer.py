@@ -119,9 +119,11 @@ def assert_same(a, b, where="checkpoint"):
         assert a == b or (a != a and b != b), where  # NaN equals NaN here
 
 
-@pytest.mark.parametrize("preset", ["bf16-mixed", "fp16-mixed"])
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp16-mixed", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise",
+                                    "fp8-blockwise"])
 def test_a_resumed_run_writes_the_uninterrupted_runs_checkpoint_bit_for_bit(tmp_path, text_file, preset):
-    # the whole checkpoint: weights, optimizer, scheduler, data order, loss scale and every random stream
+    # the whole checkpoint: weights, optimizer, scheduler, data order, loss scale, every random
+    # stream, and for fp8-delayed the amax histories and scales
     flags = ("--precision.preset", preset, "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0")
     run_train(tmp_path / "full", text_file, *flags)
     run_train(tmp_path / "cut", text_file, *flags, "--training.steps", "2")
@@ -131,6 +133,13 @@ def test_a_resumed_run_writes_the_uninterrupted_runs_checkpoint_bit_for_bit(tmp_
         resumed = torch.load(tmp_path / "cut" / "checkpoint" / f"step-{step}.pt", weights_only=True)
         assert set(full["rng"]) >= {"cpu", "python"}
         assert_same(resumed, full)
+        assert all(torch.isfinite(t).all() for t in full["model"].values())
+    if preset == "fp8-delayed":
+        history = full["policy"]["fp8"]["delayed"]["layers.0.attention.wq"]["amax_history"]
+        assert history[:, :6].gt(0).all() and history[:, 6:].eq(0).all()  # six steps recorded, newest first
+    if preset == "fp8-blockwise":
+        assert {t.dtype for s in full["optimizer"]["state"].values() for k, t in s.items() if k != "step"} == \
+            {torch.bfloat16}
 
 
 def test_a_finished_run_stays_finished(tmp_path, text_file, capsys):

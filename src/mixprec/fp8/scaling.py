@@ -81,8 +81,8 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, tile: tuple[int, int], *,
 
 def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB: 20 log10(|ref| / |ref - approx|)."""
-    ref = reference.double()
-    return float(20 * torch.log10(ref.norm() / (ref - approx.double()).norm()))
+    ref = reference.detach().double()
+    return float(20 * torch.log10(ref.norm() / (ref - approx.detach().double()).norm()))
 
 
 class DelayedScales:

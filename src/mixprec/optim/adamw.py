@@ -27,6 +27,15 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.moments_dtype = moments_dtype
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        # torch.optim.Optimizer casts floating state to each parameter's dtype (FP32 here);
+        # the saved moments were moments_dtype values, so casting back is exact.
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].to(self.moments_dtype)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

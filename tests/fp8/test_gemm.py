@@ -1,0 +1,75 @@
+import pytest
+import torch
+
+from mixprec.fp8.gemm import emulated_mm, kernel_mm, probe
+from mixprec.fp8.recipe import E4M3, E5M2
+from mixprec.fp8.scaling import quantize
+
+
+def operands(M=192, K=384, N=256, a_tile=(0, 0), b_tile=(0, 0), a_dtype=E4M3, b_dtype=E4M3, device="cpu"):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(M, K, generator=gen) * torch.logspace(-2, 2, K)  # columns over four decades
+    y = torch.randn(K, N, generator=gen)
+    a, _ = quantize(x.to(device), a_dtype, a_tile)
+    b, _ = quantize(y.to(device), b_dtype, b_tile)
+    return a, b
+
+
+def reference(a, b):
+    """Dequantise, then one FP64 GEMM."""
+    return a.dequantize().double() @ b.dequantize().double()
+
+
+LAYOUTS = {"tensorwise": ((0, 0), (0, 0)), "rowwise": ((1, 0), (0, 1))}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUTS.keys())
+@pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3)], ids=["e4m3xe4m3", "e5m2xe4m3"])
+def test_emulation_matches_torchs_scaled_mm_on_the_cpu(layout, dtypes):
+    a, b = operands(a_tile=LAYOUTS[layout][0], b_tile=LAYOUTS[layout][1], a_dtype=dtypes[0], b_dtype=dtypes[1])
+    kernel = kernel_mm(a, b, torch.float32)
+    emulated = emulated_mm(a, b, torch.float32)
+    # the same FP32 sums in another order: a few units of FP32 rounding
+    torch.testing.assert_close(kernel, emulated, rtol=1e-5, atol=1e-5 * emulated.abs().max().item())
+
+
+BLOCKS = {"1x128 x 128x128 (forward)": ((1, 128), (128, 128)), "1x128 x 128x1 (weight gradient)": ((1, 128), (128, 1))}
+
+
+@pytest.mark.parametrize("tiles", BLOCKS.values(), ids=BLOCKS.keys())
+@pytest.mark.parametrize("K", [384, 320])  # 320: a last K tile of 64
+def test_blockwise_emulation_is_a_dequantised_fp32_gemm_within_fp32_rounding(tiles, K):
+    a, b = operands(K=K, a_tile=tiles[0], b_tile=tiles[1])
+    ref = reference(a, b)
+    got = emulated_mm(a, b, torch.float32).double()
+    # every partial sum is exact-product FP32 accumulation over 128 terms: error ~ K * 2^-24 of the magnitudes
+    bound = K * 2**-24 * (a.dequantize().abs().double() @ b.dequantize().abs().double())
+    assert torch.all((got - ref).abs() <= bound)
+
+
+def test_blockwise_scales_are_applied_per_tile():
+    # a tile of a scaled by 2^10 must not move the others: per-tile promotion, not one scale per row
+    a, b = operands(a_tile=(1, 128), b_tile=(128, 128))
+    a.scale_inv[:, 1] *= 1024
+    ref = reference(a, b)
+    got = emulated_mm(a, b, torch.float32).double()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
+
+
+def test_the_cpu_probe_finds_torchs_tensorwise_and_rowwise_kernels_and_no_blockwise_one():
+    assert probe("cpu", (0, 0), (0, 0), E4M3, E4M3, torch.bfloat16) is None
+    assert probe("cpu", (1, 0), (0, 1), E5M2, E4M3, torch.float32) is None
+    assert "no block-wise" in probe("cpu", (1, 128), (128, 128), E4M3, E4M3, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [((0, 0), (0, 0)), ((1, 0), (0, 1)), ((1, 128), (128, 128)), ((1, 128), (128, 1))],
+                         ids=["tensorwise", "rowwise", "blockwise forward", "blockwise weight gradient"])
+def test_cuda_kernels_match_the_emulation(tiles):
+    a, b = operands(M=256, K=512, N=384, a_tile=tiles[0], b_tile=tiles[1], device="cuda")
+    reason = probe("cuda", tiles[0], tiles[1], E4M3, E4M3, torch.bfloat16)
+    if tiles[0] == (1, 128) and reason is not None:
+        pytest.skip(f"no block-wise kernel here: {reason}")
+    assert reason is None
+    torch.testing.assert_close(kernel_mm(a, b, torch.float32), emulated_mm(a, b, torch.float32), rtol=1e-4,
+                               atol=1e-3)

@@ -1,0 +1,72 @@
+import pytest
+import torch
+
+from mixprec.fp8.recipe import E4M3, E5M2
+from mixprec.fp8.scaling import DelayedScales, amax_to_scale, cast, quantize, sqnr, tile_amax
+
+TILES = {"tensorwise": (0, 0), "rowwise": (1, 0), "block 1x128": (1, 128), "block 128x128": (128, 128)}
+
+
+@pytest.mark.parametrize("tile", TILES.values(), ids=TILES.keys())
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_cast_round_trip_sqnr(tile, dtype):
+    # torchao's bound for a cast and back: 25 dB (e4m3 keeps 3 mantissa bits, e5m2 2)
+    x = torch.randn(256, 384, generator=torch.Generator().manual_seed(0)) * 3
+    q, _ = quantize(x, dtype, tile)
+    assert q.data.dtype == dtype
+    assert sqnr(x, q.dequantize()) >= (25.0 if dtype == E4M3 else 20.0)
+
+
+def test_tile_amax_covers_partial_edge_tiles():
+    x = torch.zeros(3, 300)
+    x[2, 299] = -7.0  # in the third column tile of 128, which has only 44 columns
+    amax = tile_amax(x, (1, 128))
+    assert amax.shape == (3, 3)
+    assert amax[2, 2] == 7.0 and amax.sum() == 7.0
+
+
+def test_each_tile_maps_its_amax_to_the_format_maximum():
+    x = torch.randn(256, 256)
+    q, amax = quantize(x, E4M3, (128, 128))
+    assert q.scale_inv.shape == (2, 2)
+    blocks = q.data.float().view(2, 128, 2, 128).abs().amax(dim=(1, 3))
+    assert torch.equal(blocks, torch.full((2, 2), 448.0))
+
+
+def test_power_of_two_scales_are_exact():
+    x = torch.randn(64, 64) * 5
+    scale = amax_to_scale(tile_amax(x, (1, 64)), E4M3, power_of_2=True)
+    assert torch.equal(torch.log2(scale), torch.log2(scale).round())
+    assert torch.all(x.abs().amax(1, keepdim=True) * scale <= 448)  # rounded down: never past the maximum
+
+
+def test_values_past_the_scale_saturate_instead_of_overflowing():
+    x = torch.tensor([[1.0, 100.0, -1000.0]])
+    q = cast(x, torch.tensor([[1.0]]), (1, 3), E4M3)
+    assert q.data.float().tolist() == [[1.0, 96.0, -448.0]]  # 100 rounds to 96 in e4m3; -1000 clamps
+
+
+def test_delayed_scaling_follows_the_documented_algorithm():
+    # Transformer Engine's DelayedScaling: scale_t = fp8_max / max(amax history up to t-1) / 2^margin,
+    # written out by hand for a history of length 3 and a made-up amax sequence.
+    history, pending, scale = torch.zeros(3, 3), torch.zeros(3), torch.zeros(3)
+    amaxes = [2.0, 8.0, 1.0, 0.5, 0.25, 4.0]
+    expected_max = [2.0, 8.0, 8.0, 8.0, 1.0, 4.0]  # max of the last 3
+    expected_recent = amaxes
+    for algo, expected in (("max", expected_max), ("most_recent", expected_recent)):
+        history.zero_(), scale.zero_()
+        for amax, ref in zip(amaxes, expected):
+            pending.fill_(amax)
+            DelayedScales.advance(history, pending, scale, (E4M3, E4M3, E5M2), algo, margin=1)
+            assert scale.tolist() == pytest.approx([448 / ref / 2, 448 / ref / 2, 57344 / ref / 2])
+            assert pending.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_a_nonfinite_amax_does_not_enter_the_history():
+    history, pending, scale = torch.zeros(3, 4), torch.full((3,), 2.0), torch.zeros(3)
+    DelayedScales.advance(history, pending, scale, (E4M3, E4M3, E5M2), "most_recent", 0)
+    before = scale.clone()
+    pending.fill_(float("inf"))
+    DelayedScales.advance(history, pending, scale, (E4M3, E4M3, E5M2), "most_recent", 0)
+    assert torch.equal(scale, before)  # an overflowing step keeps the last good scale
+    assert torch.isfinite(history).all()
