@@ -59,3 +59,54 @@ def test_fused_attention_is_reported_instead_of_its_hidden_softmax(tmp_path, tex
     stages = {r["stage"]: r for r in json.loads(capsys.readouterr().out)["stages"]}
     assert stages["fused attention output (SDPA)"]["observed"] == ["bfloat16"]
     assert stages["softmax"]["promised"] is None and stages["softmax"]["observed"] == []
+
+
+@pytest.mark.parametrize("preset", ["fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "fp8-blockwise"])
+def test_every_fp8_recipe_runs_its_planned_layers_in_fp8_and_nothing_else(tmp_path, text_file, capsys, preset):
+    assert audit(tmp_path, text_file, "--precision.preset", preset) == 0
+    report = json.loads(capsys.readouterr().out)
+    stages = {r["stage"]: r for r in report["stages"]}
+    assert stages["FP8 layers (forward GEMMs in float8)"]["observed"] == ["14 ran"]  # 7 projections x 2 blocks
+    assert stages["FP8 backward GEMMs"]["observed"] == ["56"]  # 2 per layer and micro-batch, 2 micro-batches
+    assert stages["matmul output"]["observed"] == ["bfloat16"]  # attention and the output layer stay bf16
+    assert any("output left in bfloat16" in n for n in report["notes"])
+    grads = "float8_e4m3fn" if preset in ("fp8-rowwise", "fp8-blockwise") else "float8_e5m2"
+    assert grads in stages["FP8 backward operands"]["observed"]
+
+
+def test_a_layer_quantised_behind_the_plans_back_fails(tmp_path, text_file, capsys, monkeypatch):
+    # the failure two public projects shipped: a layer in FP8 that the plan does not list
+    from mixprec.fp8 import convert as convert_module
+
+    real = convert_module.convert_to_fp8
+
+    def hides_one(*args, **kwargs):
+        conversion = real(*args, **kwargs)
+        conversion.modules.pop("layers.1.feed_forward.w2")
+        return conversion
+
+    monkeypatch.setattr("mixprec.precision.policy.convert_to_fp8", hides_one)
+    assert audit(tmp_path, text_file, "--precision.preset", "fp8-tensorwise") == 1
+    report = json.loads(capsys.readouterr().out)
+    stages = {r["stage"]: r for r in report["stages"]}
+    assert not stages["FP8 layers (forward GEMMs in float8)"]["ok"]
+    assert "fp8: layers.1.feed_forward.w2 ran in FP8 but the plan leaves it out" in report["notes"]
+
+
+def test_a_planned_layer_that_ran_in_bf16_fails(tmp_path, text_file, capsys, monkeypatch):
+    from mixprec.fp8 import convert as convert_module
+
+    real = convert_module.convert_to_fp8
+
+    def undoes_one(model, *args, **kwargs):
+        conversion = real(model, *args, **kwargs)
+        fp8 = model.layers[0].attention.wq
+        plain = torch.nn.Linear(fp8.in_features, fp8.out_features, bias=False)
+        plain.weight = fp8.weight
+        model.layers[0].attention.wq = plain
+        return conversion
+
+    monkeypatch.setattr("mixprec.precision.policy.convert_to_fp8", undoes_one)
+    assert audit(tmp_path, text_file, "--precision.preset", "fp8-rowwise") == 1
+    report = json.loads(capsys.readouterr().out)
+    assert "fp8: layers.0.attention.wq was planned for FP8 but its forward GEMM ran in bfloat16" in report["notes"]

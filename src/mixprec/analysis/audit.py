@@ -20,6 +20,7 @@ from collections import defaultdict
 
 import torch
 
+from mixprec.analysis.audit_fp8 import _VIEWS, FP8Tracker, fp8_rows
 from mixprec.precision.dtypes import dtype_name
 from mixprec.precision.emulation import _MATMULS, EmulatedMatmul
 
@@ -31,15 +32,28 @@ class _Observer(EmulatedMatmul):
     """Records the dtype of each op class; emulates low-precision matmuls when asked
     (as the policy would, so the recorded dtypes are the program's, not the emulation's)."""
 
-    def __init__(self, emulate: bool):
+    def __init__(self, emulate: bool, fp8: FP8Tracker | None = None):
         super().__init__()
-        self.emulate, self.backward = emulate, False
+        self.emulate, self.backward, self.fp8 = emulate, False, fp8
         self.seen: dict[str, set[torch.dtype]] = defaultdict(set)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.__name__ if hasattr(func, "__name__") else str(func)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if self.fp8 is not None and (func in _MATMULS or name.startswith("_scaled_mm")
+                                     or func in (aten._to_copy.default,) or func in _VIEWS):
+            out = super().__torch_dispatch__(func, types, args, kwargs) if self.emulate else func(*args, **kwargs)
+            if self.fp8.observe(func, args, out, self.backward):
+                return out  # an FP8 GEMM: its own stages, not the plain matmuls'
+            if func not in _MATMULS:
+                return out
+            if self.backward:
+                self.seen["local gradients (backward matmuls)"].add(out.dtype)
+            else:
+                self.seen["compute parameters (matmul operands)"] |= {t.dtype for t in tensors[-2:]}
+                self.seen["matmul output"].add(out.dtype)
+            return out
         if func in _MATMULS:
             out = super().__torch_dispatch__(func, types, args, kwargs) if self.emulate else func(*args, **kwargs)
             if self.backward:
@@ -86,7 +100,8 @@ def promises(policy) -> dict[str, set[torch.dtype] | None]:
         # a gradient takes its parameter's dtype; under FSDP they stay inside fully_shard
         "accumulated gradients (micro-batch 1 of 2)": None if policy.sharded else stored,
         "reduced gradients": stored,
-        "optimizer states": {FP32} if policy.master_weights else {storage},
+        "optimizer states": {policy.optimizer_moments_dtype} if policy.optimizer_moments_dtype != FP32
+        else {FP32} if policy.master_weights else {storage},
         "master weights": {FP32} if policy.master_weights else None,
         "all-gather traffic": {compute} if policy.sharded else None,
         "reduce-scatter traffic": {policy.reduce_dtype} if policy.sharded else None,
@@ -111,11 +126,13 @@ def run_audit(config) -> dict:
         trainer = Trainer(config)
         trainer.accum = 2  # two micro-batches: accumulation is a stage of its own
         policy, model = trainer.policy, trainer.raw_model
-        observer = _Observer(emulate=policy.emulate_matmul)
+        tracker = FP8Tracker() if policy.fp8 is not None else None
+        observer = _Observer(emulate=policy.emulate_matmul, fp8=tracker)
         policy.emulate_matmul = False  # the observer emulates instead, after recording
         # Ops between the end of a forward and the start of the next are the backward's.
         hooks = [model.register_forward_pre_hook(lambda *_: setattr(observer, "backward", False)),
                  model.register_forward_hook(lambda *_: setattr(observer, "backward", True))]
+        hooks += tracker.hooks(model) if tracker is not None else []
 
         def grads() -> set[torch.dtype]:
             return {_local(p.grad).dtype for p in model.parameters() if p.grad is not None}
@@ -158,6 +175,10 @@ def run_audit(config) -> dict:
             promised = policy.tf32 and policy.device_type == "cuda"
             rows.append({"stage": "float32 matmuls", "promised": [_fp32_matmul_name(promised)],
                          "observed": [_fp32_matmul_name(tf32_during_step)], "ok": tf32_during_step == promised})
+        if tracker is not None:
+            fp8, fp8_notes = fp8_rows(tracker, policy, micro_batches=trainer.accum)
+            rows += fp8
+            notes += fp8_notes
         path = ("fully_shard (FSDP2's MixedPrecisionPolicy)" if policy.sharded
                 else "torch.autocast" if policy.uses_autocast else "none: parameters are already in the compute dtype")
         return {"precision": policy.name, "path": path, "world_size": trainer.dims.world_size,

@@ -1,0 +1,134 @@
+"""The FP8 part of `mixprec audit`: which Linear layers really ran their GEMMs in FP8.
+
+An FP8 GEMM is seen at the dispatcher as torch's scaled GEMM on FP8 operands, or, where
+it is emulated, as an FP32 matmul whose two operands are FP8 tensors widened to FP32
+(followed through slices and transposes). Forward GEMMs are attributed to the Linear
+whose forward is running; backward ones are counted (two per FP8 layer and micro-batch:
+the input gradient and the weight gradient), an emulated GEMM once however many
+128-wide partial products it issues.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections import defaultdict
+
+import torch
+
+from mixprec.fp8.recipe import E4M3
+from mixprec.precision.dtypes import dtype_name
+from mixprec.precision.emulation import _MATMULS
+
+aten = torch.ops.aten
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_VIEWS = {aten.slice.Tensor, aten.t.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default,
+          aten.expand.default, aten.alias.default, aten.permute.default, aten.narrow.default}
+
+
+class FP8Tracker:
+    def __init__(self):
+        # FP32 tensor -> (itself, its FP8 source dtype, the serial number of the widening it comes from)
+        self._widened: dict[int, tuple[weakref.ref, torch.dtype, int]] = {}
+        self._serials = itertools.count()
+        self._backward_pairs: set[tuple] = set()
+        self.module: str | None = None  # the Linear whose forward is running
+        self.forward: dict[str, set[str]] = defaultdict(set)  # Linear -> "float8" or a plain GEMM's dtype
+        self.operands = {"forward": set(), "backward": set()}
+        self.outputs: set[torch.dtype] = set()
+
+    @property
+    def backward_gemms(self) -> int:
+        return len(self._backward_pairs)
+
+    def _source(self, t) -> tuple[torch.dtype, int] | None:
+        if not isinstance(t, torch.Tensor):
+            return None
+        if t.dtype in FP8_DTYPES:
+            return t.dtype, next(self._serials)
+        entry = self._widened.get(id(t))
+        return entry[1:] if entry is not None and entry[0]() is t else None
+
+    def _track(self, out, source) -> None:
+        self._widened[id(out)] = (weakref.ref(out), *source)
+
+    def observe(self, func, args, out, backward: bool) -> bool:
+        """Record `func`; True when it was an FP8 GEMM (the caller keeps it out of the plain matmul stages)."""
+        first = args[0] if args else None
+        if func is aten._to_copy.default and isinstance(first, torch.Tensor) and first.dtype in FP8_DTYPES:
+            self._track(out, (first.dtype, next(self._serials)))  # an FP8 tensor widened for the emulated GEMM
+        elif func in _VIEWS and (src := self._source(first)) is not None and out.dtype not in FP8_DTYPES:
+            self._track(out, src)
+        scaled = getattr(func, "__name__", "").startswith("_scaled_mm")
+        sources = [self._source(a) for a in args[:2]] if (scaled or func in _MATMULS) else []
+        if func in (aten.addmm.default, aten.baddbmm.default):
+            sources = [self._source(a) for a in args[1:3]]
+        if not sources or None in sources:
+            if func in _MATMULS and not backward and self.module is not None:
+                self.forward[self.module].add(dtype_name(first.dtype))
+            return False
+        self.operands["backward" if backward else "forward"].update(dtype for dtype, _ in sources)
+        if backward:
+            self._backward_pairs.add(tuple(serial for _, serial in sources))
+        elif self.module is not None:
+            self.forward[self.module].add("float8")
+        return True
+
+    def hooks(self, model: torch.nn.Module) -> list:
+        """Forward hooks on every Linear that tell the tracker whose forward is running."""
+        from mixprec.fp8.linear import FP8Linear
+
+        handles = []
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                handles.append(module.register_forward_pre_hook(lambda m, a, name=name: setattr(self, "module", name)))
+
+                def done(m, a, out):
+                    if isinstance(m, FP8Linear):
+                        self.outputs.add(out.dtype)
+                    self.module = None
+
+                handles.append(module.register_forward_hook(done))
+        return handles
+
+
+def fp8_rows(tracker: FP8Tracker, policy, micro_batches: int) -> tuple[list[dict], list[str]]:
+    """The audit's FP8 rows and notes for a policy with an FP8 recipe."""
+    conversion, recipe = policy.fp8_conversion, policy.fp8
+    planned = set(conversion.modules)
+    in_fp8 = {name for name, kinds in tracker.forward.items() if "float8" in kinds}
+    mixed = {name for name in in_fp8 if tracker.forward[name] != {"float8"}}
+    notes = [f"fp8: {conversion.describe()}"]
+    for name in sorted(planned - in_fp8):
+        notes.append(f"fp8: {name} was planned for FP8 but its forward GEMM ran in "
+                     f"{', '.join(sorted(tracker.forward.get(name, {'nothing'})))}")
+    for name in sorted(in_fp8 - planned):
+        notes.append(f"fp8: {name} ran in FP8 but the plan leaves it out")
+    for name in sorted(mixed):
+        notes.append(f"fp8: {name} ran some forward GEMMs outside FP8")
+    for name, reason in conversion.left_out.items():
+        notes.append(f"fp8: {name} left in {dtype_name(policy.param_dtype)}: {reason}")
+    delayed = [m for m in conversion.modules.values() if recipe.delayed]
+    if delayed:
+        m = delayed[0]
+        name = next(iter(conversion.modules))
+        for role, i in (("input", 0), ("weight", 1), ("output gradient", 2)):
+            notes.append(f"fp8: {name} {role}: amax history (newest first) "
+                         f"[{', '.join(f'{v:.4g}' for v in m.amax_history[i, :4].tolist())}, ...], scale {m.scale[i].item():.4g}")
+    else:
+        notes.append(f"fp8: scales are computed from each tensor's own amax at every cast ({recipe.summary()})")
+    expected_backward = 2 * micro_batches * len(planned)
+    rows = [
+        {"stage": "FP8 layers (forward GEMMs in float8)", "promised": [f"{len(planned)} planned"],
+         "observed": [f"{len(in_fp8)} ran"], "ok": in_fp8 == planned and not mixed},
+        {"stage": "FP8 forward operands", "promised": [dtype_name(E4M3)],
+         "observed": sorted(map(dtype_name, tracker.operands["forward"])), "ok": tracker.operands["forward"] == {E4M3}},
+        {"stage": "FP8 backward operands", "promised": sorted(map(dtype_name, {E4M3, recipe.grad_dtype})),
+         "observed": sorted(map(dtype_name, tracker.operands["backward"])),
+         "ok": tracker.operands["backward"] == {E4M3, recipe.grad_dtype}},
+        {"stage": "FP8 backward GEMMs", "promised": [str(expected_backward)], "observed": [str(tracker.backward_gemms)],
+         "ok": tracker.backward_gemms == expected_backward},
+        {"stage": "FP8 layer outputs", "promised": [dtype_name(policy.param_dtype)],
+         "observed": sorted(map(dtype_name, tracker.outputs)), "ok": tracker.outputs == {policy.param_dtype}},
+    ]
+    return rows, notes
