@@ -18,6 +18,7 @@ import torch
 from mixprec import Policy, build_model, model_args
 from mixprec.analysis.memory import Setup, plan
 from mixprec.models.loss import loss_chunk
+from mixprec.optim import AdamW
 from mixprec.train.parallelize import apply_activation_checkpointing
 
 
@@ -33,7 +34,9 @@ def measured_peak(flavor: str, preset: str, batch: int, seq_len: int, attention:
     policy = Policy.from_preset(preset)
     model = build_model(args, device=device, storage_dtype=policy.storage_dtype, seed=0)
     apply_activation_checkpointing(model, checkpointing)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    moments = policy.optimizer_moments_dtype
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-4) if moments == torch.float32
+           else AdamW(model.parameters(), lr=1e-4, moments_dtype=moments))
     policy.setup(model, opt)
     x = torch.randint(0, args.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0)).to(device)
 

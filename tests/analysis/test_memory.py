@@ -8,7 +8,7 @@ import pytest
 
 from mixprec.analysis.memory import Setup, plan
 from mixprec.cli import main
-from mixprec.models.llama import model_args
+from mixprec.models.llama import Llama, model_args
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 from memory_planner import measured_peak  # noqa: E402
@@ -21,6 +21,17 @@ def test_model_state_bytes_per_parameter():
     # 2-byte weights and gradients, 4-byte masters and their gradients, 8 bytes of moments; norms FP32
     assert 19.99 < plan(Setup(args, "fp16-master"))["model_state_bytes_per_parameter"] < 20
     assert plan(Setup(args, "fp32", optimizer="sgd"))["model_state_bytes_per_parameter"] == 12
+    # DeepSeek-V3's layout: FP32 weights and gradients, bfloat16 moments
+    assert plan(Setup(args, "fp8-blockwise"))["model_state_bytes_per_parameter"] == 12
+
+
+def test_fp8_saves_one_byte_per_projection_input():
+    args = model_args("small", 256)
+    bf16, fp8 = (plan(Setup(args, preset))["bytes"] for preset in ("bf16-mixed", "fp8-tensorwise"))
+    assert fp8["activations"] < bf16["activations"]
+    # the block projections' weights: a 1-byte FP8 copy kept for backward instead of autocast's 2-byte one
+    block_weights = sum(w.numel() for w in Llama(args).layers.parameters() if w.dim() == 2)
+    assert bf16["autocast_weight_copies"] - fp8["autocast_weight_copies"] == pytest.approx(block_weights)
 
 
 def test_parameter_count_and_sharding_by_hand():
@@ -45,7 +56,8 @@ def test_checkpointing_shrinks_activations():
     ("fp32", "eager", "none"), ("bf16-mixed", "eager", "none"), ("bf16-true", "eager", "none"),
     ("fp16-master", "eager", "none"), ("bf16-mixed", "sdpa", "none"),
     ("fp32", "eager", "selective"), ("bf16-mixed", "eager", "selective"), ("bf16-mixed", "eager", "full"),
-    ("bf16-true", "eager", "full")])
+    ("bf16-true", "eager", "full"), ("fp8-tensorwise", "eager", "none"), ("fp8-rowwise", "eager", "full"),
+    ("fp8-blockwise", "eager", "selective")])
 def test_planned_peak_within_15_percent_of_measured(preset, attention, checkpointing):
     # the trainer's own activation checkpointing, measured by MemTracker
     measured = measured_peak("debug", preset, batch=8, seq_len=64, attention=attention, checkpointing=checkpointing)

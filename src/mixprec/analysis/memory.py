@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from mixprec.errors import UserError
+from mixprec.fp8.recipe import FP8Recipe
 from mixprec.models.llama import Llama, ModelArgs
 from mixprec.models.loss import chunk_tokens
 from mixprec.precision.master import is_norm
@@ -63,24 +64,26 @@ class Setup:
 
 
 def _block_activations(a: ModelArgs, B: int, T: int, c: int, r: int, n: int, casts: bool, tp: int,
-                       sdpa: bool = False) -> int:
+                       sdpa: bool = False, fp8: bool = False) -> int:
     """Bytes one transformer block saves for backward. c: matmul dtype bytes; r: the
-    residual stream's; n: the norm output's; casts: autocast copies each linear's input."""
+    residual stream's; n: the norm output's; casts: autocast copies each linear's input;
+    fp8: the seven projections are FP8 Linears, each saving its own 1-byte copy of its input."""
     D, F, H = a.dim, a.ffn_dim // tp, a.n_heads // tp
     Dq, Dkv = H * a.head_dim, (a.n_kv_heads // tp) * a.head_dim  # this rank's heads
     BT = B * T
     norms = 2 * (4 + r) * BT * D  # each: its FP32 input and the normalised tensor
     # linear inputs: autocast makes a copy per call (wq, wk, wv; w1, w3); otherwise the
     # norm's output is saved once per norm
-    inputs = 5 * c * BT * D if casts else 2 * n * BT * D
+    inputs = 5 * BT * D if fp8 else 5 * c * BT * D if casts else 2 * n * BT * D
     rope = (4 + c) * BT * Dq + 4 * BT * Dkv  # FP32 copies for the rotation, the rotated q
     kv = 2 * c * BT * Dq  # keys and values repeated to every query head
     if sdpa:  # the fused kernel saves its output and one FP32 log-sum-exp per row
         scores = c * BT * Dq + 4 * B * H * T
     else:  # the FP32 softmax output (and its cast back)
         scores = (4 + (c if c != 4 else 0)) * B * H * T * T
-    out = c * BT * Dq  # attention output, the input of wo
-    mlp = 4 * c * BT * F  # w1 out, silu out, w3 out, their product
+    q = 1 if fp8 else c  # what wo and w2 keep of their inputs
+    out = q * BT * Dq  # attention output, the input of wo
+    mlp = (3 * c + q) * BT * F  # w1 out, silu out, w3 out, their product (w2's input)
     return norms + inputs + rope + kv + scores + out + mlp
 
 
@@ -117,8 +120,14 @@ def plan(s: Setup) -> dict:
             states += local * OPTIMIZER_STATES[s.optimizer] * (4 if p.master_weights else st)
             if isinstance(module, torch.nn.Linear):
                 linear_params += numel / split
+    fp8 = bool(p.fp8)
+    if fp8:
+        # moments in the recipe's dtype (bfloat16 for blockwise)
+        states *= FP8Recipe.from_name(p.fp8).moments_dtype.itemsize / 4
     if autocast:  # autocast keeps one low-precision copy of each weight from forward to backward
-        cast_cache = linear_params * c
+        # (an FP8 Linear keeps its 1-byte FP8 weight instead)
+        fp8_params = sum(w.numel() for w in model.layers.parameters() if w.dim() == 2) / s.tp if fp8 else 0
+        cast_cache = (linear_params - fp8_params) * c + fp8_params
     block_params = sum(w.numel() for w in model.layers[0].parameters())
     unsharded = 0
     if sharded:  # all-gathered units in param_dtype: the current block and the prefetched next
@@ -129,7 +138,7 @@ def plan(s: Setup) -> dict:
     r = 4 if autocast and not p.master_weights else c if sharded else st  # the residual stream
     norm_w = 4 if master else (c if sharded else st)
     n = max(r, norm_w)
-    block = _block_activations(a, B, T, c, r, n, autocast and n != c, s.tp, s.attention == "sdpa")
+    block = _block_activations(a, B, T, c, r, n, autocast and n != c, s.tp, s.attention == "sdpa", fp8)
     inputs = r * B * T * a.dim  # what a checkpointed block keeps: its input
     # Saved through the forward: each block's activations, or only its input where it
     # recomputes in backward (selective: every other block, 1, 3, 5, ...; full: all).
@@ -152,8 +161,13 @@ def plan(s: Setup) -> dict:
     # blocks below it still hold theirs and the gradients above it exist.
     block_grads = grads * block_params / n_params  # one block's share of the gradient bytes
     other_grads = grads - a.n_layers * block_grads  # embeddings, final norm, output layer
-    backward = max((sum(saved[:i]) + block + (a.n_layers - i) * block_grads + other_grads for i in recomputed),
-                   default=0)
+    # An eager FP8 Linear's backward widens its operands to FP32 to cast them (the gradient,
+    # and for row- and block-wise the dequantised input): two or three FP32 copies of the
+    # widest projection's activations (measured on the debug flavor; Inductor fuses them away).
+    widenings = {"": 0, "tensorwise": 2, "delayed": 2}.get(p.fp8, 3)
+    fp8_backward = widenings * 4 * B * T * max(a.dim, a.ffn_dim // s.tp)
+    backward = max((sum(saved[:i]) + block + (a.n_layers - i) * block_grads + other_grads + fp8_backward
+                    for i in recomputed), default=0)
     working = max(head + transient, backward - layers)
 
     peak = params + states + masters + cast_cache + unsharded + layers + working
