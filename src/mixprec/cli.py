@@ -105,8 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--out", default="outputs/analyze", help="folder for gradient_census.png")
     analyze.add_argument("--json", action="store_true", help="print JSON")
     demo = sub.add_parser("demo", help="numerics demonstrations")
-    demo.add_argument("topic", choices=["reduction"], help="reduction: why gradients are reduced in float32")
+    demo.add_argument("topic", choices=["reduction", "fp8-accumulation"],
+                      help="reduction: why gradients are reduced in float32; fp8-accumulation: a 14-bit FP8 GEMM "
+                           "accumulator against DeepSeek-V3's promotion to FP32 every 128 products")
     demo.add_argument("--json", action="store_true", help="print JSON")
+    demo.add_argument("--plot", default="fp8_accumulation.png", help="fp8-accumulation: where to write the plot")
     return parser
 
 
@@ -257,6 +260,10 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.topic == "fp8-accumulation":
+        from mixprec.fp8.accumulation import run as run_accumulation
+
+        return run_accumulation(args.json, args.plot)
     from mixprec.demo import run
 
     return run(args.json)
