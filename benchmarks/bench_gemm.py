@@ -1,9 +1,12 @@
 """Matmul throughput of this device per dtype, at a few transformer shapes.
 
 FP32; BF16 and FP16 with the native kernel and emulated (mixprec's EmulatedMatmul:
-FP32 GEMMs on the rounded operands); FP8 E4M3 through torch._scaled_mm with a
-tensor-wise and a row-wise scale. On CUDA the emulated rows are skipped. The best
-figure per dtype is the peak that MFU is measured against (bench_train.py).
+FP32 GEMMs on the rounded operands); the forward GEMM of each FP8 recipe (mixprec.fp8:
+tensor-wise with and without fast accumulation, row-wise, DeepSeek-V3's 1x128 x 128x128
+block-wise) on pre-cast E4M3 operands, through torch's scaled GEMM where this device has
+one for the layout and mixprec's emulation (marked "emulated") where it has none. On CUDA
+the emulated BF16/FP16 rows are skipped. The best figure per dtype is the peak that MFU
+is measured against (bench_train.py).
 
     python benchmarks/bench_gemm.py [--device cpu|cuda] [--json FILE]
 """
@@ -16,6 +19,9 @@ import time
 
 import torch
 
+from mixprec.fp8 import RECIPES, quantize, scaled_mm
+from mixprec.fp8.gemm import probe
+from mixprec.fp8.linear import Tiles
 from mixprec.precision.emulation import EmulatedMatmul
 
 # (M, K, N): tokens x dim @ dim x out, for the small flavor's batch of 4 x 256 tokens and the 1B flavor's
@@ -55,13 +61,20 @@ def cases(m: int, k: int, n: int, device: torch.device) -> dict:
                 with EmulatedMatmul():
                     return a @ b
             out[f"{name} emulated"] = emulated
-    # FP8: row-major A, column-major B (what _scaled_mm takes), scales that map amax to 448
-    a8 = (a32 * (448 / a32.abs().max())).to(E4M3)
-    b8 = (b32 * (448 / b32.abs().max())).to(E4M3).t().contiguous().t()
-    one = torch.ones((), device=device)
-    out["fp8 tensor-wise"] = lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)
-    ra, rb = torch.ones(m, 1, device=device), torch.ones(1, n, device=device)
-    out["fp8 row-wise"] = lambda: torch._scaled_mm(a8, b8, ra, rb, out_dtype=torch.bfloat16)
+    # FP8: each recipe's forward layout, B cast as the (N, K) weight and transposed (column-major)
+    w32 = b32.t().contiguous()
+    for name, recipe in RECIPES.items():
+        if name == "delayed":  # the same GEMM as tensorwise; only where the scale comes from differs
+            continue
+        tiles = Tiles.of(recipe)
+        a8, _ = quantize(a32, E4M3, tiles.x, power_of_2=recipe.power_of_2_scales)
+        w8, _ = quantize(w32, E4M3, tiles.w, power_of_2=recipe.power_of_2_scales)
+        kernel = probe(device.type, tiles.x, (tiles.w[1], tiles.w[0]), E4M3, E4M3, torch.bfloat16) is None
+        label = f"fp8 {name}" + ("" if kernel else " emulated")
+        for fast in ((True, False) if recipe.fast_accum and kernel else (False,)):
+            out[label + (" fast-accum" if fast else "")] = (
+                lambda a8=a8, w8=w8, kernel=kernel, fast=fast:
+                scaled_mm(a8, w8.t(), torch.bfloat16, kernel=kernel, fast_accum=fast))
     return out
 
 

@@ -66,7 +66,8 @@ class Policy:
 
     def __init__(self, param_dtype=FP32, reduce_dtype=FP32, storage_dtype=FP32, *, master_weights: bool = False,
                  loss_scale: LossScaleConfig | None = None, emulate_matmul: bool | None = None, tf32: bool = False,
-                 fp8: FP8Recipe | None = None, fp8_exclude: tuple[str, ...] = DEFAULT_EXCLUDE):
+                 fp8: FP8Recipe | None = None, fp8_exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
+                 fp8_emulate: bool | None = None):
         self.param_dtype = parse_dtype(param_dtype, "param_dtype")
         self.reduce_dtype = parse_dtype(reduce_dtype, "reduce_dtype")
         self.storage_dtype = parse_dtype(storage_dtype, "storage_dtype")
@@ -82,7 +83,7 @@ class Policy:
         self.master_weights = master_weights
         self.loss_scale = loss_scale
         self.tf32 = tf32
-        self.fp8, self.fp8_exclude, self._fp8 = fp8, tuple(fp8_exclude), None
+        self.fp8, self.fp8_exclude, self.fp8_emulate, self._fp8 = fp8, tuple(fp8_exclude), fp8_emulate, None
         self.fallback_to: str | None = None  # chosen at setup from loss_scale.fallback_to
         self._emulate_requested = self.emulate_matmul = emulate_matmul
         self.requested = self.name = self._match_preset()
@@ -102,7 +103,7 @@ class Policy:
     def from_preset(cls, name: str, *, labels: dict[str, str] | None = None, emulate_matmul: bool | None = None,
                     loss_scale: LossScaleConfig | None = None, tf32: bool = False, fp8_recipe: str = "",
                     fp8_options: dict | None = None, fp8_exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
-                    **overrides) -> "Policy":
+                    fp8_emulate: bool | None = None, **overrides) -> "Policy":
         """A preset by name or alias. `overrides` may change the fields a preset only
         defaults (reduce_dtype); one that contradicts the preset's own fields is an error
         naming both. `labels` names each override as the user wrote it (for messages).
@@ -130,7 +131,7 @@ class Policy:
         recipe_name = preset.fp8 or fp8_recipe
         recipe = FP8Recipe.from_name(recipe_name).with_options(**(fp8_options or {})) if recipe_name else None
         return cls(**fields, master_weights=preset.master_weights, loss_scale=scaling, emulate_matmul=emulate_matmul,
-                   tf32=tf32, fp8=recipe, fp8_exclude=fp8_exclude)
+                   tf32=tf32, fp8=recipe, fp8_exclude=fp8_exclude, fp8_emulate=fp8_emulate)
 
     def _match_preset(self) -> str:
         key = (self.storage_dtype, self.param_dtype, self.master_weights, self.loss_scale is not None)
@@ -226,7 +227,8 @@ class Policy:
         """The model rewrites the mode needs before anything wraps the model (compile,
         fully_shard): the FP8 conversion. Runs once; setup calls it when nobody did."""
         if self.fp8 is not None and self._fp8 is None:
-            self._fp8 = convert_to_fp8(model, self.fp8, compute_dtype=self.param_dtype, exclude=self.fp8_exclude)
+            self._fp8 = convert_to_fp8(model, self.fp8, compute_dtype=self.param_dtype, exclude=self.fp8_exclude,
+                                       emulate=self.fp8_emulate)
 
     @property
     def fp8_conversion(self):
