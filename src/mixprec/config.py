@@ -167,8 +167,8 @@ class FP8:
     """Delayed scaling: the scale comes from the history's max or its most_recent amax."""
     margin: int = 0
     """Delayed scaling: scale = fp8_max / amax / 2**margin."""
-    emulate: str = "auto"
-    """FP8 GEMMs as FP32 GEMMs on the FP8 values (the same numerics): true, false (torch's scaled GEMM wherever it has one for the layout), or auto: on a CPU, where torch's scaled GEMM is slower than FP32."""
+    emulate: bool = False
+    """Run every FP8 GEMM as FP32 GEMMs on the FP8 values (the same numerics); false: torch's scaled GEMM wherever it has one for the layout (block-wise on a CPU is emulated either way)."""
 
     def __post_init__(self):
         _check(self.recipe in ("", "tensorwise", "delayed", "rowwise", "blockwise"), "fp8.recipe", self.recipe,
@@ -177,7 +177,6 @@ class FP8:
         _check(self.amax_compute_algo in ("max", "most_recent"), "fp8.amax_compute_algo", self.amax_compute_algo,
                "max, most_recent")
         _check(self.margin >= 0, "fp8.margin", self.margin, "an integer >= 0")
-        _check(self.emulate in ("auto", "true", "false"), "fp8.emulate", self.emulate, "auto, true, false")
 
     @property
     def options(self) -> dict:
@@ -403,7 +402,7 @@ def build_policy(precision: Precision, training: Training,
         if pairs:
             labels[field], given[field] = pairs[0]
     fp8_args = dict(fp8_recipe=fp8.recipe, fp8_options=fp8.options, fp8_exclude=fp8.filter_fqns,
-                    fp8_emulate=None if fp8.emulate == "auto" else fp8.emulate == "true")
+                    fp8_emulate=fp8.emulate)
     if precision.preset:
         return Policy.from_preset(precision.preset, labels=labels, emulate_matmul=precision.emulate,
                                   loss_scale=loss_scale, tf32=precision.tf32, **fp8_args, **given)

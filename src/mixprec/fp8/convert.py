@@ -103,17 +103,13 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.
     """Replace the chosen nn.Linear modules of `model` in place by FP8Linear modules that
     hold the same parameters. Returns the Conversion (and logs it).
 
-    emulate: True runs every GEMM on the emulation; False uses torch's kernel wherever the
-    probe finds one; None (auto) is False on CUDA and True on a CPU, where torch's scaled
-    GEMM measured 0.4x an FP32 GEMM (the emulation is FP32 GEMMs on the FP8 values)."""
+    emulate: True runs every GEMM on the emulation (FP32 GEMMs on the FP8 values, the same
+    numerics); False or None: torch's kernel wherever the probe finds one. On this project's
+    CPUs both ran at the same speed, about 0.7x an FP32 GEMM (benchmarks/bench_gemm.py)."""
     conversion = Conversion(recipe)
     tiles = Tiles.of(recipe)
     device = next(model.parameters()).device.type
-    if emulate is None and device == "cpu":
-        emulate, why = True, ("on a CPU the emulation's FP32 GEMM is faster than torch's scaled GEMM (0.4x FP32 "
-                              "measured); fp8.emulate = false uses torch's kernel")
-    else:
-        why = "fp8.emulate = true"
+    why = "fp8.emulate = true"
     for name, (a_tile, b_tile), dtypes in zip(
             ("forward", "input gradient", "weight gradient"), [g[1:] for g in tiles.gemms()],
             ((E4M3, E4M3, compute_dtype), (recipe.grad_dtype, E4M3, compute_dtype),
