@@ -105,7 +105,7 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.
 
     emulate: True runs every GEMM on the emulation (FP32 GEMMs on the FP8 values, the same
     numerics); False or None: torch's kernel wherever the probe finds one. On this project's
-    CPUs both ran at the same speed, about 0.7x an FP32 GEMM (benchmarks/bench_gemm.py)."""
+    CPUs both ran at the same speed, 0.6-0.7x an FP32 GEMM (benchmarks/bench_gemm.py)."""
     conversion = Conversion(recipe)
     tiles = Tiles.of(recipe)
     device = next(model.parameters()).device.type

@@ -21,7 +21,7 @@ from torch import nn
 
 from mixprec.fp8.gemm import scaled_mm
 from mixprec.fp8.recipe import E4M3, FP8Recipe, Granularity
-from mixprec.fp8.scaling import DelayedScales, cast, quantize, resolve_tile, tile_amax
+from mixprec.fp8.scaling import DelayedScales, Quantized, cast, quantize, resolve_tile, tile_amax
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,6 @@ class _FP8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        from mixprec.fp8.scaling import Quantized
-
         plan, state = ctx.plan, ctx.state
         r, t = plan.recipe, plan.tiles
         x_data, x_scale_inv, weight, w_data, w_scale_inv = ctx.saved_tensors
