@@ -89,7 +89,8 @@ class Policy:
         self.requested = self.name = self._match_preset()
         if fp8 is not None and (loss_scale is not None or self.param_dtype == FP16):
             # a float16 mode may fall back to another precision mid-run; the FP8 layers' output dtype is fixed
-            raise UserError(f"fp8 recipe {fp8.name!r} on {self.name}: FP8 recipes build on {', '.join(FP8_BASES)}")
+            raise UserError(f"fp8 recipe {fp8.name!r} on {self.name.split('+')[0]}: FP8 recipes build on "
+                            f"{', '.join(FP8_BASES)}")
         self.device_type: str | None = None
         self._model = self._optimizer = self._master = self._scaler = None
         self._steps = self._skipped = self._nonfinite = 0
