@@ -20,7 +20,7 @@ from collections import defaultdict
 
 import torch
 
-from mixprec.analysis.audit_fp8 import _VIEWS, FP8Tracker, fp8_rows
+from mixprec.analysis.audit_fp8 import FP8Tracker, fp8_rows
 from mixprec.precision.dtypes import dtype_name
 from mixprec.precision.emulation import _MATMULS, EmulatedMatmul
 
@@ -41,28 +41,19 @@ class _Observer(EmulatedMatmul):
         kwargs = kwargs or {}
         name = func.__name__ if hasattr(func, "__name__") else str(func)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if self.fp8 is not None and (func in _MATMULS or name.startswith("_scaled_mm")
-                                     or func in (aten._to_copy.default,) or func in _VIEWS):
-            out = super().__torch_dispatch__(func, types, args, kwargs) if self.emulate else func(*args, **kwargs)
-            if self.fp8.observe(func, args, out, self.backward):
-                return out  # an FP8 GEMM: its own stages, not the plain matmuls'
-            if func not in _MATMULS:
-                return out
-            if self.backward:
-                self.seen["local gradients (backward matmuls)"].add(out.dtype)
-            else:
-                self.seen["compute parameters (matmul operands)"] |= {t.dtype for t in tensors[-2:]}
-                self.seen["matmul output"].add(out.dtype)
-            return out
+        if func in _MATMULS and self.emulate:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        if self.fp8 is not None and self.fp8.observe(func, args, out, self.backward):
+            return out  # an FP8 GEMM: its own stages, not the plain matmuls'
         if func in _MATMULS:
-            out = super().__torch_dispatch__(func, types, args, kwargs) if self.emulate else func(*args, **kwargs)
             if self.backward:
                 self.seen["local gradients (backward matmuls)"].add(out.dtype)
             else:
                 self.seen["compute parameters (matmul operands)"] |= {t.dtype for t in tensors[-2:]}
                 self.seen["matmul output"].add(out.dtype)
             return out
-        out = func(*args, **kwargs)
         if func is aten.rsqrt.default and not self.backward:
             self.seen["norm (rsqrt)"].add(out.dtype)
         elif func is aten._softmax.default and not self.backward:

@@ -108,10 +108,8 @@ def fp8_rows(tracker: FP8Tracker, policy, micro_batches: int) -> tuple[list[dict
         notes.append(f"fp8: {name} ran some forward GEMMs outside FP8")
     for name, reason in conversion.left_out.items():
         notes.append(f"fp8: {name} left in {dtype_name(policy.param_dtype)}: {reason}")
-    delayed = [m for m in conversion.modules.values() if recipe.delayed]
-    if delayed:
-        m = delayed[0]
-        name = next(iter(conversion.modules))
+    if recipe.delayed and conversion.modules:
+        name, m = next(iter(conversion.modules.items()))
         for role, i in (("input", 0), ("weight", 1), ("output gradient", 2)):
             notes.append(f"fp8: {name} {role}: amax history (newest first) "
                          f"[{', '.join(f'{v:.4g}' for v in m.amax_history[i, :4].tolist())}, ...], scale {m.scale[i].item():.4g}")

@@ -24,6 +24,7 @@ from mixprec.fp8.gemm import probe
 from mixprec.fp8.linear import FP8Linear, Plan, Tiles
 from mixprec.fp8.recipe import E4M3, FP8Recipe
 from mixprec.fp8.scaling import DelayedScales
+from mixprec.precision.dtypes import dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +62,9 @@ class Conversion:
         """Delayed scaling: fold each step's amaxes into the history and derive the next
         scales. Across processes the amaxes are first reduced to their maximum, so every
         rank casts with the same scales."""
-        delayed = [m for m in self.modules.values() if m.plan.recipe.delayed]
-        if not delayed:
+        if not self.recipe.delayed:  # current scaling keeps no state between steps
             return
+        delayed = list(self.modules.values())
         pending = torch.stack([m.amax_pending for m in delayed])  # (layers, 3)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(pending, op=torch.distributed.ReduceOp.MAX)
@@ -76,13 +77,13 @@ class Conversion:
     def state_dict(self) -> dict:
         return {"recipe": self.recipe.name,
                 "delayed": {name: {"amax_history": m.amax_history.cpu(), "scale": m.scale.cpu()}
-                            for name, m in self.modules.items() if m.plan.recipe.delayed}}
+                            for name, m in self.modules.items() if self.recipe.delayed}}
 
     def load_state_dict(self, state: dict) -> None:
+        if not self.recipe.delayed:
+            return
         saved = state.get("delayed", {})
         for name, m in self.modules.items():
-            if not m.plan.recipe.delayed:
-                continue
             if name not in saved:
                 logger.warning("fp8: the checkpoint has no amax history for %s (saved by %s); it starts afresh",
                                name, state.get("recipe"))
@@ -132,7 +133,7 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.
         conversion.modules[fqn] = new
     logger.info("fp8: %s", conversion.describe())
     for fqn, reason in conversion.left_out.items():
-        logger.info("fp8: %s stays in %s: %s", fqn, str(compute_dtype).removeprefix("torch."), reason)
+        logger.info("fp8: %s stays in %s: %s", fqn, dtype_name(compute_dtype), reason)
     reasons = {}
     for gemm, why in conversion.routes.items():
         if why is not None:

@@ -21,7 +21,7 @@ from torch import nn
 
 from mixprec.fp8.gemm import scaled_mm
 from mixprec.fp8.recipe import E4M3, FP8Recipe, Granularity
-from mixprec.fp8.scaling import DelayedScales, Quantized, cast, quantize, resolve_tile, tile_amax
+from mixprec.fp8.scaling import DelayedScales, Quantized, amax_to_scale, cast, quantize, resolve_tile, tile_amax
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def _delayed_cast(x: torch.Tensor, state, role: int, dtype: torch.dtype):
     tile = resolve_tile((0, 0), x.shape)
     amax = tile_amax(x, tile).reshape(())
     pending[role] = torch.maximum(pending[role], amax)
-    current = torch.finfo(dtype).max / amax.clamp(min=1e-12)
+    current = amax_to_scale(amax, dtype)
     used = torch.where(scale[role] > 0, scale[role], current)
     return cast(x, used.reshape(1, 1), tile, dtype)
 

@@ -28,6 +28,7 @@ from mixprec.models.llama import ModelArgs, build_model, model_args, resolve_att
 from mixprec.models.loss import loss_chunk
 from mixprec.optim import AdamW
 from mixprec.precision import Policy
+from mixprec.precision.dtypes import dtype_name
 from mixprec.train.checkpoint import (CheckpointManager, check_compatible, keep_optimizer_kernels,
                                       load_full_into_sharded, load_sharded, restoring, rng_state, set_rng_state)
 from mixprec.train.metrics import MetricsLogger, peak_flops, peak_memory_bytes, plot_loss_curve, plot_loss_scale
@@ -46,7 +47,7 @@ def build_optimizer(model: torch.nn.Module, cfg, fused: bool = True, foreach: bo
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if moments_dtype != torch.float32:
         logger.info("optimizer: AdamW with %s moments (one parameter at a time, FP32 arithmetic)",
-                    str(moments_dtype).removeprefix("torch."))
+                    dtype_name(moments_dtype))
         return AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, moments_dtype=moments_dtype)
     # The fused kernel updates all tensors in one pass on CPU and CUDA.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None,
