@@ -35,6 +35,8 @@ SURFACE = """
 --compile.enable --compile.components
 --checkpoint.enable --checkpoint.folder --checkpoint.interval --checkpoint.keep_latest_k --checkpoint.load_step
 --metrics.log_freq --metrics.enable_tensorboard --metrics.plot --metrics.progress_bar
+--stability.enable --stability.window --stability.threshold --stability.snapshot_interval --stability.max_rewinds
+--stability.lr_backoff --stability.backoff_steps --stability.inject
 --compare.max_loss_diff --compare.max_perplexity_diff --compare.max_overflow_rate
 """.split()
 

@@ -13,7 +13,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from mixprec.config import TABLES, field_docs, field_types, load_config
-from mixprec.errors import UserError
+from mixprec.errors import TrainingUnstable, UserError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -283,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         sys.stderr.write(f"mixprec {args.command}: error: {e}\n")
         return 2
+    except TrainingUnstable as e:
+        sys.stderr.write(f"mixprec {args.command}: unstable: {e}\n")
+        return 3
     finally:
         _leave_process_group()
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mixprec.errors import UserError
 from mixprec.precision.scaling_config import LossScaleConfig
+from mixprec.stability.config import StabilityConfig
 
 
 def _check(ok: bool, field: str, value, accepted: str) -> None:
@@ -286,7 +287,7 @@ class ActivationCheckpoint:
 TABLES = {"job": Job, "model": Model, "data": Data, "training": Training,
           "precision": Precision, "fp8": FP8, "loss_scale": LossScaleConfig, "parallelism": Parallelism,
           "activation_checkpoint": ActivationCheckpoint, "compile": Compile,
-          "checkpoint": Checkpoint, "metrics": Metrics, "compare": Compare}
+          "checkpoint": Checkpoint, "metrics": Metrics, "stability": StabilityConfig, "compare": Compare}
 
 
 @dataclass(frozen=True)
@@ -303,6 +304,7 @@ class Config:
     compile: Compile
     checkpoint: Checkpoint
     metrics: Metrics
+    stability: StabilityConfig
     compare: Compare
 
 

@@ -7,3 +7,8 @@ bug and keeps its traceback.
 
 class UserError(Exception):
     """Bad input from the user; the message names what is wrong and what is accepted."""
+
+
+class TrainingUnstable(Exception):
+    """Training kept going non-finite or spiking after every rewind allowed; the CLI prints
+    the message as one line and exits with code 3. The last good checkpoint stays on disk."""

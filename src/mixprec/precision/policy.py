@@ -384,6 +384,25 @@ class Policy:
                 self._fall_back(reason)
         return not (overflow or nonfinite)
 
+    @property
+    def scales_loss(self) -> bool:
+        """A loss scaler is active (fp16 modes until a fallback): it owns overflowed steps."""
+        return self._scaler is not None
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last step's global gradient norm (already on the host)."""
+        return self._last_grad_norm
+
+    def back_off_loss_scale(self) -> tuple[float, float] | None:
+        """Multiply the loss scale by loss_scale.backoff_factor (after a rewind); (before, after),
+        or None without a scaler."""
+        if self._scaler is None:
+            return None
+        before = self._scaler.get_scale()
+        self._scaler.update(max(self.loss_scale.min_scale, before * self.loss_scale.backoff_factor))
+        return before, self._scaler.get_scale()
+
     def _fall_back(self, reason: str | None) -> None:
         """Switch to `fallback_to`, keeping the FP32 weights and optimizer state."""
         old, target = self.name, PRESETS[self.fallback_to]

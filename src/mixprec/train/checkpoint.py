@@ -40,6 +40,13 @@ class CheckpointManager:
         sharded = self.folder / f"step-{step}"
         return sharded if sharded.is_dir() else self.folder / f"step-{step}.pt"
 
+    def drop_after(self, step: int) -> None:
+        """Remove the checkpoints past `step`: after a rewind they belong to an abandoned run."""
+        for later in [s for s in self.steps() if s > step]:
+            path = self.path(later)
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            logger.info("checkpoint: removed step %d (after the rewind to step %d)", later, step)
+
     def _prune(self) -> None:
         if self.keep_latest_k:
             for old in self.steps()[:-self.keep_latest_k]:

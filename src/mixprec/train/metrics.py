@@ -64,14 +64,8 @@ class MetricsLogger:
 
     def __init__(self, folder: Path, resume_step: int, tensorboard: bool):
         self.path = folder / "metrics.jsonl"
-        # On resume, drop records past the checkpoint (they will be recomputed) and a line
-        # torn by a kill in mid-write.
-        kept = [line for line in _read_lines(self.path)
-                if (record := _parse(line)) is not None and record.get("step", 0) <= resume_step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        tmp.replace(self.path)
-        self._file = open(self.path, "a")
+        self._file = None
+        self.truncate(resume_step)
         self._tb = None
         if tensorboard:
             try:
@@ -79,6 +73,18 @@ class MetricsLogger:
             except ImportError:
                 raise UserError("metrics.enable_tensorboard needs tensorboard: pip install tensorboard") from None
             self._tb = SummaryWriter(str(folder / "tb"))
+
+    def truncate(self, step: int) -> None:
+        """Drop the records past `step` (a resume or a rewind recomputes them) and a line
+        torn by a kill in mid-write."""
+        if self._file is not None:
+            self._file.close()
+        kept = [line for line in _read_lines(self.path)
+                if (record := _parse(line)) is not None and record.get("step", 0) <= step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(self.path)
+        self._file = open(self.path, "a")
 
     def log(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")

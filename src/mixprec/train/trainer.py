@@ -23,15 +23,18 @@ from mixprec.data.loader import TrainLoader, val_batches
 from mixprec.data.tokenizer import build_tokenizer
 from mixprec.distributed.parallel import ParallelDims, init_distributed, resolve_device
 from mixprec.distributed.tensor_parallel import check_tensor_parallel
-from mixprec.errors import UserError
+from mixprec.errors import TrainingUnstable, UserError
 from mixprec.models.llama import ModelArgs, build_model, model_args, resolve_attention
 from mixprec.models.loss import loss_chunk
 from mixprec.optim import AdamW
 from mixprec.precision import Policy
 from mixprec.precision.dtypes import dtype_name
+from mixprec.stability.guard import StabilityGuard, clone_state
+from mixprec.stability.plot import plot_stability
 from mixprec.train.checkpoint import (CheckpointManager, check_compatible, keep_optimizer_kernels,
                                       load_full_into_sharded, load_sharded, restoring, rng_state, set_rng_state)
-from mixprec.train.metrics import MetricsLogger, peak_flops, peak_memory_bytes, plot_loss_curve, plot_loss_scale
+from mixprec.train.metrics import (MetricsLogger, peak_flops, peak_memory_bytes, plot_loss_curve, plot_loss_scale,
+                                   read_metrics)
 from mixprec.train.parallelize import parallelize
 from mixprec.train.run_folder import check_writable
 
@@ -157,7 +160,14 @@ class Trainer:
         self.meta = {**{k: v for k, v in asdict(self.args).items() if k not in ModelArgs.RUNTIME_FIELDS},
                      "tokenizer": config.data.tokenizer}
         self.step, self.best_val, self.bad_evals = 0, math.inf, 0
-        self.checkpoints = None
+        self.checkpoints, self.metrics, self._batches = None, None, []
+        scfg = config.stability
+        if scfg.enable and not scfg.snapshot_interval and not config.checkpoint.enable:
+            raise UserError("stability.snapshot_interval 0 rewinds to the last checkpoint, but checkpoint.enable is "
+                            "false; accepted: a snapshot_interval > 0, or checkpoint.enable true")
+        self.guard = StabilityGuard(scfg, self.raw_model, capture=self._snapshot, restore=self._rewind_to,
+                                    policy=self.policy, optimizer=self.optimizer, rank=self.rank,
+                                    world_size=self.dims.world_size) if scfg.enable else None
         if config.checkpoint.enable:
             self.checkpoints = CheckpointManager(self.folder / config.checkpoint.folder, config.checkpoint.keep_latest_k)
             t0 = time.perf_counter()
@@ -178,6 +188,7 @@ class Trainer:
             "policy": self.policy.state_dict(),
             "rng": rng_state(self.device),
             "trainer": {"best_val": self.best_val, "bad_evals": self.bad_evals},
+            "stability": self.guard.state_dict() if self.guard is not None else None,
         }
 
     def _save(self) -> None:
@@ -188,13 +199,19 @@ class Trainer:
             self.checkpoints.save(self.step, {**self._extras(), "model": self.policy.model_state_dict(self.model),
                                               "optimizer": self.optimizer.state_dict()})
 
-    def _restore(self, state: dict) -> None:
+    def _restore(self, state: dict, rewind: bool = False) -> None:
+        """A checkpoint (or, rewind True, a good state to go back to: the guard keeps its own record)."""
         check_compatible(state, self.meta, state["source"])
         with restoring(state["source"]):
             self.policy.load_state_dict(state["policy"])  # first: it may re-apply a fallback
             with keep_optimizer_kernels(self.optimizer):
                 if "dcp" in state:
                     load_sharded(state["dcp"], self.model, self.optimizer)
+                elif "sharded" in state:  # an in-memory snapshot of a torchrun run
+                    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+                    set_state_dict(self.model, self.optimizer, model_state_dict=state["sharded"][0],
+                                   optim_state_dict=state["sharded"][1])
                 elif self.dims.fsdp_enabled or self.dims.tp_enabled:
                     load_full_into_sharded(self.model, self.optimizer, state["model"], state["optimizer"])
                 else:  # one process, or DDP: every rank loads the whole file
@@ -205,7 +222,40 @@ class Trainer:
             set_rng_state(state["rng"], self.device)
             self.step = int(state["step"])
             self.best_val, self.bad_evals = state["trainer"]["best_val"], state["trainer"]["bad_evals"]
-        logger.info("checkpoint: resumed at step %d", self.step)
+            if self.guard is not None and state.get("stability") and not rewind:
+                self.guard.load_state_dict(state["stability"])
+        if not rewind:
+            logger.info("checkpoint: resumed at step %d", self.step)
+
+    # ---- the stability guard's snapshot and rewind ----------------------------------------
+    def _snapshot(self) -> dict:
+        """Everything a rewind puts back, copied (to CPU memory, or sharded on the device)."""
+        if self.dims.world_size > 1:
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            state = {"sharded": get_state_dict(self.model, self.optimizer)}
+        else:
+            state = {"model": self.policy.model_state_dict(self.raw_model), "optimizer": self.optimizer.state_dict()}
+        return clone_state({**self._extras(), **state, "source": "memory snapshot"})
+
+    def _rewind_to(self, snapshot: dict | None):
+        """Put a good state back, but not the data position: the batches since then are
+        not replayed. None: the latest checkpoint. The checkpoints of the abandoned steps go,
+        and the rewound state is saved at once, so a killed run resumes after the rewind."""
+        data = self.loader.state_dict()
+        if snapshot is None:
+            snapshot = self.checkpoints.load()
+            if snapshot is None:
+                raise TrainingUnstable(f"step {self.step}: no checkpoint to rewind to yet (stability.snapshot_interval "
+                                       f"0 uses checkpoints, the first comes at step {self.config.checkpoint.interval})")
+        self._restore({**snapshot, "data": data}, rewind=True)
+        if self.metrics is not None:
+            self.metrics.truncate(self.step)
+        if self.checkpoints is not None:
+            if self.rank == 0:
+                self.checkpoints.drop_after(self.step)
+            self._save()
+        return self.step, (snapshot.get("stability") or {}).get("monitor")
 
     # ---- the loop -------------------------------------------------------------------------
     def train(self) -> dict:
@@ -219,7 +269,7 @@ class Trainer:
         lead = self.rank == 0  # the one process that writes files and logs
         if lead:
             (self.folder / "config.toml").write_text(to_toml(cfg))
-        metrics = MetricsLogger(self.folder, self.step, cfg.metrics.enable_tensorboard) if lead else None
+        self.metrics = metrics = MetricsLogger(self.folder, self.step, cfg.metrics.enable_tensorboard) if lead else None
         accum = self.accum
         tokens_per_step = tcfg.local_batch_size * self.dims.dp_degree * accum * tcfg.seq_len
         flops_per_token = self.raw_model.flops_per_token(tcfg.seq_len) * self.dims.dp_degree
@@ -228,9 +278,11 @@ class Trainer:
                     tcfg.steps, tokens_per_step, accum, tcfg.local_batch_size, tcfg.seq_len, self.folder)
         bar = _progress(cfg.metrics.progress_bar and lead, self.step, tcfg.steps)
         speeds, loss, val_loss, stopped_early, start_step = [], math.nan, None, False, self.step
+        if self.guard is not None:
+            self.guard.start(self.step)
         while self.step < tcfg.steps:
             t0 = time.perf_counter()
-            lr = self.scheduler.get_last_lr()[0]
+            lr = self.scheduler.get_last_lr()[0] * (self.guard.lr_factor if self.guard is not None else 1.0)
             loss, applied = self.train_step()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -238,6 +290,14 @@ class Trainer:
             self.step += 1
             speeds.append(tokens_per_step / dt)
             stats = self.policy.stats()
+            if self.guard is not None:
+                try:
+                    step = self.step
+                    if self.guard.after_step(step, loss, stats["grad_norm"], applied, self._rerun()) != step:
+                        continue  # rewound: self.step is now the step gone back to
+                except TrainingUnstable:
+                    self._write_summary(self._summary(loss, None, False, start_step, speeds, unstable=True))
+                    raise
             if stats["matmul_dtype"] not in peaks:
                 peaks[stats["matmul_dtype"]] = peak_flops(self.device, self.policy)
             peak = peaks[stats["matmul_dtype"]]
@@ -247,6 +307,7 @@ class Trainer:
                 "mfu": flops_per_token * speeds[-1] / peak if peak else None,
                 "peak_memory_bytes": peak_memory_bytes(self.device),
                 "precision": stats["precision_final"], "skipped": not applied, "loss_scale": stats["loss_scale"],
+                **(self.guard.health if self.guard is not None else {}),
             }
             last = self.step == tcfg.steps
             if last or (tcfg.eval_interval and self.step % tcfg.eval_interval == 0):
@@ -273,6 +334,12 @@ class Trainer:
             metrics.close()
         if val_loss is None:  # resumed at the end: nothing trained, evaluate what is there
             val_loss = evaluate(self.model, self.policy, self.val)
+        summary = self._summary(loss, val_loss, stopped_early, start_step, speeds)
+        return self._write_summary(summary) if lead else summary
+
+    def _summary(self, loss, val_loss, stopped_early: bool, start_step: int, speeds: list[float],
+                 unstable: bool = False) -> dict:
+        cfg = self.config
         # Median over steps after warm-up (the first steps pay for allocation and caching).
         warm = speeds[min(len(speeds) - 1, max(1, len(speeds) // 5)):] if speeds else []
         summary = {
@@ -281,10 +348,11 @@ class Trainer:
             "steps_this_run": self.step - start_step,
             "final_train_loss": loss,
             "final_val_loss": val_loss,
-            "val_perplexity": math.exp(val_loss),
+            "val_perplexity": math.exp(val_loss) if val_loss is not None else None,
             "tokens_per_sec": statistics.median(warm) if warm else None,
             "peak_memory_bytes": peak_memory_bytes(self.device),
             "stopped_early": stopped_early,
+            "stopped_unstable": unstable,
             "parameters": self.raw_model.num_params(),
             "param_bytes": sum(p.numel() * p.element_size() for p in self.raw_model.parameters()),
             "optimizer_state_bytes": sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
@@ -293,14 +361,24 @@ class Trainer:
             "device": str(self.device),
             "world_size": self.dims.world_size,
         }
-        if not lead:
+        if self.guard is not None:
+            summary["stability"] = self.guard.summary()
+        return summary
+
+    def _write_summary(self, summary: dict) -> dict:
+        """summary.json and the plots, from the one process that writes files."""
+        if self.rank != 0:
             return summary
+        cfg = self.config
         summary = _strict_json(summary)
-        done.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+        (self.folder / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
         if cfg.metrics.plot:
-            plot_loss_curve(self.folder / "metrics.jsonl", self.folder / "loss_curve.png",
-                            f"{cfg.model.flavor}, {self.policy.requested}")
-            plot_loss_scale(self.folder / "metrics.jsonl", self.folder / "loss_scale.png")
+            metrics = self.folder / "metrics.jsonl"
+            plot_loss_curve(metrics, self.folder / "loss_curve.png", f"{cfg.model.flavor}, {self.policy.requested}")
+            plot_loss_scale(metrics, self.folder / "loss_scale.png")
+            if self.guard is not None:
+                plot_stability(read_metrics(metrics), self.guard.incidents, self.folder / "stability.png",
+                               f"{cfg.model.flavor}, {self.policy.requested}")
         return summary
 
     def train_step(self, before_step=None) -> tuple[float, bool]:
@@ -308,8 +386,10 @@ class Trainer:
         `before_step(micro)`, when given, is called after each micro-batch's backward."""
         accum = self.accum
         loss_sum = torch.zeros((), device=self.device)
+        self._batches = []  # this rank's micro-batches, for the locator should this step go non-finite
         for micro in range(accum):
             x, y = self.loader.next_batch()
+            self._batches.append((x[self.rows], y[self.rows]))
             with self.policy.autocast():
                 # equal tokens per micro-batch and rank: the mean of means is the global mean
                 micro_loss = self.model(x[self.rows], y[self.rows]) / accum
@@ -325,6 +405,21 @@ class Trainer:
         if applied:
             self.scheduler.step()
         return loss_sum.item(), applied
+
+    def _rerun(self) -> list:
+        """The last step's micro-batches as (forward, backward) pairs for the locator: the
+        same forward and backward as train_step, without reducing gradients across ranks."""
+        def pair(x, y):
+            def forward():
+                with self._gradient_sync(last=False), self.policy.autocast():
+                    return self.model(x, y) / self.accum
+
+            def backward(loss):
+                with self._gradient_sync(last=False):
+                    self.policy.backward(loss)
+            return forward, backward
+
+        return [pair(x, y) for x, y in self._batches]
 
     def _gradient_sync(self, last: bool):
         """Reduce gradients across ranks only on the last micro-batch of a step."""

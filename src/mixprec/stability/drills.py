@@ -1,0 +1,72 @@
+"""Fault-injection drills (as Megatron's error injection): prove a recovery setup
+before a long run. Each fires once, in the step it names, and says so loudly."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from mixprec.errors import UserError
+from mixprec.stability.config import Drill
+
+logger = logging.getLogger("mixprec.stability")
+
+SPIKE_FACTOR = 1000.0  # the loss a corrupted batch gives is many times the usual one
+
+
+def _poison(module, args, output):
+    """The output with its first element NaN (a fresh tensor; autograd flows through the rest)."""
+    if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+        raise TypeError(f"stability.inject: {type(module).__name__}'s output is not a floating tensor")
+    mask = torch.zeros(output.shape, dtype=torch.bool, device=output.device)
+    mask.view(-1)[0] = True
+    return output.masked_fill(mask, float("nan"))
+
+
+def _spike(module, args, output):
+    return output * SPIKE_FACTOR
+
+
+class DrillRunner:
+    """Arms the drill's hook for its step (every forward of that step, the locator's re-run
+    included) and disarms it after; `fired` goes into the checkpoint, so a resumed or
+    rewound run does not fire it again."""
+
+    def __init__(self, drill: Drill | None, model: torch.nn.Module, rank: int = 0):
+        self.drill, self.model, self.rank = drill, model, rank
+        self.fired = False
+        self._handle = None
+        if drill is not None and drill.kind == "nan":
+            names = dict(model.named_modules())
+            if drill.fqn not in names:
+                close = [n for n in names if n.endswith(drill.fqn.split(".")[-1])][:3]
+                raise UserError(f"stability.inject: no module {drill.fqn!r} in the model; accepted: a module name "
+                                f"such as {', '.join(close or [n for n in names if n][:3])}")
+
+    def arm(self, step: int) -> None:
+        d = self.drill
+        if d is None or self.fired or step != d.step or (d.rank is not None and d.rank != self.rank):
+            return
+        if d.kind == "nan":
+            self._handle = self.model.get_submodule(d.fqn).register_forward_hook(_poison)
+            logger.warning("[DRILL] step %d: a NaN goes into the forward output of %s%s (stability.inject %s)",
+                           step, d.fqn, "" if d.rank is None else f" on rank {d.rank}", d)
+        else:
+            self._handle = self.model.register_forward_hook(_spike)
+            logger.warning("[DRILL] step %d: the loss is multiplied by %g, as a corrupted batch would do "
+                           "(stability.inject %s)", step, SPIKE_FACTOR, d)
+
+    def disarm(self, step: int) -> None:
+        """After step `step` (its locator re-run included): the drill is spent once its step has passed, on every rank."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        if self.drill is not None and step >= self.drill.step:
+            self.fired = True
+
+    def state_dict(self) -> dict:
+        return {"drill": str(self.drill) if self.drill else None, "fired": self.fired}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.fired = bool(state.get("fired")) and state.get("drill") == (str(self.drill) if self.drill else None)

@@ -1,0 +1,257 @@
+"""The stability guard: one call per step checks health; on an incident it locates the
+first non-finite value, diagnoses, and recovers by rewinding to the last good state.
+
+Recovery follows what PaLM and BigScience did by hand: go back to a state from before
+the incident, do not replay the batches that led there (the data stream keeps moving
+forward while the model goes back), train on with a lowered learning rate for a while,
+and, in fp16 modes, a lowered loss scale. After `max_rewinds` it gives up with one line.
+
+The guard does not know how to save a training state; it is handed two functions:
+`capture()` returns a snapshot of everything that should go back (model, optimizer,
+scheduler, policy, random generators), `restore(snapshot)` puts it back and returns the
+step it belongs to. `StabilityGuard.for_loop` builds them for a user's own loop; the
+trainer passes its own (which also rewind its metrics and checkpoints).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from torch.utils._pytree import tree_map
+
+from mixprec.errors import TrainingUnstable
+from mixprec.stability.config import StabilityConfig
+from mixprec.stability.diagnose import diagnose
+from mixprec.stability.drills import DrillRunner
+from mixprec.stability.health import HealthMonitor
+from mixprec.stability.locate import Finding, Locator
+
+logger = logging.getLogger("mixprec.stability")
+
+
+class StabilityGuard:
+    def __init__(self, config: StabilityConfig, model: torch.nn.Module, *, capture, restore, policy=None,
+                 optimizer: torch.optim.Optimizer | None = None, rank: int = 0, world_size: int = 1):
+        self.config, self.model, self.policy = config, model, policy
+        self.capture, self.restore = capture, restore
+        self.rank, self.world_size = rank, world_size
+        self.monitor = HealthMonitor(config.window, config.threshold, config.min_history)
+        self.drills = DrillRunner(config.drill, model, rank)
+        self.locator = Locator(model, rank)
+        self.incidents: list[dict] = []
+        self.rewinds = 0
+        self.skipped: list[list[int]] = []  # [first, last] steps whose data was not replayed
+        self.backoff_left = 0
+        self._snapshot = None  # (step, captured state, monitor state), memory mode
+        self.health: dict = {}  # the last step's z-scores and spike score, for metrics.jsonl
+        if optimizer is not None:
+            optimizer.register_step_pre_hook(self._lower_lr)
+            optimizer.register_step_post_hook(self._restore_lr)
+        self._saved_lrs = None
+
+    @classmethod
+    def for_loop(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, policy=None, scheduler=None,
+                 config: StabilityConfig = StabilityConfig()) -> StabilityGuard:
+        """A guard for a user's own loop: snapshots of the model (full-precision masters where
+        the policy keeps them), optimizer, scheduler, policy and torch's random generators,
+        in CPU memory. Call `after_step` once per step."""
+
+        def capture():
+            state = {"model": policy.model_state_dict(model) if policy is not None else model.state_dict(),
+                     "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}
+            if scheduler is not None:
+                state["scheduler"] = scheduler.state_dict()
+            if policy is not None:
+                state["policy"] = policy.state_dict()
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                state["cuda_rng"] = torch.cuda.get_rng_state()
+            return clone_state(state)
+
+        def restore(state):
+            if policy is not None:
+                policy.load_state_dict(state["policy"])
+                policy.load_model_state_dict(model, state["model"])
+            else:
+                model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            if scheduler is not None:
+                scheduler.load_state_dict(state["scheduler"])
+            torch.set_rng_state(state["rng"])
+            if "cuda_rng" in state:
+                torch.cuda.set_rng_state(state["cuda_rng"])
+
+        guard = cls(config, model, capture=capture, restore=restore, policy=policy, optimizer=optimizer)
+        guard.start(0)
+        return guard
+
+    # ---- the per-step hook ------------------------------------------------------------
+    def start(self, step: int) -> None:
+        """Before the first step (at `step`, 0 or a resumed one): the first snapshot, the drill armed."""
+        if self.config.snapshot_interval:
+            self._take(step)
+        self.drills.arm(step + 1)
+
+    def after_step(self, step: int, loss: float, grad_norm: float | None = None, applied: bool = True,
+                   rerun=None) -> int:
+        """Check step `step` (1-based, counted after it ran) and return the step to go on
+        from: `step` when healthy (or when only reporting), else the step rewound to.
+        loss: the step's loss on the host; grad_norm: its global gradient norm (default: the
+        policy's); applied: whether the optimizer step was taken; rerun: the step's
+        micro-batches as (forward, backward) pairs, for the locator."""
+        if grad_norm is None and self.policy is not None:
+            grad_norm = self.policy.last_grad_norm
+        overflow = not applied and self.policy is not None and self.policy.scales_loss
+        health = self.monitor.check(step, loss, grad_norm, overflow)
+        self.health = health.metrics()
+        if health.kind is None:
+            self.drills.disarm(step)
+            if self.backoff_left:
+                self.backoff_left -= 1
+                if not self.backoff_left:
+                    logger.info("[STABILITY] step %d: learning rate back on its schedule", step)
+            if self.config.snapshot_interval and step % self.config.snapshot_interval == 0:
+                self._take(step)
+            self.drills.arm(step + 1)
+            return step
+        return self._incident(step, loss, grad_norm, health, rerun)
+
+    @property
+    def lr_factor(self) -> float:
+        """What the learning rate is multiplied by now (lr_backoff during a back-off, else 1)."""
+        return self.config.lr_backoff if self.backoff_left else 1.0
+
+    # ---- an incident ------------------------------------------------------------------
+    def _incident(self, step, loss, grad_norm, health, rerun) -> int:
+        logger.warning("[STABILITY] step %d: %s", step, health.reason)
+        finding = self._locate(rerun) if health.kind == "nonfinite" and rerun else None
+        self.drills.disarm(step)
+        if finding is not None:
+            logger.warning("[STABILITY] step %d: first non-finite value in %s", step, finding)
+        elif health.kind == "nonfinite" and rerun:
+            logger.warning("[STABILITY] step %d: the locator's re-run of this step stayed finite", step)
+        record = {"step": step, "kind": health.kind, "reason": health.reason, "loss": _num(loss),
+                  "grad_norm": _num(grad_norm), "finding": finding.to_dict() if finding else None,
+                  "nonfinite_parameters": self._nonfinite_parameters()}
+        recent = sum(1 for i in self.incidents if i["kind"] == "nonfinite" and i["step"] > step - self.config.window)
+        recent += health.kind == "nonfinite"
+
+        def explain(action: str) -> str:
+            text = diagnose(health.kind, health.reason, loss, grad_norm, self.monitor.recent()["norms"], recent,
+                            self.config.window, finding, action)
+            record.update(action=action, diagnosis=text)
+            self.incidents.append(record)
+            logger.warning("[STABILITY] step %d: %s", step, text)
+            return text
+
+        if not self.config.max_rewinds:
+            explain("none (stability.max_rewinds 0: detect and report only)")
+            self.drills.arm(step + 1)
+            return step
+        if self.rewinds >= self.config.max_rewinds:
+            explain(f"gave up after {self.rewinds} rewinds (stability.max_rewinds {self.config.max_rewinds})")
+            raise TrainingUnstable(f"step {step}: {health.reason}; still unstable after {self.rewinds} rewinds "
+                                   f"(stability.max_rewinds {self.config.max_rewinds}); the last good checkpoint is "
+                                   "kept on disk: resume from it with a lower training.lr, or see the diagnosis in the log")
+        target = self._rewind()
+        self.rewinds += 1
+        self.skipped.append([target + 1, step])
+        self.backoff_left = self.config.backoff_steps if self.config.lr_backoff < 1 else 0
+        scale = self.policy.back_off_loss_scale() if self.policy is not None else None
+        action = (f"rewound to step {target} ({'memory snapshot' if self.config.snapshot_interval else 'checkpoint'}), "
+                  f"the data of steps {target + 1}-{step} is not replayed")
+        if self.backoff_left:
+            action += f", learning rate x{self.config.lr_backoff:g} for {self.backoff_left} steps"
+        if scale is not None:
+            action += f", loss scale {scale[0]:g} -> {scale[1]:g}"
+        record["rewound_to"] = target
+        explain(action + f" (rewind {self.rewinds} of at most {self.config.max_rewinds})")
+        self.drills.arm(target + 1)
+        return target
+
+    def _locate(self, rerun) -> Finding | None:
+        found = None
+        for forward, backward in rerun:  # every micro-batch on every rank: collectives stay matched
+            finding = self.locator.run(forward, backward)
+            found = found or finding
+            self.model.zero_grad(set_to_none=True)
+        if self.world_size > 1:
+            everyone = [None] * self.world_size
+            torch.distributed.all_gather_object(everyone, found.to_dict() if found else None)
+            ranked = [f for f in everyone if f]
+            ranked.sort(key=lambda f: (f["phase"] != "forward", f["rank"]))
+            found = Finding(**ranked[0]) if ranked else None
+            if found is not None and found.max_abs_input is None:
+                found.max_abs_input = math.nan
+        return found
+
+    def _nonfinite_parameters(self) -> int:
+        """Parameter tensors holding a NaN or an infinity (this rank's shards), summed over ranks."""
+        local = [getattr(p, "_local_tensor", p) for p in self.model.parameters()]
+        count = torch.tensor(float(sum(not bool(torch.isfinite(t).all()) for t in local if t.numel())))
+        if self.world_size > 1:
+            count = count.to(local[0].device)
+            torch.distributed.all_reduce(count)
+        return int(count.item())
+
+    # ---- snapshots ----------------------------------------------------------------------
+    def _take(self, step: int) -> None:
+        self._snapshot = (step, self.capture(), self.monitor.state_dict())
+
+    def _rewind(self) -> int:
+        if self.config.snapshot_interval:
+            step, state, monitor = self._snapshot
+            self.restore(state)
+        else:
+            step, monitor = self.restore(None)
+        if monitor:
+            self.monitor.load_state_dict(monitor, spikes=False)
+        return step
+
+    # ---- learning-rate back-off (optimizer step hooks: any optimizer, any scheduler) ----------
+    def _lower_lr(self, optimizer, args, kwargs) -> None:
+        if self.backoff_left:
+            self._saved_lrs = [g["lr"] for g in optimizer.param_groups]
+            for g in optimizer.param_groups:
+                g["lr"] = g["lr"] * self.config.lr_backoff
+
+    def _restore_lr(self, optimizer, args, kwargs) -> None:
+        if self._saved_lrs is not None:
+            for g, lr in zip(optimizer.param_groups, self._saved_lrs):
+                g["lr"] = lr
+            self._saved_lrs = None
+
+    # ---- reporting and checkpoints -----------------------------------------------------------
+    def summary(self) -> dict:
+        return {"incidents": len(self.incidents), "rewinds": self.rewinds, "skipped_steps": self.skipped,
+                "drill": str(self.config.drill) if self.config.drill else None, "drill_fired": self.drills.fired,
+                "incident_log": self.incidents}
+
+    def state_dict(self) -> dict:
+        return {"monitor": self.monitor.state_dict(), "incidents": self.incidents, "rewinds": self.rewinds,
+                "skipped": self.skipped, "backoff_left": self.backoff_left, "drills": self.drills.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """On resume. (A rewind restores only the window, through its own snapshot.)"""
+        self.monitor.load_state_dict(state["monitor"])
+        self.incidents, self.rewinds = list(state["incidents"]), int(state["rewinds"])
+        self.skipped, self.backoff_left = [list(s) for s in state["skipped"]], int(state["backoff_left"])
+        self.drills.load_state_dict(state["drills"])
+
+
+def clone_state(state):
+    """A copy of a state dict's tensors that later training does not change: in CPU memory
+    for plain tensors, on their device for DTensors (sharded state stays sharded)."""
+    def copy(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if hasattr(t, "device_mesh"):
+            return t.detach().clone()
+        return t.detach().to("cpu", copy=True)
+
+    return tree_map(copy, state)
+
+
+def _num(x):
+    return x if x is not None and math.isfinite(x) else (None if x is None else str(x))
