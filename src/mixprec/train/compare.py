@@ -48,7 +48,7 @@ def run_compare(config, presets: list[str]) -> dict:
         path.write_text(to_toml(run_config))
         logger.info("compare: training %s into %s", name, folder / name)
         proc = subprocess.run([sys.executable, "-m", "mixprec", "train", "--config", str(path)])
-        if proc.returncode != 0:
+        if proc.returncode not in (0, 3):  # 3: gave up as unstable, with a summary saying so
             raise UserError(f"compare: the {name} run failed (exit code {proc.returncode}); its log is above")
         summary = json.loads((folder / name / "summary.json").read_text())
         for key in ("final_train_loss", "final_val_loss", "val_perplexity"):  # null in the file: not finite
@@ -72,7 +72,9 @@ def judge(runs: dict[str, dict], thresholds) -> dict:
         loss_diff = (r["final_val_loss"] - base["final_val_loss"]) / base["final_val_loss"]
         ppl_diff = (r["val_perplexity"] - base["val_perplexity"]) / base["val_perplexity"]
         failures = []
-        if not math.isfinite(r["final_val_loss"]):
+        if r.get("stopped_unstable"):
+            failures.append(f"unstable: gave up after {r['stability']['rewinds']} rewinds at step {r['steps']}")
+        elif not math.isfinite(r["final_val_loss"]):
             failures.append(f"validation loss is {r['final_val_loss']}")
         if loss_diff > thresholds.max_loss_diff:
             failures.append(f"validation loss {loss_diff:+.2%} > {thresholds.max_loss_diff:.0%}")

@@ -208,10 +208,15 @@ class Trainer:
                 if "dcp" in state:
                     load_sharded(state["dcp"], self.model, self.optimizer)
                 elif "sharded" in state:  # an in-memory snapshot of a torchrun run
-                    from torch.distributed.checkpoint.state_dict import set_state_dict
+                    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-                    set_state_dict(self.model, self.optimizer, model_state_dict=state["sharded"][0],
-                                   optim_state_dict=state["sharded"][1])
+                    model_sd, optim_sd = state["sharded"]
+                    if optim_sd is None:  # taken before the first step
+                        self.optimizer.state.clear()
+                        set_model_state_dict(self.model, model_sd)
+                    else:
+                        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd,
+                                       optim_state_dict=optim_sd)
                 elif self.dims.fsdp_enabled or self.dims.tp_enabled:
                     load_full_into_sharded(self.model, self.optimizer, state["model"], state["optimizer"])
                 else:  # one process, or DDP: every rank loads the whole file
@@ -231,9 +236,13 @@ class Trainer:
     def _snapshot(self) -> dict:
         """Everything a rewind puts back, copied (to CPU memory, or sharded on the device)."""
         if self.dims.world_size > 1:
-            from torch.distributed.checkpoint.state_dict import get_state_dict
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-            state = {"sharded": get_state_dict(self.model, self.optimizer)}
+            # get_state_dict fills an empty optimizer state by a step with zero gradients (its
+            # step count would differ from an unguarded run's): before the first step, none
+            empty = not self.optimizer.state
+            state = {"sharded": (get_model_state_dict(self.model), None) if empty
+                     else get_state_dict(self.model, self.optimizer)}
         else:
             state = {"model": self.policy.model_state_dict(self.raw_model), "optimizer": self.optimizer.state_dict()}
         return clone_state({**self._extras(), **state, "source": "memory snapshot"})

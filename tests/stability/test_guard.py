@@ -1,0 +1,101 @@
+"""The guard in a user's own loop: StabilityGuard.for_loop beside a Policy."""
+
+import pytest
+import torch
+
+from mixprec.errors import TrainingUnstable
+from mixprec.models.llama import build_model, model_args
+from mixprec.precision import Policy
+from mixprec.stability import StabilityConfig, StabilityGuard
+from mixprec.stability.drills import _poison
+
+W2 = "layers.1.feed_forward.w2"
+
+
+class Loop:
+    """A plain training loop (the README's) with the guard's one call per step."""
+
+    def __init__(self, preset: str, **config):
+        self.policy = Policy.from_preset(preset)
+        model = build_model(model_args("debug", 256), device=torch.device("cpu"),
+                            storage_dtype=self.policy.storage_dtype, seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.model, self.opt = self.policy.setup(model, opt)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: 1.0 / (1 + s))
+        self.guard = StabilityGuard.for_loop(self.model, self.opt, policy=self.policy, scheduler=self.sched,
+                                             config=StabilityConfig(window=8, **config))
+        self.gen = torch.Generator().manual_seed(0)
+        self.lrs, self.first, self.last = [], {}, {}  # the lr each optimizer step used; weights after each step
+        self.opt.register_step_pre_hook(lambda o, a, k: self.lrs.append(o.param_groups[0]["lr"]))
+
+    def run(self, steps: int, poison=()) -> int:
+        """Train `steps` steps; a NaN goes into W2's output the first time each step in `poison` runs."""
+        step, poison = 0, set(poison)
+        while step < steps:
+            x, y = torch.randint(0, 256, (2, 2, 32), generator=self.gen).unbind(0)
+            handle = None
+            if step + 1 in poison:
+                poison.remove(step + 1)
+                handle = self.model.get_submodule(W2).register_forward_hook(_poison)
+
+            def forward():
+                with self.policy.autocast("cpu"):
+                    return self.model(x, y)
+
+            loss = forward()
+            self.policy.backward(loss)
+            applied = self.policy.step(self.opt, max_norm=1.0)
+            if applied:
+                self.sched.step()
+            step = self.guard.after_step(step + 1, loss.item(), applied=applied,
+                                         rerun=[(forward, self.policy.backward)])
+            if handle is not None:
+                handle.remove()
+            self.last[step] = [p.detach().clone() for p in self.model.parameters()]
+            self.first.setdefault(step, self.last[step])
+        return step
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp16-mixed"])
+def test_an_incident_rewinds_to_the_snapshot_and_backs_off(preset):
+    loop = Loop(preset, snapshot_interval=5, backoff_steps=3)
+    scale_before = loop.policy.stats()["loss_scale"]
+    loop.run(12, poison={7})
+    (incident,) = loop.guard.incidents
+    assert incident["finding"]["module"] == W2 and incident["finding"]["phase"] == "forward"
+    assert incident["rewound_to"] == 5 and loop.guard.skipped == [[6, 7]]
+    # the weights went back to the step-5 snapshot exactly; the steps after it differ (other data, lower lr)
+    assert all(torch.equal(a, b) for a, b in zip(loop.first[5], loop.last[5]))
+    assert not all(torch.equal(a, b) for a, b in zip(loop.first[6], loop.last[6]))
+    # the lrs the optimizer used: steps 1-6 (step 7 was skipped: NaN), then 6, 7, 8 backed off x0.5
+    schedule = [1.0e-3 / (1 + s) for s in range(13)]
+    assert loop.lrs[:6] == pytest.approx(schedule[:6])
+    assert loop.lrs[6:9] == pytest.approx([0.5 * lr for lr in schedule[5:8]])
+    assert loop.lrs[9:] == pytest.approx(schedule[8:12])
+    assert loop.opt.param_groups[0]["lr"] == pytest.approx(schedule[12])  # the back-off never sticks
+    if scale_before is not None:  # fp16: the scale went back to the snapshot's, then one back-off
+        assert "loss scale" in incident["action"] and loop.policy.stats()["loss_scale"] < scale_before
+
+
+def test_the_rewound_state_equals_the_snapshot_bit_for_bit():
+    a = Loop("bf16-mixed", snapshot_interval=4)
+    a.run(4)
+    at_snapshot = [p.detach().clone() for p in a.model.parameters()]
+    moments = [s["exp_avg"].clone() for s in a.opt.state.values()]
+    a.guard.after_step(5, float("nan"), grad_norm=float("nan"))  # an incident without a re-run
+    assert all(torch.equal(x, p) for x, p in zip(at_snapshot, a.model.parameters()))
+    assert all(torch.equal(m, s["exp_avg"]) for m, s in zip(moments, a.opt.state.values()))
+
+
+def test_it_gives_up_after_max_rewinds():
+    loop = Loop("bf16-mixed", snapshot_interval=2, max_rewinds=1)
+    with pytest.raises(TrainingUnstable, match="still unstable after 1 rewinds"):
+        loop.run(8, poison={3, 4})  # step 3: rewind to 2; steps 3 and 4 again: step 4 gives up
+    assert [i["action"].split(" (")[0] for i in loop.guard.incidents][-1].startswith("gave up")
+
+
+def test_report_only_never_rewinds():
+    loop = Loop("bf16-mixed", max_rewinds=0)
+    assert loop.run(6, poison={3}) == 6
+    (incident,) = loop.guard.incidents
+    assert incident["step"] == 3 and "report only" in incident["action"] and loop.guard.rewinds == 0
