@@ -142,10 +142,10 @@ class Locator:
             # a module whose inputs need no gradient (the embedding) has its hook fire on its output's gradient
             with _eager(), watch, warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "Full backward hook is firing")
+                warnings.filterwarnings("ignore", "FSDP2-wrapped module .* returned a view")  # the observer's outputs
                 loss = forward()
-                if not found:
-                    backward_from = len(watch.ops)
-                    backward(loss)
+                backward_from = len(watch.ops)
+                backward(loss)  # also after a forward finding: other ranks' backward collectives wait for it
         finally:
             for h in handles:
                 h.remove()

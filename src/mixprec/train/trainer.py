@@ -249,8 +249,7 @@ class Trainer:
 
     def _rewind_to(self, snapshot: dict | None):
         """Put a good state back, but not the data position: the batches since then are
-        not replayed. None: the latest checkpoint. The checkpoints of the abandoned steps go,
-        and the rewound state is saved at once, so a killed run resumes after the rewind."""
+        not replayed. None: the latest checkpoint."""
         data = self.loader.state_dict()
         if snapshot is None:
             snapshot = self.checkpoints.load()
@@ -258,13 +257,18 @@ class Trainer:
                 raise TrainingUnstable(f"step {self.step}: no checkpoint to rewind to yet (stability.snapshot_interval "
                                        f"0 uses checkpoints, the first comes at step {self.config.checkpoint.interval})")
         self._restore({**snapshot, "data": data}, rewind=True)
+        return self.step, (snapshot.get("stability") or {}).get("monitor")
+
+    def _after_rewind(self) -> None:
+        """The steps past the one gone back to leave metrics.jsonl and the checkpoints, and
+        the rewound state (with the guard's record of the rewind) is saved at once: a run
+        killed now resumes after the rewind, with the same data skipped."""
         if self.metrics is not None:
             self.metrics.truncate(self.step)
         if self.checkpoints is not None:
             if self.rank == 0:
                 self.checkpoints.drop_after(self.step)
             self._save()
-        return self.step, (snapshot.get("stability") or {}).get("monitor")
 
     # ---- the loop -------------------------------------------------------------------------
     def train(self) -> dict:
@@ -303,7 +307,8 @@ class Trainer:
                 try:
                     step = self.step
                     if self.guard.after_step(step, loss, stats["grad_norm"], applied, self._rerun()) != step:
-                        continue  # rewound: self.step is now the step gone back to
+                        self._after_rewind()  # self.step is now the step gone back to
+                        continue
                 except TrainingUnstable:
                     self._write_summary(self._summary(loss, None, False, start_step, speeds, unstable=True))
                     raise
@@ -417,14 +422,16 @@ class Trainer:
 
     def _rerun(self) -> list:
         """The last step's micro-batches as (forward, backward) pairs for the locator: the
-        same forward and backward as train_step, without reducing gradients across ranks."""
+        same forward and backward as train_step. Gradients are reduced as on a last
+        micro-batch (every rank re-runs, so the collectives match; the guard clears them):
+        FSDP2 would keep a no-sync pass's gradients apart, where zero_grad does not reach."""
         def pair(x, y):
             def forward():
-                with self._gradient_sync(last=False), self.policy.autocast():
+                with self._gradient_sync(last=True), self.policy.autocast():
                     return self.model(x, y) / self.accum
 
             def backward(loss):
-                with self._gradient_sync(last=False):
+                with self._gradient_sync(last=True):
                     self.policy.backward(loss)
             return forward, backward
 
