@@ -95,6 +95,7 @@ class Policy:
         self._model = self._optimizer = self._master = self._scaler = None
         self._steps = self._skipped = self._nonfinite = 0
         self._last_grad_norm: float | None = None
+        self._last_overflow = False
         self._monitor = ScaleMonitor()
         self._fallback_step: int | None = None
         self.sharded = False  # set by fsdp_mixed_precision(): fully_shard does the casts
@@ -364,6 +365,7 @@ class Policy:
         if self._fp8 is not None:
             self._fp8.after_step()
         self._steps += 1
+        self._last_overflow = overflow
         self._skipped += overflow or nonfinite
         if nonfinite:
             self._nonfinite += 1
@@ -385,9 +387,9 @@ class Policy:
         return not (overflow or nonfinite)
 
     @property
-    def scales_loss(self) -> bool:
-        """A loss scaler is active (fp16 modes until a fallback): it owns overflowed steps."""
-        return self._scaler is not None
+    def last_overflow(self) -> bool:
+        """The loss scaler skipped the last step for an overflow (its business, not an incident)."""
+        return self._last_overflow
 
     @property
     def last_grad_norm(self) -> float | None:

@@ -102,7 +102,7 @@ class StabilityGuard:
         micro-batches as (forward, backward) pairs, for the locator."""
         if grad_norm is None and self.policy is not None:
             grad_norm = self.policy.last_grad_norm
-        overflow = not applied and self.policy is not None and self.policy.scales_loss
+        overflow = not applied and self.policy is not None and self.policy.last_overflow
         health = self.monitor.check(step, loss, grad_norm, overflow)
         self.health = health.metrics()
         if health.kind is None:
