@@ -67,10 +67,11 @@ def test_an_incident_rewinds_to_the_snapshot_and_backs_off(preset):
     # the weights went back to the step-5 snapshot exactly; the steps after it differ (other data, lower lr)
     assert all(torch.equal(a, b) for a, b in zip(loop.first[5], loop.last[5]))
     assert not all(torch.equal(a, b) for a, b in zip(loop.first[6], loop.last[6]))
-    # the lrs the optimizer used: steps 1-6 (step 7 was skipped: NaN), then 6, 7, 8 backed off x0.5
+    # the lrs the optimizer used: steps 1-6 (step 7 was skipped: NaN), then 6, 7, 8 backed off
+    # x0.5 and back up linearly over 3 steps, then the schedule
     schedule = [1.0e-3 / (1 + s) for s in range(13)]
     assert loop.lrs[:6] == pytest.approx(schedule[:6])
-    assert loop.lrs[6:9] == pytest.approx([0.5 * lr for lr in schedule[5:8]])
+    assert loop.lrs[6:9] == pytest.approx([f * lr for f, lr in zip((1 / 2, 2 / 3, 5 / 6), schedule[5:8])])
     assert loop.lrs[9:] == pytest.approx(schedule[8:12])
     assert loop.opt.param_groups[0]["lr"] == pytest.approx(schedule[12])  # the back-off never sticks
     if scale_before is not None:  # fp16: the scale went back to the snapshot's, then one back-off

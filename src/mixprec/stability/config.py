@@ -56,9 +56,9 @@ class StabilityConfig:
     max_rewinds: int = 3
     """Rewinds before giving up (exit code 3, the last good checkpoint kept on disk); 0: detect and report only, never rewind."""
     lr_backoff: float = 0.5
-    """After a rewind the learning rate is multiplied by this ..."""
-    backoff_steps: int = 100
-    """... for this many steps."""
+    """After a rewind the learning rate is multiplied by this, ..."""
+    backoff_steps: int = 20
+    """... then rises back linearly to the schedule over this many steps (a re-warm-up); 0: no back-off."""
     inject: str = ""
     """Fault-injection drill, fired once: nan@STEP:MODULE_FQN (a NaN in that module's forward output at that step; :RANK at the end for one rank only) or spike@STEP (that step's loss multiplied by 1000, as a corrupted batch would)."""
 

@@ -119,8 +119,11 @@ class StabilityGuard:
 
     @property
     def lr_factor(self) -> float:
-        """What the learning rate is multiplied by now (lr_backoff during a back-off, else 1)."""
-        return self.config.lr_backoff if self.backoff_left else 1.0
+        """What the learning rate is multiplied by now: lr_backoff on the first step after a
+        rewind, back up linearly to 1 over backoff_steps (a re-warm-up), then 1."""
+        if not self.backoff_left:
+            return 1.0
+        return 1.0 - (1.0 - self.config.lr_backoff) * self.backoff_left / self.config.backoff_steps
 
     # ---- an incident ------------------------------------------------------------------
     def _incident(self, step, loss, grad_norm, health, rerun) -> int:
@@ -162,7 +165,7 @@ class StabilityGuard:
         action = (f"rewound to step {target} ({'memory snapshot' if self.config.snapshot_interval else 'checkpoint'}), "
                   f"the data of steps {target + 1}-{step} is not replayed")
         if self.backoff_left:
-            action += f", learning rate x{self.config.lr_backoff:g} for {self.backoff_left} steps"
+            action += f", learning rate x{self.config.lr_backoff:g} back up to x1 over {self.backoff_left} steps"
         if scale is not None:
             action += f", loss scale {scale[0]:g} -> {scale[1]:g}"
         record["rewound_to"] = target
@@ -214,7 +217,7 @@ class StabilityGuard:
         if self.backoff_left:
             self._saved_lrs = [g["lr"] for g in optimizer.param_groups]
             for g in optimizer.param_groups:
-                g["lr"] = g["lr"] * self.config.lr_backoff
+                g["lr"] = g["lr"] * self.lr_factor
 
     def _restore_lr(self, optimizer, args, kwargs) -> None:
         if self._saved_lrs is not None:

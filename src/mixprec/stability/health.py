@@ -12,7 +12,6 @@ loss spiked, in percent.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -30,9 +29,12 @@ class Health:
 
 
 def _z(value: float, window: deque, min_history: int) -> float | None:
-    if len(window) < min_history:
+    n = len(window)
+    if n < min_history:
         return None
-    mean, std = statistics.fmean(window), statistics.pstdev(window)
+    # plain float sums: statistics.pstdev's exact arithmetic costs ~100 us a call here
+    mean = math.fsum(window) / n
+    std = math.sqrt(math.fsum((x - mean) ** 2 for x in window) / n)
     return (value - mean) / std if std > 0 else 0.0
 
 
@@ -56,11 +58,11 @@ class HealthMonitor:
         elif loss_z is not None and loss_z > self.threshold:
             kind = "loss_spike"
             reason = (f"loss {loss:.4g} is {loss_z:.1f} standard deviations above the mean of the last "
-                      f"{len(self.losses)} steps ({statistics.fmean(self.losses):.4g}; threshold {self.threshold:g})")
+                      f"{len(self.losses)} steps ({math.fsum(self.losses) / len(self.losses):.4g}; threshold {self.threshold:g})")
         elif norm_z is not None and norm_z > self.threshold:
             kind = "grad_spike"
             reason = (f"gradient norm {grad_norm:.4g} is {norm_z:.1f} standard deviations above the mean of the "
-                      f"last {len(self.norms)} steps ({statistics.fmean(self.norms):.4g}; threshold {self.threshold:g})")
+                      f"last {len(self.norms)} steps ({math.fsum(self.norms) / len(self.norms):.4g}; threshold {self.threshold:g})")
         if kind == "loss_spike":
             self.spikes.append(step)
         while self.spikes and self.spikes[0] <= step - self.window:
