@@ -30,3 +30,11 @@ def test_config_reference_lists_every_key():
     for table, cls in TABLES.items():
         for key in field_types(cls):
             assert f"`{table}.{key}`" in text or f"`{table}.{key}`," in text, f"{table}.{key}"
+
+
+def test_stability_example_runs():
+    code = re.search(r"From your own loop, one call per step:\n\n```python\n(.*?)```", README.read_text(), re.S).group(1)
+    scope = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert scope["step"] == 30 and scope["guard"].summary()["incidents"] == 0
+    assert scope["guard"]._snapshot[0] == 30  # the last snapshot is the latest multiple of 10
