@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 
 from conftest import tiny_args
 from mixprec.cli import main
@@ -99,3 +100,13 @@ def test_every_rank_rewinds_to_the_same_step(tmp_path, text_file):
     (incident,) = json.loads((folder / "summary.json").read_text())["stability"]["incident_log"]
     assert incident["finding"]["module"] == W2 and incident["finding"]["rank"] == 1
     assert [r["step"] for r in records(folder)] == list(range(1, 11))
+
+
+@pytest.mark.slow
+def test_a_nan_drill_in_a_compiled_block_is_located(tmp_path, text_file):
+    # dynamo does not see hooks added after tracing: the drill's step and the locator run eagerly
+    folder = tmp_path / "compiled"
+    assert main(args(folder, text_file, "--precision.preset", "fp32", "--compile.enable", "true",
+                     "--training.steps", "12", "--stability.inject", f"nan@10:{W2}")) == 0
+    (incident,) = json.loads((folder / "summary.json").read_text())["stability"]["incident_log"]
+    assert incident["finding"]["module"] == W2 and incident["finding"]["phase"] == "forward"

@@ -50,8 +50,12 @@ class DrillRunner:
             return
         if d.kind == "nan":
             self._handle = self.model.get_submodule(d.fqn).register_forward_hook(_poison)
-            logger.warning("[DRILL] step %d: a NaN goes into the forward output of %s%s (stability.inject %s)",
-                           step, d.fqn, "" if d.rank is None else f" on rank {d.rank}", d)
+            # compiled code does not see a hook added after it was traced (dynamo skips hook
+            # guards): this step runs eagerly
+            torch.compiler.set_stance("force_eager")
+            logger.warning("[DRILL] step %d: a NaN goes into the forward output of %s%s (stability.inject %s; "
+                           "compiled regions run eagerly in this step)", step, d.fqn,
+                           "" if d.rank is None else f" on rank {d.rank}", d)
         else:
             self._handle = self.model.register_forward_hook(_spike)
             logger.warning("[DRILL] step %d: the loss is multiplied by %g, as a corrupted batch would do "
@@ -62,6 +66,7 @@ class DrillRunner:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+            torch.compiler.set_stance("default")
         if self.drill is not None and step >= self.drill.step:
             self.fired = True
 
