@@ -30,12 +30,11 @@ from mixprec.optim import AdamW
 from mixprec.precision import Policy
 from mixprec.precision.dtypes import dtype_name
 from mixprec.stability.guard import StabilityGuard, clone_state
-from mixprec.stability.plot import plot_stability
 from mixprec.train.checkpoint import (CheckpointManager, check_compatible, keep_optimizer_kernels,
                                       load_full_into_sharded, load_sharded, restoring, rng_state, set_rng_state)
-from mixprec.train.metrics import (MetricsLogger, peak_flops, peak_memory_bytes, plot_loss_curve, plot_loss_scale,
-                                   read_metrics)
+from mixprec.train.metrics import MetricsLogger, peak_flops, peak_memory_bytes
 from mixprec.train.parallelize import parallelize
+from mixprec.train.report import progress_bar, report_step, write_summary
 from mixprec.train.run_folder import check_writable
 
 logger = logging.getLogger(__name__)
@@ -289,7 +288,7 @@ class Trainer:
         peaks = {}  # by what the matmuls compute in: a fallback changes it
         logger.info("training %d steps of %d tokens (%d micro-batches of %d x %d) into %s",
                     tcfg.steps, tokens_per_step, accum, tcfg.local_batch_size, tcfg.seq_len, self.folder)
-        bar = _progress(cfg.metrics.progress_bar and lead, self.step, tcfg.steps)
+        bar = progress_bar(cfg.metrics.progress_bar and lead, self.step, tcfg.steps)
         speeds, loss, val_loss, stopped_early, start_step = [], math.nan, None, False, self.step
         if self.guard is not None:
             self.guard.start(self.step)
@@ -337,7 +336,7 @@ class Trainer:
                     stopped_early = last = True
             if metrics is not None:
                 metrics.log(record)
-            _report(bar, record, self.step % cfg.metrics.log_freq == 0 or last)
+            report_step(bar, record, self.step % cfg.metrics.log_freq == 0 or last)
             if self.checkpoints and (last or self.step % cfg.checkpoint.interval == 0):
                 self._save()
             if stopped_early:
@@ -350,6 +349,14 @@ class Trainer:
             val_loss = evaluate(self.model, self.policy, self.val)
         summary = self._summary(loss, val_loss, stopped_early, start_step, speeds)
         return self._write_summary(summary) if lead else summary
+
+    def _write_summary(self, summary: dict) -> dict:
+        """summary.json and the plots, from the one process that writes files."""
+        if self.rank != 0:
+            return summary
+        cfg = self.config
+        return write_summary(self.folder, summary, cfg.metrics.plot, f"{cfg.model.flavor}, {self.policy.requested}",
+                             self.guard.incidents if self.guard is not None else None)
 
     def _summary(self, loss, val_loss, stopped_early: bool, start_step: int, speeds: list[float],
                  unstable: bool = False) -> dict:
@@ -377,22 +384,6 @@ class Trainer:
         }
         if self.guard is not None:
             summary["stability"] = self.guard.summary()
-        return summary
-
-    def _write_summary(self, summary: dict) -> dict:
-        """summary.json and the plots, from the one process that writes files."""
-        if self.rank != 0:
-            return summary
-        cfg = self.config
-        summary = _strict_json(summary)
-        (self.folder / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
-        if cfg.metrics.plot:
-            metrics = self.folder / "metrics.jsonl"
-            plot_loss_curve(metrics, self.folder / "loss_curve.png", f"{cfg.model.flavor}, {self.policy.requested}")
-            plot_loss_scale(metrics, self.folder / "loss_scale.png")
-            if self.guard is not None:
-                plot_stability(read_metrics(metrics), self.guard.incidents, self.folder / "stability.png",
-                               f"{cfg.model.flavor}, {self.policy.requested}")
         return summary
 
     def train_step(self, before_step=None) -> tuple[float, bool]:
@@ -444,35 +435,3 @@ class Trainer:
         elif self.dims.ddp_enabled and not last:
             return self.model.no_sync()
         return contextlib.nullcontext()
-
-
-def _strict_json(summary: dict) -> dict:
-    """NaN and infinities are not JSON: null, with a `<key>_reason` saying why."""
-    out = {}
-    for key, value in summary.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            out[key], out[f"{key}_reason"] = None, f"not finite ({value})"
-        elif value is None and key == "tokens_per_sec":
-            out[key], out[f"{key}_reason"] = None, "no step ran in this process"
-        else:
-            out[key] = value
-    return out
-
-
-def _progress(enabled: bool, initial: int, total: int):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    # disable=None: shown on a terminal, silent in logs and CI.
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, disable=None)
-
-
-def _report(bar, record: dict, log_line: bool) -> None:
-    if bar is not None:
-        bar.update(1)
-        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}", refresh=False)
-    if log_line:
-        val = f"  val_loss {record['val_loss']:.4f}  val_ppl {record['val_perplexity']:.2f}" if "val_loss" in record else ""
-        logger.info("step %d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s%s", record["step"], record["loss"],
-                    record["lr"], record["grad_norm"], record["tokens_per_sec"], val)
