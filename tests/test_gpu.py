@@ -118,3 +118,14 @@ def test_the_locator_names_the_module_on_cuda(tmp_path, text_file, compiled):
     (incident,) = json.loads((tmp_path / "run" / "summary.json").read_text())["stability"]["incident_log"]
     assert incident["finding"]["module"] == w2 and incident["finding"]["phase"] == "forward"
     assert incident["rewound_to"] == 8
+
+
+def test_a_snapshot_of_cuda_tensors_sees_the_state_at_capture():
+    from mixprec.stability import clone_state
+
+    t = torch.randn(1 << 22, device="cuda")
+    before = t.cpu()
+    snapshot = clone_state({"state": [t]})
+    t.mul_(2)  # queued after the non-blocking copy on the same stream
+    torch.cuda.synchronize()
+    assert snapshot["state"][0].is_pinned() and torch.equal(snapshot["state"][0], before)

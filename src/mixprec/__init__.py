@@ -13,13 +13,15 @@ _WHERE = {
     "dtype_name": "mixprec.precision",
     # loss scaling
     "LossScaler": "mixprec.precision", "LossScaleConfig": "mixprec.precision",
+    # numerical stability
+    "StabilityGuard": "mixprec.stability", "StabilityConfig": "mixprec.stability",
     # model
     "Llama": "mixprec.models.llama", "ModelArgs": "mixprec.models.llama", "model_args": "mixprec.models.llama",
     "build_model": "mixprec.models.llama",
     # config
     "Config": "mixprec.config", "load_config": "mixprec.config", "build_policy": "mixprec.config",
     # errors
-    "UserError": "mixprec.errors",
+    "UserError": "mixprec.errors", "TrainingUnstable": "mixprec.errors",
 }
 __all__ = list(_WHERE)
 __version__ = "0.1.0"

@@ -245,12 +245,18 @@ class StabilityGuard:
 
 def clone_state(state):
     """A copy of a state dict's tensors that later training does not change: in CPU memory
-    for plain tensors, on their device for DTensors (sharded state stays sharded)."""
+    for plain tensors, on their device for DTensors (sharded state stays sharded). CUDA
+    tensors go to pinned memory without blocking the host: the copies are queued on the
+    stream before the next step's kernels, so they see this state, and they overlap the
+    work the host queues next (torch caches pinned blocks, so each snapshot reuses them)."""
     def copy(t):
         if not isinstance(t, torch.Tensor):
             return t
         if hasattr(t, "device_mesh"):
             return t.detach().clone()
+        if t.is_cuda:
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return out.copy_(t.detach(), non_blocking=True)
         return t.detach().to("cpu", copy=True)
 
     return tree_map(copy, state)
