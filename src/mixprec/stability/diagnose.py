@@ -23,8 +23,8 @@ def diagnose(kind: str, reason: str, loss: float, grad_norm: float | None, recen
         if finding.dtype == "float16" and finding.max_abs_input > FP16_MAX / 256:
             causes.append("float16 ends at 65504 and its inputs were within a factor 256 of that: an overflow in "
                           "float16 is the likely cause (bf16 has float32's range; or keep this module in float32)")
-        elif finding.inputs_finite:
-            causes.append("its inputs were finite, so this op produced it")
+        else:
+            causes.append("its inputs were finite, so it made the value itself")
     elif kind == "nonfinite":
         causes.append("the locator's re-run stayed finite (the cause did not repeat: a transient fault, or "
                       "state the re-run does not reproduce)")

@@ -31,17 +31,15 @@ class Finding:
     phase: str  # forward or backward
     op: str  # the aten op (mm, _scaled_mm, masked_fill, ...); "" where no op was seen
     dtype: str  # what the non-finite tensor is in
-    inputs_finite: bool  # were the op's (forward) or the module's incoming (backward) tensors finite
-    max_abs_input: float  # the largest |value| among them
+    max_abs_input: float  # the largest |value| among its inputs (all finite: that is what makes it the first)
     rank: int = 0
 
     def __str__(self) -> str:
         what = "output" if self.phase == "forward" else "gradient"
-        inputs = "inputs finite" if self.inputs_finite else "inputs already non-finite"
         op = f"{self.op}, " if self.op else ""
         rank = f" on rank {self.rank}" if self.rank else ""
-        return (f"{self.module} ({self.phase}, {op}{self.dtype} {what}, {inputs}, max |input| "
-                f"{self.max_abs_input:.3g}){rank}")
+        return f"{self.module} ({self.phase}, {op}{self.dtype} {what}, inputs finite, max |input| " \
+               f"{self.max_abs_input:.3g}){rank}"
 
     def to_dict(self) -> dict:
         return {**asdict(self), "max_abs_input": _json_float(self.max_abs_input)}
@@ -116,18 +114,18 @@ class Locator:
             name, ins = stack.pop() if stack else "", inputs.pop() if inputs else []
             outs = _floats(output)
             if not found and outs and not _finite(outs) and _finite(ins):
-                found.append(Finding(name, "forward", "", dtype_name(outs[0].dtype), True, _max_abs(ins), self.rank))
+                found.append(Finding(name, "forward", "", dtype_name(outs[0].dtype), _max_abs(ins), self.rank))
 
         def grads(module, grad_input, grad_output):
             incoming, outgoing = _floats(grad_output), _floats(grad_input)
             if not found and outgoing and not _finite(outgoing) and _finite(incoming):
-                found.append(Finding(self.names[module], "backward", "", dtype_name(outgoing[0].dtype), True,
+                found.append(Finding(self.names[module], "backward", "", dtype_name(outgoing[0].dtype),
                                      _max_abs(incoming), self.rank))
 
         def param_hook(name):
             def hook(grad):
                 if not found and grad.is_floating_point() and not bool(torch.isfinite(grad).all()):
-                    found.append(Finding(name, "backward", "", dtype_name(grad.dtype), True, 0.0, self.rank))
+                    found.append(Finding(name, "backward", "", dtype_name(grad.dtype), 0.0, self.rank))
             return hook
 
         handles = []
