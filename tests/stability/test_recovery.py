@@ -110,3 +110,13 @@ def test_a_nan_drill_in_a_compiled_block_is_located(tmp_path, text_file):
                      "--training.steps", "12", "--stability.inject", f"nan@10:{W2}")) == 0
     (incident,) = json.loads((folder / "summary.json").read_text())["stability"]["incident_log"]
     assert incident["finding"]["module"] == W2 and incident["finding"]["phase"] == "forward"
+
+
+@pytest.mark.parametrize("extra, words", [
+    (("--stability.inject", "nan@3:layers.9.nope"), "no module 'layers.9.nope' in the model"),
+    (("--stability.snapshot_interval", "0", "--checkpoint.enable", "false"), "but checkpoint.enable is false"),
+])
+def test_bad_stability_input_is_one_line_and_exit_2(tmp_path, text_file, capsys, extra, words):
+    assert main(args(tmp_path / "bad", text_file, *extra)) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1 and not (tmp_path / "bad" / "metrics.jsonl").exists()

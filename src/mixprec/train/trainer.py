@@ -86,6 +86,9 @@ class Trainer:
         tcfg = config.training
         self.device = resolve_device(tcfg.device)
         self.policy = build_policy(config.precision, tcfg, config.loss_scale, config.fp8)
+        if config.stability.enable and not config.stability.snapshot_interval and not config.checkpoint.enable:
+            raise UserError("stability.snapshot_interval 0 rewinds to the last checkpoint, but checkpoint.enable is "
+                            "false; accepted: a snapshot_interval > 0, or checkpoint.enable true")
         self.folder = Path(config.job.dump_folder)
         check_writable(self.folder, "job.dump_folder")
         if config.checkpoint.enable:
@@ -161,9 +164,6 @@ class Trainer:
         self.step, self.best_val, self.bad_evals = 0, math.inf, 0
         self.checkpoints, self.metrics, self._batches = None, None, []
         scfg = config.stability
-        if scfg.enable and not scfg.snapshot_interval and not config.checkpoint.enable:
-            raise UserError("stability.snapshot_interval 0 rewinds to the last checkpoint, but checkpoint.enable is "
-                            "false; accepted: a snapshot_interval > 0, or checkpoint.enable true")
         self.guard = StabilityGuard(scfg, self.raw_model, capture=self._snapshot, restore=self._rewind_to,
                                     policy=self.policy, optimizer=self.optimizer, rank=self.rank,
                                     world_size=self.dims.world_size) if scfg.enable else None
