@@ -140,13 +140,12 @@ class StabilityGuard:
         recent = sum(1 for i in self.incidents if i["kind"] == "nonfinite" and i["step"] > step - self.config.window)
         recent += health.kind == "nonfinite"
 
-        def explain(action: str) -> str:
+        def explain(action: str) -> None:
             text = diagnose(health.kind, health.reason, loss, grad_norm, self.monitor.recent()["norms"], recent,
                             self.config.window, finding, action)
             record.update(action=action, diagnosis=text)
             self.incidents.append(record)
             logger.warning("[STABILITY] step %d: %s", step, text)
-            return text
 
         if not self.config.max_rewinds:
             explain("none (stability.max_rewinds 0: detect and report only)")
