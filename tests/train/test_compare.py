@@ -1,6 +1,7 @@
 """mixprec compare on the debug flavor."""
 
 import json
+import math
 
 from conftest import tiny_args
 from mixprec.cli import main
@@ -18,6 +19,7 @@ def test_two_presets_write_every_file_with_sane_values(tmp_path, text_file):
     assert report["baseline"] == "fp32" and base["loss_diff"] == 0 and base["speedup"] == 1
     assert abs(bf16["loss_diff"]) < 0.01 and bf16["passed"] and bf16["tokens_per_sec"] > 0
     assert bf16["memory_ratio"] > 0 and bf16["overflow_rate"] == 0
+    assert bf16["incidents"] == 0 and bf16["rewinds"] == 0  # the stability guard ran and saw nothing
     assert "| bf16-mixed |" in (tmp_path / "compare.md").read_text()
     for png in ("loss_curves.png", "speed_memory.png"):
         assert (tmp_path / png).stat().st_size > 5_000
@@ -47,3 +49,20 @@ def test_bad_presets_are_one_line(tmp_path, text_file, capsys):
     assert compare(tmp_path, text_file, "fp32") == 2
     assert "two or more different presets" in capsys.readouterr().err
     assert compare(tmp_path, text_file, "fp32,fp99") == 2
+
+
+def test_a_preset_that_gave_up_as_unstable_fails():
+    from mixprec.config import Compare
+    from mixprec.train.compare import judge, to_markdown
+
+    def summary(loss, **extra):
+        return {"final_train_loss": loss, "final_val_loss": loss, "val_perplexity": math.exp(loss),
+                "overflow_rate": 0.0, "tokens_per_sec": 100.0, "peak_memory_bytes": 1, "param_bytes": 1,
+                "optimizer_state_bytes": 1, "skipped_steps": 0, "fallback_triggered": False,
+                "precision_final": "x", "steps": 40, "stability": {"incidents": 0, "rewinds": 0}, **extra}
+
+    unstable = summary(math.nan, stopped_unstable=True, stability={"incidents": 3, "rewinds": 2})
+    report = judge({"fp32": summary(2.0), "fp16-true": unstable}, Compare())
+    row = report["presets"][1]
+    assert not report["passed"] and row["failures"] == ["unstable: gave up after 2 rewinds at step 40"]
+    assert "| 3 (2) | FAIL: unstable" in to_markdown(report)

@@ -90,6 +90,9 @@ def judge(runs: dict[str, dict], thresholds) -> dict:
             "memory_ratio": r["peak_memory_bytes"] / base["peak_memory_bytes"] if base["peak_memory_bytes"] else None,
             "training_state_bytes": r["param_bytes"] + r["optimizer_state_bytes"],
             "overflow_rate": r["overflow_rate"], "skipped_steps": r["skipped_steps"],
+            # stability guard off: None
+            "incidents": r["stability"]["incidents"] if r.get("stability") else None,
+            "rewinds": r["stability"]["rewinds"] if r.get("stability") else None,
             "fallback": r["fallback_triggered"], "precision_final": r["precision_final"],
             "passed": not failures, "failures": failures,
         })
@@ -100,15 +103,16 @@ def judge(runs: dict[str, dict], thresholds) -> dict:
 def to_markdown(report: dict) -> str:
     lines = [f"# mixprec compare (baseline {report['baseline']})", "",
              "| preset | val loss | diff | perplexity | diff | tokens/s | speed-up | peak memory MiB | ratio | "
-             "overflow rate | skipped | fallback | result |", "|" + "---|" * 13]
+             "overflow rate | skipped | fallback | incidents (rewinds) | result |", "|" + "---|" * 14]
     for r in report["presets"]:
         speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         mem = f"{r['memory_ratio']:.2f}" if r["memory_ratio"] else "-"
         result = "pass" if r["passed"] else "FAIL: " + "; ".join(r["failures"])
+        incidents = "-" if r["incidents"] is None else f"{r['incidents']} ({r['rewinds']})"
         lines.append(f"| {r['preset']} | {r['final_val_loss']:.4f} | {r['loss_diff']:+.2%} | {r['val_perplexity']:.2f} "
                      f"| {r['perplexity_diff']:+.2%} | {r['tokens_per_sec'] or 0:.0f} | {speed} | "
                      f"{r['peak_memory_bytes'] / 2**20:.0f} | {mem} | {r['overflow_rate']:.1%} | {r['skipped_steps']} "
-                     f"| {'yes' if r['fallback'] else 'no'} | {result} |")
+                     f"| {'yes' if r['fallback'] else 'no'} | {incidents} | {result} |")
     t = report["thresholds"]
     lines += ["", f"Thresholds: validation loss within {t['max_loss_diff']:.0%}, perplexity within "
               f"{t['max_perplexity_diff']:.0%}, overflow rate under {t['max_overflow_rate']:.0%} ([compare] table).", ""]

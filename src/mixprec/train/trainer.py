@@ -307,6 +307,8 @@ class Trainer:
                     step = self.step
                     if self.guard.after_step(step, loss, stats["grad_norm"], applied, self._rerun()) != step:
                         self._after_rewind()  # self.step is now the step gone back to
+                        if bar is not None:
+                            bar.n = self.step
                         continue
                 except TrainingUnstable:
                     self._write_summary(self._summary(loss, None, False, start_step, speeds, unstable=True))
