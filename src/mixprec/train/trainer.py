@@ -349,8 +349,7 @@ class Trainer:
             metrics.close()
         if val_loss is None:  # resumed at the end: nothing trained, evaluate what is there
             val_loss = evaluate(self.model, self.policy, self.val)
-        summary = self._summary(loss, val_loss, stopped_early, start_step, speeds)
-        return self._write_summary(summary) if lead else summary
+        return self._write_summary(self._summary(loss, val_loss, stopped_early, start_step, speeds))
 
     def _write_summary(self, summary: dict) -> dict:
         """summary.json and the plots, from the one process that writes files."""
