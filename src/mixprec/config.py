@@ -13,13 +13,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from mixprec.errors import UserError
+from mixprec.errors import check_value as _check
 from mixprec.precision.scaling_config import LossScaleConfig
 from mixprec.stability.config import StabilityConfig
-
-
-def _check(ok: bool, field: str, value, accepted: str) -> None:
-    if not ok:
-        raise UserError(f"{field}: bad value {value!r}; accepted: {accepted}")
 
 
 @dataclass(frozen=True)

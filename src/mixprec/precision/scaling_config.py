@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mixprec.errors import UserError
+from mixprec.errors import UserError, check_value
 
 
 @dataclass(frozen=True)
@@ -32,23 +32,17 @@ class LossScaleConfig:
     """Precision after a fallback: fp32, bf16-mixed, or auto (bf16-mixed where BF16 matmuls are native, else fp32)."""
 
     def __post_init__(self):
-        def bad(field, accepted):
-            raise UserError(f"loss_scale.{field}: bad value {getattr(self, field)!r}; accepted: {accepted}")
+        def check(ok: bool, field: str, accepted: str):
+            check_value(ok, f"loss_scale.{field}", getattr(self, field), accepted)
 
-        if not self.growth_factor > 1:
-            bad("growth_factor", "a number > 1")
-        if not 0 < self.backoff_factor < 1:
-            bad("backoff_factor", "a number in (0, 1)")
-        if self.growth_interval < 1:
-            bad("growth_interval", "a positive integer")
-        if self.hysteresis < 1:
-            bad("hysteresis", "a positive integer")
+        check(self.growth_factor > 1, "growth_factor", "a number > 1")
+        check(0 < self.backoff_factor < 1, "backoff_factor", "a number in (0, 1)")
+        check(self.growth_interval >= 1, "growth_interval", "a positive integer")
+        check(self.hysteresis >= 1, "hysteresis", "a positive integer")
         if not 0 <= self.min_scale <= self.max_scale:
             raise UserError(f"loss_scale.min_scale {self.min_scale} > max_scale {self.max_scale}; "
                             "accepted: 0 <= min_scale <= max_scale")
-        if not self.min_scale <= self.init_scale <= self.max_scale:
-            bad("init_scale", f"a number in [min_scale, max_scale] = [{self.min_scale}, {self.max_scale}]")
-        if self.fallback_after < 0:
-            bad("fallback_after", "an integer >= 0")
-        if self.fallback_to not in ("auto", "fp32", "bf16-mixed"):
-            bad("fallback_to", "auto, fp32, bf16-mixed")
+        check(self.min_scale <= self.init_scale <= self.max_scale, "init_scale",
+              f"a number in [min_scale, max_scale] = [{self.min_scale}, {self.max_scale}]")
+        check(self.fallback_after >= 0, "fallback_after", "an integer >= 0")
+        check(self.fallback_to in ("auto", "fp32", "bf16-mixed"), "fallback_to", "auto, fp32, bf16-mixed")

@@ -10,7 +10,6 @@ _WHERE = {
     "StabilityConfig": "config", "Drill": "config", "parse_drill": "config",
     "StabilityGuard": "guard", "clone_state": "guard",
     "HealthMonitor": "health", "Locator": "locate", "Finding": "locate", "diagnose": "diagnose",
-    "plot_stability": "plot",
 }
 __all__ = list(_WHERE)
 

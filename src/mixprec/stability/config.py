@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from mixprec.errors import UserError
+from mixprec.errors import UserError, check_value
 
 _DRILL = re.compile(r"^(?:nan@(?P<nan_step>\d+):(?P<fqn>[\w.]+)(?::(?P<rank>\d+))?|spike@(?P<spike_step>\d+))$")
 DRILL_FORMS = "nan@STEP:MODULE_FQN (on every rank), nan@STEP:MODULE_FQN:RANK, spike@STEP"
@@ -64,8 +64,7 @@ class StabilityConfig:
 
     def __post_init__(self):
         def check(ok: bool, name: str, accepted: str):
-            if not ok:
-                raise UserError(f"stability.{name}: bad value {getattr(self, name)!r}; accepted: {accepted}")
+            check_value(ok, f"stability.{name}", getattr(self, name), accepted)
 
         check(self.window >= 4, "window", "an integer >= 4")
         check(0 < self.threshold < float("inf"), "threshold", "a positive number")

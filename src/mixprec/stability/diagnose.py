@@ -8,8 +8,6 @@ import math
 
 from mixprec.stability.locate import Finding
 
-FP16_MAX = 65504.0
-
 
 def diagnose(kind: str, reason: str, loss: float, grad_norm: float | None, recent_norms: list[float],
              nonfinite_recent: int, window: int, finding: Finding | None, action: str) -> str:
@@ -20,9 +18,10 @@ def diagnose(kind: str, reason: str, loss: float, grad_norm: float | None, recen
         causes.append(f"the loss is {loss}")
     if finding is not None:
         causes.append(f"the first non-finite value appears in {finding}")
-        if finding.dtype == "float16" and finding.max_abs_input > FP16_MAX / 256:
-            causes.append("float16 ends at 65504 and its inputs were within a factor 256 of that: an overflow in "
-                          "float16 is the likely cause (bf16 has float32's range; or keep this module in float32)")
+        if finding.max_abs_input > finding.dtype_max / 256:
+            causes.append(f"{finding.dtype} ends at {finding.dtype_max:g} and its inputs were within a factor 256 of "
+                          f"that: an overflow in {finding.dtype} is the likely cause (bf16 has float32's range; or keep "
+                          "this module in float32)")
         else:
             causes.append("its inputs were finite, so it made the value itself")
     elif kind == "nonfinite":

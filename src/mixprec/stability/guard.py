@@ -8,9 +8,10 @@ and, in fp16 modes, a lowered loss scale. After `max_rewinds` it gives up with o
 
 The guard does not know how to save a training state; it is handed two functions:
 `capture()` returns a snapshot of everything that should go back (model, optimizer,
-scheduler, policy, random generators), `restore(snapshot)` puts it back and returns the
-step it belongs to. `StabilityGuard.for_loop` builds them for a user's own loop; the
-trainer passes its own (which also rewind its metrics and checkpoints).
+scheduler, policy, random generators), `restore(snapshot)` puts it back. With
+`snapshot_interval` 0 the guard keeps no snapshot and calls `restore(None)`, which loads
+the last checkpoint and returns (its step, the guard state saved in it).
+`StabilityGuard.for_loop` builds them for a user's own loop; the trainer passes its own.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from mixprec.errors import TrainingUnstable
+from mixprec.rng import rng_state, set_rng_state
 from mixprec.stability.config import StabilityConfig
 from mixprec.stability.diagnose import diagnose
 from mixprec.stability.drills import DrillRunner
@@ -58,15 +60,15 @@ class StabilityGuard:
         the policy keeps them), optimizer, scheduler, policy and torch's random generators,
         in CPU memory. Call `after_step` once per step."""
 
+        device = next(model.parameters()).device
+
         def capture():
             state = {"model": policy.model_state_dict(model) if policy is not None else model.state_dict(),
-                     "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}
+                     "optimizer": optimizer.state_dict(), "rng": rng_state(device)}
             if scheduler is not None:
                 state["scheduler"] = scheduler.state_dict()
             if policy is not None:
                 state["policy"] = policy.state_dict()
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                state["cuda_rng"] = torch.cuda.get_rng_state()
             return clone_state(state)
 
         def restore(state):
@@ -78,9 +80,7 @@ class StabilityGuard:
             optimizer.load_state_dict(state["optimizer"])
             if scheduler is not None:
                 scheduler.load_state_dict(state["scheduler"])
-            torch.set_rng_state(state["rng"])
-            if "cuda_rng" in state:
-                torch.cuda.set_rng_state(state["cuda_rng"])
+            set_rng_state(state["rng"], device)
 
         guard = cls(config, model, capture=capture, restore=restore, policy=policy, optimizer=optimizer)
         guard.start(0)
@@ -141,7 +141,7 @@ class StabilityGuard:
         recent += health.kind == "nonfinite"
 
         def explain(action: str) -> None:
-            text = diagnose(health.kind, health.reason, loss, grad_norm, self.monitor.recent()["norms"], recent,
+            text = diagnose(health.kind, health.reason, loss, grad_norm, list(self.monitor.norms), recent,
                             self.config.window, finding, action)
             record.update(action=action, diagnosis=text)
             self.incidents.append(record)

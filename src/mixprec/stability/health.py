@@ -28,13 +28,16 @@ class Health:
         return {"loss_z": self.loss_z, "grad_norm_z": self.grad_norm_z, "spike_score": self.spike_score}
 
 
-def _z(value: float, window: deque, min_history: int) -> float | None:
-    n = len(window)
-    if n < min_history:
-        return None
+def _mean_std(window: deque) -> tuple[float, float]:
     # plain float sums: statistics.pstdev's exact arithmetic costs ~100 us a call here
-    mean = math.fsum(window) / n
-    std = math.sqrt(math.fsum((x - mean) ** 2 for x in window) / n)
+    mean = math.fsum(window) / len(window)
+    return mean, math.sqrt(math.fsum((x - mean) ** 2 for x in window) / len(window))
+
+
+def _z(value: float, window: deque, min_history: int) -> float | None:
+    if len(window) < min_history:
+        return None
+    mean, std = _mean_std(window)
     return (value - mean) / std if std > 0 else 0.0
 
 
@@ -58,11 +61,11 @@ class HealthMonitor:
         elif loss_z is not None and loss_z > self.threshold:
             kind = "loss_spike"
             reason = (f"loss {loss:.4g} is {loss_z:.1f} standard deviations above the mean of the last "
-                      f"{len(self.losses)} steps ({math.fsum(self.losses) / len(self.losses):.4g}; threshold {self.threshold:g})")
+                      f"{len(self.losses)} steps ({_mean_std(self.losses)[0]:.4g}; threshold {self.threshold:g})")
         elif norm_z is not None and norm_z > self.threshold:
             kind = "grad_spike"
             reason = (f"gradient norm {grad_norm:.4g} is {norm_z:.1f} standard deviations above the mean of the "
-                      f"last {len(self.norms)} steps ({math.fsum(self.norms) / len(self.norms):.4g}; threshold {self.threshold:g})")
+                      f"last {len(self.norms)} steps ({_mean_std(self.norms)[0]:.4g}; threshold {self.threshold:g})")
         if kind == "loss_spike":
             self.spikes.append(step)
         while self.spikes and self.spikes[0] <= step - self.window:
@@ -72,10 +75,6 @@ class HealthMonitor:
             if finite_norm:
                 self.norms.append(grad_norm)
         return Health(loss_z, norm_z, 100.0 * len(self.spikes) / self.window, kind, reason)
-
-    def recent(self) -> dict:
-        """The window's losses and gradient norms, for the diagnosis."""
-        return {"losses": list(self.losses), "norms": list(self.norms)}
 
     def state_dict(self) -> dict:
         return {"losses": list(self.losses), "norms": list(self.norms), "spikes": list(self.spikes)}

@@ -31,6 +31,7 @@ class Finding:
     phase: str  # forward or backward
     op: str  # the aten op (mm, _scaled_mm, masked_fill, ...); "" where no op was seen
     dtype: str  # what the non-finite tensor is in
+    dtype_max: float  # that dtype's largest finite value (torch.finfo)
     max_abs_input: float  # the largest |value| among its inputs (all finite: that is what makes it the first)
     rank: int = 0
 
@@ -52,6 +53,11 @@ def _json_float(x: float):
 def _floats(tree) -> list[torch.Tensor]:
     return [t.detach() for t in tree_leaves(tree)
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+
+
+def _dtype(t: torch.Tensor) -> tuple[str, float]:
+    """A finding's dtype: its name, and its largest finite value."""
+    return dtype_name(t.dtype), torch.finfo(t.dtype).max
 
 
 def _finite(tensors: list[torch.Tensor]) -> bool:
@@ -114,18 +120,18 @@ class Locator:
             name, ins = stack.pop() if stack else "", inputs.pop() if inputs else []
             outs = _floats(output)
             if not found and outs and not _finite(outs) and _finite(ins):
-                found.append(Finding(name, "forward", "", dtype_name(outs[0].dtype), _max_abs(ins), self.rank))
+                found.append(Finding(name, "forward", "", *_dtype(outs[0]), _max_abs(ins), self.rank))
 
         def grads(module, grad_input, grad_output):
             incoming, outgoing = _floats(grad_output), _floats(grad_input)
             if not found and outgoing and not _finite(outgoing) and _finite(incoming):
-                found.append(Finding(self.names[module], "backward", "", dtype_name(outgoing[0].dtype),
-                                     _max_abs(incoming), self.rank))
+                found.append(Finding(self.names[module], "backward", "", *_dtype(outgoing[0]), _max_abs(incoming),
+                                     self.rank))
 
         def param_hook(name):
             def hook(grad):
                 if not found and grad.is_floating_point() and not bool(torch.isfinite(grad).all()):
-                    found.append(Finding(name, "backward", "", dtype_name(grad.dtype), 0.0, self.rank))
+                    found.append(Finding(name, "backward", "", *_dtype(grad), 0.0, self.rank))
             return hook
 
         handles = []

@@ -14,7 +14,6 @@ import contextlib
 import logging
 import os
 import pickle
-import random
 import re
 import shutil
 from pathlib import Path
@@ -40,18 +39,20 @@ class CheckpointManager:
         sharded = self.folder / f"step-{step}"
         return sharded if sharded.is_dir() else self.folder / f"step-{step}.pt"
 
+    def _remove(self, step: int) -> None:
+        path = self.path(step)
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
     def drop_after(self, step: int) -> None:
         """Remove the checkpoints past `step`: after a rewind they belong to an abandoned run."""
         for later in [s for s in self.steps() if s > step]:
-            path = self.path(later)
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            self._remove(later)
             logger.info("checkpoint: removed step %d (after the rewind to step %d)", later, step)
 
     def _prune(self) -> None:
         if self.keep_latest_k:
             for old in self.steps()[:-self.keep_latest_k]:
-                path = self.path(old)
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+                self._remove(old)
 
     def save_sharded(self, step: int, model, optimizer, extras: dict, rank: int) -> Path:
         """Every rank calls this: DCP writes each rank's shards, rank 0 the extras."""
@@ -182,25 +183,6 @@ def load_full_into_sharded(model, optimizer, model_sd: dict, optim_sd: dict) -> 
                 "param_groups": [{**g, "params": [fqn[i] for i in g["params"]]} for g in optim_sd["param_groups"]]}
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                    options=StateDictOptions(full_state_dict=True))
-
-
-def rng_state(device: torch.device) -> dict:
-    """Every random stream a run may draw from: torch's CPU generator, this device's CUDA
-    generator, Python's random. (The data order has its own state: TrainLoader's.)"""
-    state = {"cpu": torch.get_rng_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state, device: torch.device) -> None:
-    if torch.is_tensor(state):  # checkpoints before the dict: the CPU generator only
-        state = {"cpu": state}
-    torch.set_rng_state(state["cpu"])
-    if "python" in state:
-        random.setstate(state["python"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def check_compatible(state: dict, meta: dict, path: Path) -> None:

@@ -8,8 +8,7 @@ import logging
 import math
 from pathlib import Path
 
-from mixprec.stability.plot import plot_stability
-from mixprec.train.metrics import plot_loss_curve, plot_loss_scale, read_metrics
+from mixprec.train.metrics import plot_loss_curve, plot_loss_scale, plot_stability, read_metrics
 
 logger = logging.getLogger(__name__)
 

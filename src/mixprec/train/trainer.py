@@ -30,8 +30,9 @@ from mixprec.optim import AdamW
 from mixprec.precision import Policy
 from mixprec.precision.dtypes import dtype_name
 from mixprec.stability.guard import StabilityGuard, clone_state
+from mixprec.rng import rng_state, set_rng_state
 from mixprec.train.checkpoint import (CheckpointManager, check_compatible, keep_optimizer_kernels,
-                                      load_full_into_sharded, load_sharded, restoring, rng_state, set_rng_state)
+                                      load_full_into_sharded, load_sharded, restoring)
 from mixprec.train.metrics import MetricsLogger, peak_flops, peak_memory_bytes
 from mixprec.train.parallelize import parallelize
 from mixprec.train.report import progress_bar, report_step, write_summary
@@ -395,10 +396,11 @@ class Trainer:
         self._batches = []  # this rank's micro-batches, for the locator should this step go non-finite
         for micro in range(accum):
             x, y = self.loader.next_batch()
-            self._batches.append((x[self.rows], y[self.rows]))
+            x, y = x[self.rows], y[self.rows]
+            self._batches.append((x, y))
             with self.policy.autocast():
                 # equal tokens per micro-batch and rank: the mean of means is the global mean
-                micro_loss = self.model(x[self.rows], y[self.rows]) / accum
+                micro_loss = self.model(x, y) / accum
             with self._gradient_sync(last=micro == accum - 1):
                 self.policy.backward(micro_loss)
             loss_sum += micro_loss.detach()
