@@ -276,26 +276,39 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     _setup_logging("stderr" if getattr(args, "json", False) else "stdout")  # --json: stdout is the JSON
+    commands = {"train": cmd_train, "compare": cmd_compare, "audit": cmd_audit, "formats": cmd_formats, "memory": cmd_memory,
+                "analyze": cmd_analyze, "demo": cmd_demo}
     try:
-        commands = {"train": cmd_train, "compare": cmd_compare, "audit": cmd_audit, "formats": cmd_formats, "memory": cmd_memory,
-                    "analyze": cmd_analyze, "demo": cmd_demo}
-        return commands[args.command](args)
+        code = commands[args.command](args)
     except UserError as e:
         sys.stderr.write(f"mixprec {args.command}: error: {e}\n")
-        return 2
+        code = 2
     except TrainingUnstable as e:
         sys.stderr.write(f"mixprec {args.command}: unstable: {e}\n")
-        return 3
-    finally:
+        code = 3
+    except BaseException:
         _leave_process_group()
+        raise
+    if _in_process_group():  # under torchrun
+        from mixprec.distributed.parallel import exit_process_group
+
+        exit_process_group(code)
+    return code
+
+
+def _in_process_group() -> bool:
+    if "torch.distributed" not in sys.modules:  # commands that never load torch stay fast
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _leave_process_group() -> None:
-    """Under torchrun, leave the process group before the interpreter shuts down: gloo's
-    threads must not outlive it (PyTorch's documented shutdown)."""
-    import torch.distributed as dist
+    """On an unexpected error under torchrun, leave the process group before the traceback."""
+    if _in_process_group():
+        import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -55,13 +56,24 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
 
 
 def end_spawned_worker() -> None:
-    """The last call of a torch.multiprocessing.spawn worker: leave the group together,
-    then exit without interpreter finalization. gloo's threads can still hold finished
-    work objects whose release needs the GIL of a dying interpreter, which aborts the
-    process (a rare SIGABRT, "terminate called without an active exception")."""
-    dist.barrier()  # no rank tears gloo down while a peer is still inside a collective
+    """The last call of a torch.multiprocessing.spawn worker."""
+    exit_process_group(0)
+
+
+def exit_process_group(code: int) -> None:
+    """Leave the process group and exit with `code`, without interpreter finalization. gloo's
+    threads can still hold finished work objects whose release needs the GIL of a dying
+    interpreter, which aborts the process (a rare SIGABRT, "terminate called without an
+    active exception"). After a normal end (code 0) every rank waits for the others first, so
+    no rank tears gloo down while a peer is still inside a collective; after an error the
+    ranks may not all get here, so nobody waits."""
+    if code == 0:
+        dist.barrier()
     dist.destroy_process_group()
-    os._exit(0)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @dataclass(frozen=True)
