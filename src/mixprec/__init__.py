@@ -13,6 +13,8 @@ _WHERE = {
     "dtype_name": "mixprec.precision",
     # loss scaling
     "LossScaler": "mixprec.precision", "LossScaleConfig": "mixprec.precision",
+    # bfloat16 weights without master copies (bf16-kahan, bf16-sr)
+    "BF16Updates": "mixprec.optim",
     # numerical stability
     "StabilityGuard": "mixprec.stability", "StabilityConfig": "mixprec.stability",
     # model

@@ -131,7 +131,7 @@ class Training:
 @dataclass(frozen=True)
 class Precision:
     preset: str = ""
-    """fp32, bf16-mixed, bf16-true, fp16-mixed, fp16-master, bf16-master, fp16-true, fp8-tensorwise, fp8-delayed, fp8-rowwise, fp8-blockwise, or an alias (32-true, no, bf16, 16-mixed, fp16, 16-true, O0-O3). Empty: built from the dtype keys, which default to bf16-mixed."""
+    """fp32, bf16-mixed, bf16-true, bf16-kahan, bf16-sr, fp16-mixed, fp16-master, bf16-master, fp16-true, fp8-tensorwise, fp8-delayed, fp8-rowwise, fp8-blockwise, or an alias (32-true, no, bf16, 16-mixed, fp16, 16-true, O0-O3). Empty: built from the dtype keys, which default to bf16-mixed."""
     param_dtype: str = ""
     """Compute dtype (float32, bfloat16 or float16); empty: the preset's."""
     reduce_dtype: str = ""
@@ -403,7 +403,8 @@ def build_policy(precision: Precision, training: Training,
                     fp8_emulate=fp8.emulate)
     if precision.preset:
         return Policy.from_preset(precision.preset, labels=labels, emulate_matmul=precision.emulate,
-                                  loss_scale=loss_scale, tf32=precision.tf32, **fp8_args, **given)
+                                  loss_scale=loss_scale, tf32=precision.tf32, update_seed=training.seed, **fp8_args,
+                                  **given)
     # TorchTitan's defaults: training.dtype float32, mixed_precision_param bfloat16; a
     # bfloat16 model (training.dtype = "bfloat16") computes in bfloat16.
     storage = parse_dtype(given.get("storage_dtype", "float32"), labels.get("storage_dtype", "storage_dtype"))

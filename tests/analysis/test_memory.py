@@ -23,6 +23,12 @@ def test_model_state_bytes_per_parameter():
     assert plan(Setup(args, "fp32", optimizer="sgd"))["model_state_bytes_per_parameter"] == 12
     # DeepSeek-V3's layout: FP32 weights and gradients, bfloat16 moments
     assert plan(Setup(args, "fp8-blockwise"))["model_state_bytes_per_parameter"] == 12
+    # bf16-true's 8 bytes, plus a 2-byte Kahan compensation; stochastic rounding adds nothing
+    assert plan(Setup(args, "bf16-kahan"))["model_state_bytes_per_parameter"] == 10
+    assert plan(Setup(args, "bf16-sr"))["model_state_bytes_per_parameter"] == 8
+    # during the step: FP32 copies of the weights, gradients and moments, a chunk at a time
+    kahan = plan(Setup(args, "bf16-kahan"))["bytes"]
+    assert kahan["update_working_copies"] == 2**26 * 16 and kahan["compensation"] == kahan["parameters"]
 
 
 def test_fp8_saves_one_byte_per_projection_input():
@@ -57,7 +63,7 @@ def test_checkpointing_shrinks_activations():
     ("fp16-master", "eager", "none"), ("bf16-mixed", "sdpa", "none"),
     ("fp32", "eager", "selective"), ("bf16-mixed", "eager", "selective"), ("bf16-mixed", "eager", "full"),
     ("bf16-true", "eager", "full"), ("fp8-tensorwise", "eager", "none"), ("fp8-rowwise", "eager", "full"),
-    ("fp8-blockwise", "eager", "selective")])
+    ("fp8-blockwise", "eager", "selective"), ("bf16-kahan", "eager", "none"), ("bf16-sr", "eager", "none")])
 def test_planned_peak_within_15_percent_of_measured(preset, attention, checkpointing):
     # the trainer's own activation checkpointing, measured by MemTracker
     measured = measured_peak("debug", preset, batch=8, seq_len=64, attention=attention, checkpointing=checkpointing)

@@ -120,7 +120,7 @@ def assert_same(a, b, where="checkpoint"):
 
 
 @pytest.mark.parametrize("preset", ["bf16-mixed", "fp16-mixed", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise",
-                                    "fp8-blockwise"])
+                                    "fp8-blockwise", "bf16-kahan", "bf16-sr"])
 def test_a_resumed_run_writes_the_uninterrupted_runs_checkpoint_bit_for_bit(tmp_path, text_file, preset):
     # the whole checkpoint: weights, optimizer, scheduler, data order, loss scale, every random
     # stream, and for fp8-delayed the amax histories and scales
@@ -140,6 +140,11 @@ def test_a_resumed_run_writes_the_uninterrupted_runs_checkpoint_bit_for_bit(tmp_
     if preset == "fp8-blockwise":
         assert {t.dtype for s in full["optimizer"]["state"].values() for k, t in s.items() if k != "step"} == \
             {torch.bfloat16}
+    if preset in ("bf16-kahan", "bf16-sr"):  # 2 + 2 + 2 (+ 2) bytes of state per parameter, all saved
+        states = full["optimizer"]["state"].values()
+        assert {t.dtype for s in states for k, t in s.items() if k != "step"} == {torch.bfloat16}
+        assert all(("kahan_compensation" in s) == (preset == "bf16-kahan") for s in states)
+        assert full["policy"]["updates"]["steps"] == 6
 
 
 def test_a_finished_run_stays_finished(tmp_path, text_file, capsys):

@@ -21,6 +21,7 @@ from collections import defaultdict
 import torch
 
 from mixprec.analysis.audit_fp8 import FP8Tracker, fp8_rows
+from mixprec.optim.updates import COMPENSATION
 from mixprec.precision.dtypes import dtype_name
 from mixprec.precision.emulation import _MATMULS, EmulatedMatmul
 
@@ -94,6 +95,7 @@ def promises(policy) -> dict[str, set[torch.dtype] | None]:
         "optimizer states": {policy.optimizer_moments_dtype} if policy.optimizer_moments_dtype != FP32
         else {FP32} if policy.master_weights else {storage},
         "master weights": {FP32} if policy.master_weights else None,
+        "Kahan compensation": {storage} if policy.update == "kahan" else None,
         "all-gather traffic": {compute} if policy.sharded else None,
         "reduce-scatter traffic": {policy.reduce_dtype} if policy.sharded else None,
     }
@@ -141,8 +143,10 @@ def run_audit(config) -> dict:
         policy.emulate_matmul = observer.emulate
         seen = observer.seen
         seen["stored parameters"] = stored
-        seen["optimizer states"] = {_local(t).dtype for s in trainer.optimizer.state.values()
-                                    for k, t in s.items() if torch.is_tensor(t) and k != "step"}
+        states = [(k, _local(t).dtype) for s in trainer.optimizer.state.values() for k, t in s.items()
+                  if torch.is_tensor(t) and k != "step"]
+        seen["optimizer states"] = {dtype for k, dtype in states if k != COMPENSATION}
+        seen["Kahan compensation"] = {dtype for k, dtype in states if k == COMPENSATION}
         if policy._master is not None:
             seen["master weights"] = {m.dtype for m in policy._master.named_masters(model).values()}
         elif policy.master_weights and policy.sharded:

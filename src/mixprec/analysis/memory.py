@@ -10,7 +10,10 @@ MemTracker on real CPU steps (tests/analysis/test_memory.py, benchmarks/memory_p
 Per parameter, mixed-precision AdamW keeps 4 (FP32 weight) + 4 (FP32 gradient) + 8
 (two FP32 moments) = 16 bytes of model state; master-weight modes keep a 2-byte model
 weight and gradient, a 4-byte master and its 4-byte gradient, and 8 bytes of moments:
-20 bytes, not the 16 some tables give.
+20 bytes, not the 16 some tables give. bf16-kahan keeps 2 + 2 + 4 (bfloat16 moments) +
+2 (the compensation) = 10 bytes and bf16-sr 8, plus, during the optimizer step only,
+FP32 working copies of each parameter, its gradient and its moments (16 bytes), for
+at most CHUNK_NUMEL parameters at a time.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from mixprec.errors import UserError
 from mixprec.fp8.recipe import FP8Recipe
 from mixprec.models.llama import Llama, ModelArgs
 from mixprec.models.loss import chunk_tokens
+from mixprec.optim.updates import CHUNK_NUMEL
 from mixprec.precision.master import is_norm
 from mixprec.precision.presets import FP32, PRESETS
 from mixprec.train.parallelize import AC_MODES, checkpointed_blocks
@@ -171,6 +175,12 @@ def plan(s: Setup) -> dict:
     working = max(head + transient, backward - layers)
 
     peak = params + states + masters + cast_cache + unsharded + layers + working
+    compensation = working_copies = 0
+    if p.update:  # mixprec.optim.updates: the step runs on FP32 copies, after backward freed the activations
+        compensation = params if p.update == "kahan" else 0
+        widened = min(params / st, CHUNK_NUMEL)  # parameter elements stepped at a time (in chunks)
+        working_copies = widened * 4 * (2 + OPTIMIZER_STATES[s.optimizer])
+        peak = max(peak, params + grads + states + compensation + working_copies)
     # Communication per step, per device, ring algorithms: all-gather and reduce-scatter
     # move (n-1)/n of the full size, all-reduce twice that.
     comm = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
@@ -189,9 +199,10 @@ def plan(s: Setup) -> dict:
     return {
         "parameters": n_params,
         "bytes": {"parameters": params, "gradients": grads, "optimizer_states": states, "master_weights": masters,
+                  "compensation": compensation, "update_working_copies": working_copies,
                   "autocast_weight_copies": cast_cache, "unsharded_parameters": unsharded,
                   "activations": activations, "peak": peak},
-        "model_state_bytes_per_parameter": (params + grads + states + masters) * s.dp_shard * s.tp / n_params,
+        "model_state_bytes_per_parameter": (params + grads + states + masters + compensation) * s.dp_shard * s.tp / n_params,
         "communication_bytes": {**comm, "total": total},
         "communication_seconds": total / (s.bandwidth_gbps * 1e9),
     }

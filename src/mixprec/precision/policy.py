@@ -20,6 +20,8 @@ import torch
 from mixprec.errors import UserError
 from mixprec.fp8.convert import DEFAULT_EXCLUDE, convert_to_fp8
 from mixprec.fp8.recipe import FP8Recipe
+from mixprec.optim.updates import METHODS as UPDATE_METHODS
+from mixprec.optim.updates import BF16Updates
 from mixprec.precision.dtypes import dtype_name, parse_dtype
 from mixprec.precision.emulation import EmulatedMatmul
 from mixprec.precision.grad_norm import grad_norm
@@ -62,12 +64,16 @@ class Policy:
         leaves torch's setting alone and warns when something else turned TF32 on.
     fp8: an FP8 recipe (mixprec.fp8) for the Linear layers that `fp8_exclude` and the
         default filter leave (not the output layer); everything else computes as above.
+    update: how a low-precision model without master weights takes its updates
+        (mixprec.optim.updates): "kahan" (a compensation buffer per parameter) or
+        "stochastic" (stochastic rounding to bfloat16, keyed by `update_seed`); None: rounded
+        to nearest.
     """
 
     def __init__(self, param_dtype=FP32, reduce_dtype=FP32, storage_dtype=FP32, *, master_weights: bool = False,
                  loss_scale: LossScaleConfig | None = None, emulate_matmul: bool | None = None, tf32: bool = False,
                  fp8: FP8Recipe | None = None, fp8_exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
-                 fp8_emulate: bool | None = None):
+                 fp8_emulate: bool | None = None, update: str | None = None, update_seed: int = 0):
         self.param_dtype = parse_dtype(param_dtype, "param_dtype")
         self.reduce_dtype = parse_dtype(reduce_dtype, "reduce_dtype")
         self.storage_dtype = parse_dtype(storage_dtype, "storage_dtype")
@@ -81,6 +87,15 @@ class Policy:
             raise UserError("master_weights with storage_dtype float32: the parameters are already float32; "
                             "accepted: storage_dtype float16 or bfloat16")
         self.master_weights = master_weights
+        if update is not None:
+            if update not in UPDATE_METHODS:
+                raise UserError(f"update {update!r}: accepted {', '.join(UPDATE_METHODS)}")
+            wanted = BF16 if update == "stochastic" else None
+            if self.storage_dtype == FP32 or master_weights or (wanted and self.storage_dtype != wanted):
+                raise UserError(f"{update} updates need a {dtype_name(wanted) if wanted else 'low-precision'} model "
+                                f"without master weights (storage_dtype {dtype_name(self.storage_dtype)}"
+                                f"{', master_weights' if master_weights else ''}); accepted: bf16-kahan, bf16-sr")
+        self.update, self.update_seed, self._updates = update, update_seed, None
         self.loss_scale = loss_scale
         self.tf32 = tf32
         self.fp8, self.fp8_exclude, self.fp8_emulate, self._fp8 = fp8, tuple(fp8_exclude), fp8_emulate, None
@@ -105,12 +120,12 @@ class Policy:
     def from_preset(cls, name: str, *, labels: dict[str, str] | None = None, emulate_matmul: bool | None = None,
                     loss_scale: LossScaleConfig | None = None, tf32: bool = False, fp8_recipe: str = "",
                     fp8_options: dict | None = None, fp8_exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
-                    fp8_emulate: bool | None = None, **overrides) -> "Policy":
+                    fp8_emulate: bool | None = None, update_seed: int = 0, **overrides) -> "Policy":
         """A preset by name or alias. `overrides` may change the fields a preset only
         defaults (reduce_dtype); one that contradicts the preset's own fields is an error
         naming both. `labels` names each override as the user wrote it (for messages).
         `fp8_recipe` adds an FP8 recipe to a preset without one; `fp8_options` are the
-        recipe's tunable fields (amax_history_len, ...)."""
+        recipe's tunable fields (amax_history_len, ...). `update_seed` keys bf16-sr's rounding."""
         labels = labels or {}
         preset_name = resolve_preset_name(name, labels.get("preset", "preset"))
         preset = PRESETS[preset_name]
@@ -133,12 +148,13 @@ class Policy:
         recipe_name = preset.fp8 or fp8_recipe
         recipe = FP8Recipe.from_name(recipe_name).with_options(**(fp8_options or {})) if recipe_name else None
         return cls(**fields, master_weights=preset.master_weights, loss_scale=scaling, emulate_matmul=emulate_matmul,
-                   tf32=tf32, fp8=recipe, fp8_exclude=fp8_exclude, fp8_emulate=fp8_emulate)
+                   tf32=tf32, fp8=recipe, fp8_exclude=fp8_exclude, fp8_emulate=fp8_emulate,
+                   update=preset.update or None, update_seed=update_seed)
 
     def _match_preset(self) -> str:
-        key = (self.storage_dtype, self.param_dtype, self.master_weights, self.loss_scale is not None)
+        key = (self.storage_dtype, self.param_dtype, self.master_weights, self.loss_scale is not None, self.update or "")
         base = next((name for name, p in PRESETS.items() if not p.fp8
-                     and (p.storage_dtype, p.param_dtype, p.master_weights, p.loss_scaling) == key), "custom")
+                     and (p.storage_dtype, p.param_dtype, p.master_weights, p.loss_scaling, p.update) == key), "custom")
         if self.fp8 is None:
             return base
         fp8_name = f"fp8-{self.fp8.name}"
@@ -196,6 +212,10 @@ class Policy:
             "gradients": stored,
             "master weights": ("float32 (the sharded parameters)" if self.sharded else master)
             if self.master_weights else "none",
+            "weight updates": {"kahan": f"Kahan-compensated ({stored} compensation per parameter)",
+                               "stochastic": f"stochastically rounded to {stored}"}.get(
+                self.update, "float32 arithmetic" if self.storage_dtype == FP32 or self.master_weights
+                else f"rounded to nearest {stored}"),
             "optimizer states": dtype_name(self.optimizer_moments_dtype) + " moments" if
             self.optimizer_moments_dtype != FP32 else master,
             "gradient reduction": dtype_name(self.reduce_dtype),
@@ -207,6 +227,7 @@ class Policy:
                 f"param_dtype={dtype_name(self.param_dtype)}, reduce_dtype={dtype_name(self.reduce_dtype)}"
                 f"{', master_weights' if self.master_weights else ''}"
                 f"{', loss scaling' if self.loss_scale is not None else ''}"
+                f"{f', {self.update} updates' if self.update else ''}"
                 f"{f', fp8 {self.fp8.name}' if self.fp8 is not None else ''})")
 
     def _warn_known_bad(self) -> None:
@@ -214,7 +235,7 @@ class Policy:
             logger.warning(
                 "reduce_dtype %s: gradients summed across ranks in %s lose small contributions "
                 "(in bfloat16, 1e7 + 1 == 1e7); float32 is advised", *[dtype_name(self.reduce_dtype)] * 2)
-        if self.storage_dtype == BF16 and not self.master_weights:
+        if self.storage_dtype == BF16 and not self.master_weights and not self.update:
             logger.warning(
                 "storage_dtype bfloat16: optimizer states and weights in bfloat16 drop any update smaller "
                 "than 2^-8 of the weight (1 + 2^-9 == 1 in bfloat16); bf16-mixed keeps float32 copies")
@@ -243,8 +264,8 @@ class Policy:
         the mode has them, and log which path handles mixed precision."""
         if optimizer is not None and optimizer.state:
             raise ValueError("Policy.setup needs an optimizer that has not stepped yet")
-        if self.master_weights and optimizer is None:
-            raise ValueError(f"{self.name} keeps master weights in the optimizer: pass it to Policy.setup")
+        if (self.master_weights or self.update) and optimizer is None:
+            raise ValueError(f"{self.name} changes how the optimizer updates the weights: pass it to Policy.setup")
         first = next(model.parameters(), None)
         self.device_type = first.device.type if first is not None else "cpu"
         self._model, self._optimizer = model, optimizer
@@ -257,6 +278,12 @@ class Policy:
         cast_parameters(model, self.storage_dtype, keep_fp32=is_norm if self.master_weights else None)
         if self.master_weights and not self.sharded:
             self._master = MasterWeights(model, optimizer)
+        if self.update:
+            self._updates = BF16Updates(optimizer, self.update, seed=self.update_seed)
+            logger.info("%s: each step runs in float32 on float32 working copies; its results are %s", self.name,
+                        f"rounded to nearest with a {dtype_name(self.storage_dtype)} Kahan compensation per parameter"
+                        if self.update == "kahan"
+                        else "stochastically rounded to bfloat16 (seed %d)" % self.update_seed)
         tiny_eps = [g["eps"] for g in (optimizer.param_groups if optimizer is not None else []) if "eps" in g
                     and torch.tensor(g["eps"], dtype=FP16).item() == 0]
         if self.storage_dtype == FP16 and not self.master_weights and tiny_eps:
@@ -358,7 +385,10 @@ class Policy:
             if max_norm:
                 for group in groups:
                     torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
-            optimizer.step()
+            if self._updates is not None:
+                self._updates.step()  # in chunks: FP32 working copies of part of the model at a time
+            else:
+                optimizer.step()
             if self._master is not None:
                 self._master.master_to_model()
         optimizer.zero_grad(set_to_none=True)
@@ -435,6 +465,7 @@ class Policy:
             "reduce_dtype": dtype_name(self.reduce_dtype),
             "autocast": self.uses_autocast,
             "master_weights": self.master_weights,
+            "update": self.update,
             "steps": self._steps,
             "skipped_steps": self._skipped,
             "nonfinite_steps": self._nonfinite,
@@ -469,6 +500,7 @@ class Policy:
             "monitor": self._monitor.state_dict(),
             "scaler": self._scaler.state_dict() if self._scaler is not None else None,
             "fp8": self._fp8.state_dict() if self._fp8 is not None else None,
+            "updates": self._updates.state_dict() if self._updates is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -489,3 +521,5 @@ class Policy:
             self._scaler.load_state_dict(state["scaler"])
         if self._fp8 is not None and state.get("fp8"):
             self._fp8.load_state_dict(state["fp8"])
+        if self._updates is not None and state.get("updates") and state["updates"]["method"] == self.update:
+            self._updates.load_state_dict(state["updates"])

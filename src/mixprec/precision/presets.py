@@ -19,6 +19,7 @@ class Preset:
     loss_scaling: bool = False  # dynamic loss scaling
     summary: str = ""
     fp8: str = ""  # an FP8 recipe (mixprec.fp8) for the block projections, on top of the fields above
+    update: str = ""  # how a low-precision weight takes its update (mixprec.optim.updates): kahan, stochastic
 
 
 PRESETS: dict[str, Preset] = {
@@ -26,6 +27,11 @@ PRESETS: dict[str, Preset] = {
     "bf16-mixed": Preset(FP32, BF16, summary="float32 parameters and optimizer states, autocast bfloat16 compute"),
     "bf16-true": Preset(BF16, BF16, summary="parameters, gradients and optimizer states in bfloat16, no float32 "
                                              "copy; RoPE and logits in float32"),
+    "bf16-kahan": Preset(BF16, BF16, update="kahan",
+                         summary="bf16-true with a bfloat16 Kahan compensation per parameter carrying each update's "
+                                 "rounding error"),
+    "bf16-sr": Preset(BF16, BF16, update="stochastic",
+                      summary="bf16-true with each updated weight stochastically rounded to bfloat16 (seeded)"),
     "fp16-mixed": Preset(FP32, FP16, loss_scaling=True,
                          summary="float32 parameters, autocast float16 compute, dynamic loss scaling"),
     "fp16-master": Preset(FP16, FP16, master_weights=True, loss_scaling=True,
@@ -83,5 +89,5 @@ def resolve_preset_name(name: str, field: str = "precision.preset") -> str:
 
 def preset_for(storage_dtype: torch.dtype, param_dtype: torch.dtype) -> str | None:
     """The mode without master weights that stores and computes in these dtypes."""
-    return next((name for name, p in PRESETS.items() if not p.fp8
+    return next((name for name, p in PRESETS.items() if not p.fp8 and not p.update
                  and (p.storage_dtype, p.param_dtype, p.master_weights) == (storage_dtype, param_dtype, False)), None)

@@ -1,0 +1,212 @@
+import math
+
+import pytest
+import torch
+
+from mixprec.optim.updates import COMPENSATION, BF16Updates, stochastic_round_bf16
+
+BF16 = torch.bfloat16
+
+
+def key(k: int) -> torch.Tensor:
+    return torch.tensor(k, dtype=torch.int64)
+
+
+def sgd_on_tiny_updates(method: str | None, steps: int = 500, dtype=BF16, **kwargs):
+    """lr 1, gradient -2^-10 each step on weights at 1: every update is 2^-10, under half a
+    bfloat16 step at 1 (2^-8), so round-to-nearest drops it (1 + 2^-10 == 1)."""
+    p = torch.nn.Parameter(torch.ones(4096, dtype=dtype))
+    opt = torch.optim.SGD([p], lr=1.0, foreach=True)
+    if method:
+        BF16Updates(opt, method, seed=3, compile=False, **kwargs)
+    for _ in range(steps):
+        p.grad = torch.full_like(p, -2**-10)
+        opt.step()
+    return p, opt
+
+
+def test_kahan_carries_the_updates_plain_bfloat16_drops():
+    exact = 1 + 500 * 2**-10  # what float32 weights reach
+    ref, _ = sgd_on_tiny_updates(None, dtype=torch.float32)
+    assert ref.eq(exact).all()
+    plain, _ = sgd_on_tiny_updates(None)
+    assert plain.eq(1).all()  # stalled: not one update survived
+    p, opt = sgd_on_tiny_updates("kahan")
+    comp = opt.state[p][COMPENSATION]
+    assert p.dtype == comp.dtype == BF16
+    assert (p.float() + comp.float()).eq(ref).all()  # weight + compensation: the float32 weight, exactly
+    assert p.float().eq(ref.to(BF16).float()).all()  # the weight: the float32 weight rounded to nearest
+
+
+def adamw_run(method: str | None, dtype, steps=300, **opt_kwargs):
+    """Many small AdamW steps (lr 1e-4 on weights ~1) from the same gradients."""
+    torch.manual_seed(0)
+    w0 = (torch.randn(64, 48) + 1).to(BF16)  # the same starting weights
+    p = torch.nn.Parameter(w0.to(dtype))
+    opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.1, **opt_kwargs)
+    if method:
+        BF16Updates(opt, method, seed=0, compile=False)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        p.grad = (torch.randn(p.shape, generator=gen) + 0.5).to(BF16).to(dtype)  # the same bfloat16 gradients
+        opt.step()
+    return p.float(), opt
+
+
+@pytest.mark.parametrize("kernel", [{"foreach": True}, {"fused": True}, {"foreach": False}])
+def test_kahan_adamw_tracks_float32_master_weights_where_bfloat16_stalls(kernel):
+    start = adamw_run(None, torch.float32, steps=0)[0]
+    ref, _ = adamw_run(None, torch.float32, foreach=True)  # an FP32 master copy, stepped in FP32
+    moved = (ref - start).abs().mean()
+    plain, _ = adamw_run(None, BF16, **kernel)
+    kahan, opt = adamw_run("kahan", BF16, **kernel)
+    effective = kahan + opt.state[opt.param_groups[0]["params"][0]][COMPENSATION].float()
+    assert (plain - ref).abs().mean() > moved / 2  # plain bfloat16 lost most of the movement
+    # Kahan keeps it: the weight + compensation follows the FP32 weight (the moments are
+    # bfloat16, so not exactly), and the weight is that value rounded to nearest
+    assert (effective - ref).abs().mean() < moved / 50  # measured: 0.4% of the movement
+    up, down = (torch.nextafter(kahan.to(BF16), torch.tensor(v, dtype=BF16)).float() for v in (torch.inf, -torch.inf))
+    assert ((effective - kahan).abs() <= torch.maximum(up - kahan, kahan - down) / 2).all()
+    assert {t.dtype for s in opt.state.values() for k, t in s.items() if k != "step"} == {BF16}
+
+
+def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
+    torch.manual_seed(0)
+    x = torch.randn(2000) * torch.logspace(-3, 3, 2000)
+    nearest = x.to(BF16)
+    toward_minus_inf = torch.where(nearest.float() <= x, nearest, torch.nextafter(nearest, torch.tensor(-torch.inf, dtype=BF16)))
+    low = toward_minus_inf.float()
+    high = torch.nextafter(toward_minus_inf, torch.tensor(torch.inf, dtype=BF16)).float()
+    draws = torch.stack([stochastic_round_bf16(x, key(k)).float() for k in range(400)])
+    assert ((draws == low) | (draws == high)).all()
+    # P(up) = (x - low) / (high - low): each element's mean over 400 draws is x within
+    # 5 standard errors, and the errors average out across elements
+    p_up = (x - low) / (high - low)
+    stderr = (high - low) * (p_up * (1 - p_up) / 400).sqrt()
+    exact = p_up == 0
+    assert (draws[:, exact] == x[exact]).all()
+    z = (draws.mean(0) - x)[~exact] / stderr[~exact]
+    assert z.abs().max() < 5 and abs(z.mean()) < 5 / math.sqrt(len(z))
+    assert (draws.mean(0) - x).abs().mean() < (nearest.float() - x).abs().mean() / 4  # nearest's bias is larger
+
+
+def test_stochastic_rounding_keeps_non_finite_values_and_exact_ones():
+    x = torch.tensor([math.nan, math.inf, -math.inf, 1.0, -2.5, 0.0, -0.0])
+    out = stochastic_round_bf16(x, key(7)).float()
+    assert out[0].isnan() and out[1] == math.inf and out[2] == -math.inf
+    assert out[3:].tolist() == [1.0, -2.5, 0.0, -0.0]
+
+
+def test_stochastic_updates_carry_small_updates_on_average_and_reproduce_with_a_seed():
+    p, _ = sgd_on_tiny_updates("stochastic", steps=300)
+    exact = 1 + 300 * 2**-10
+    # each weight is a random walk on the bfloat16 grid whose mean is the exact value
+    assert abs(p.float().mean().item() - exact) < 0.01
+    assert p.float().std() > 0  # the weights took different roundings
+    again, _ = sgd_on_tiny_updates("stochastic", steps=300)
+    assert torch.equal(p, again)
+    q = torch.nn.Parameter(torch.ones(4096, dtype=BF16))
+    opt = torch.optim.SGD([q], lr=1.0)
+    BF16Updates(opt, "stochastic", seed=4, compile=False)
+    for _ in range(300):
+        q.grad = torch.full_like(q, -2**-10)
+        opt.step()
+    assert not torch.equal(p, q)
+
+
+def test_compiled_rounding_gives_the_eager_bits():
+    fn = torch.compile(stochastic_round_bf16, dynamic=True)
+    x = torch.randn(3, 1000) * 50
+    for k in (0, 12345, 2**32 - 1):
+        assert torch.equal(fn(x, key(k)).view(torch.int16), stochastic_round_bf16(x, key(k)).view(torch.int16))
+
+
+def model_and_opt(method, chunk_numel=2**26):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to(BF16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    updates = BF16Updates(opt, method, seed=1, compile=False, chunk_numel=chunk_numel)
+    return model, opt, updates
+
+
+def train(model, opt, updates, steps, start=0):
+    for i in range(start, start + steps):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(8, 16, generator=g).to(BF16), torch.randn(8, 4, generator=g)
+        torch.nn.functional.mse_loss(model(x).float(), y).backward()
+        updates.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("method", ["kahan", "stochastic"])
+def test_chunked_steps_equal_one_step(method):
+    one = model_and_opt(method)
+    chunked = model_and_opt(method, chunk_numel=40)  # 512 + 32 + 128 + 4 elements: four chunks
+    train(*one, 5)
+    train(*chunked, 5)
+    for a, b in zip(one[0].parameters(), chunked[0].parameters()):
+        assert a.dtype == BF16 and (torch.equal(a, b) if method == "kahan" else a.shape == b.shape)
+    if method == "kahan":  # the same arithmetic per tensor; stochastic keys differ per chunk call
+        assert all(torch.equal(one[1].state[a][COMPENSATION], chunked[1].state[b][COMPENSATION])
+                   for a, b in zip(one[0].parameters(), chunked[0].parameters()))
+    assert all(len(g["params"]) == len(h["params"]) for g, h in zip(one[1].param_groups, chunked[1].param_groups))
+
+
+@pytest.mark.parametrize("method", ["kahan", "stochastic"])
+def test_state_dicts_resume_bit_for_bit(method):
+    full = model_and_opt(method)
+    train(*full, 6)
+    cut = model_and_opt(method)
+    train(*cut, 3)
+    saved = ({k: v.clone() for k, v in cut[0].state_dict().items()}, cut[1].state_dict(), cut[2].state_dict())
+    resumed = model_and_opt(method)
+    resumed[0].load_state_dict(saved[0])
+    resumed[1].load_state_dict(saved[1])
+    resumed[2].load_state_dict(saved[2])
+    if method == "kahan":
+        assert all(s[COMPENSATION].dtype == BF16 and s[COMPENSATION].abs().sum() > 0 for s in resumed[1].state.values())
+    train(*resumed, 3, start=3)
+    for a, b in zip(full[0].parameters(), resumed[0].parameters()):
+        assert torch.equal(a, b)
+
+
+def test_bad_arguments_say_what_is_accepted():
+    p = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+    with pytest.raises(ValueError, match="accepted kahan, stochastic"):
+        BF16Updates(torch.optim.SGD([p], lr=1), "nearest")
+    with pytest.raises(ValueError, match="stochastic rounding is to bfloat16"):
+        BF16Updates(torch.optim.SGD([p], lr=1), "stochastic")
+
+
+# ---- through the policy -------------------------------------------------------------------
+def test_policy_presets_in_a_users_loop():
+    import mixprec
+
+    for preset, method in (("bf16-kahan", "kahan"), ("bf16-sr", "stochastic")):
+        policy = mixprec.Policy.from_preset(preset, update_seed=5)
+        model = mixprec.build_model(mixprec.model_args("debug", vocab_size=256), device="cpu",
+                                    storage_dtype=policy.storage_dtype, seed=0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        model, optimizer = policy.setup(model, optimizer)
+        for step in range(3):
+            x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(step))
+            with policy.autocast():
+                loss = model(x[:, :-1], x[:, 1:])
+            policy.backward(loss)
+            assert policy.step(optimizer, max_norm=1.0)
+        assert {p.dtype for p in model.parameters()} == {BF16}
+        assert policy.describe()["weight updates"].startswith({"kahan": "Kahan", "stochastic": "stochastically"}[method])
+        assert policy.state_dict()["updates"] == {"method": method, "seed": 5, "steps": 3}
+        assert all((COMPENSATION in s) == (method == "kahan") for s in optimizer.state.values())
+
+
+def test_policy_refuses_updates_where_they_mean_nothing():
+    from mixprec import Policy, UserError
+
+    assert Policy(param_dtype=BF16, storage_dtype=BF16, update="kahan").name == "bf16-kahan"
+    with pytest.raises(UserError, match="need a low-precision model without master weights.*accepted: bf16-kahan"):
+        Policy(param_dtype=BF16, storage_dtype=torch.float32, update="kahan")
+    with pytest.raises(UserError, match="need a bfloat16 model"):
+        Policy(param_dtype=torch.float16, storage_dtype=torch.float16, update="stochastic")
+    with pytest.raises(ValueError, match="pass it to Policy.setup"):
+        Policy.from_preset("bf16-sr").setup(torch.nn.Linear(2, 2))
