@@ -3,13 +3,16 @@ import math
 import pytest
 import torch
 
-from mixprec.optim.updates import COMPENSATION, BF16Updates, stochastic_round_bf16
+from mixprec.optim.fused_adamw import unsupported
+from mixprec.optim.rounding import rounding_key, stochastic_round_bf16
+from mixprec.optim.updates import COMPENSATION, BF16Updates
 
 BF16 = torch.bfloat16
 
 
-def key(k: int) -> torch.Tensor:
-    return torch.tensor(k, dtype=torch.int64)
+def key(step: int) -> torch.Tensor:
+    """The key of tensor 0 at `step`, as BF16Updates makes it."""
+    return torch.tensor(rounding_key(0, 0, step, 0), dtype=torch.int32)
 
 
 def sgd_on_tiny_updates(method: str | None, steps: int = 500, dtype=BF16, **kwargs):
@@ -38,12 +41,16 @@ def test_kahan_carries_the_updates_plain_bfloat16_drops():
     assert p.float().eq(ref.to(BF16).float()).all()  # the weight: the float32 weight rounded to nearest
 
 
-def adamw_run(method: str | None, dtype, steps=300, **opt_kwargs):
+class SubclassedAdamW(torch.optim.AdamW):
+    """Not torch.optim.AdamW itself: BF16Updates takes its generic path."""
+
+
+def adamw_run(method: str | None, dtype, steps=300, cls=torch.optim.AdamW, **opt_kwargs):
     """Many small AdamW steps (lr 1e-4 on weights ~1) from the same gradients."""
     torch.manual_seed(0)
     w0 = (torch.randn(64, 48) + 1).to(BF16)  # the same starting weights
     p = torch.nn.Parameter(w0.to(dtype))
-    opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.1, **opt_kwargs)
+    opt = cls([p], lr=1e-4, weight_decay=0.1, **opt_kwargs)
     if method:
         BF16Updates(opt, method, seed=0, compile=False)
     gen = torch.Generator().manual_seed(1)
@@ -53,13 +60,16 @@ def adamw_run(method: str | None, dtype, steps=300, **opt_kwargs):
     return p.float(), opt
 
 
-@pytest.mark.parametrize("kernel", [{"foreach": True}, {"fused": True}, {"foreach": False}])
-def test_kahan_adamw_tracks_float32_master_weights_where_bfloat16_stalls(kernel):
+@pytest.mark.parametrize("cls, kernel", [
+    (torch.optim.AdamW, {}),  # mixprec's fused kernel
+    (SubclassedAdamW, {"foreach": True}), (SubclassedAdamW, {"fused": True}), (SubclassedAdamW, {"foreach": False}),
+])
+def test_kahan_adamw_tracks_float32_master_weights_where_bfloat16_stalls(cls, kernel):
     start = adamw_run(None, torch.float32, steps=0)[0]
     ref, _ = adamw_run(None, torch.float32, foreach=True)  # an FP32 master copy, stepped in FP32
     moved = (ref - start).abs().mean()
     plain, _ = adamw_run(None, BF16, **kernel)
-    kahan, opt = adamw_run("kahan", BF16, **kernel)
+    kahan, opt = adamw_run("kahan", BF16, cls=cls, **kernel)
     effective = kahan + opt.state[opt.param_groups[0]["params"][0]][COMPENSATION].float()
     assert (plain - ref).abs().mean() > moved / 2  # plain bfloat16 lost most of the movement
     # Kahan keeps it: the weight + compensation follows the FP32 weight (the moments are
@@ -68,6 +78,19 @@ def test_kahan_adamw_tracks_float32_master_weights_where_bfloat16_stalls(kernel)
     up, down = (torch.nextafter(kahan.to(BF16), torch.tensor(v, dtype=BF16)).float() for v in (torch.inf, -torch.inf))
     assert ((effective - kahan).abs() <= torch.maximum(up - kahan, kahan - down) / 2).all()
     assert {t.dtype for s in opt.state.values() for k, t in s.items() if k != "step"} == {BF16}
+
+
+@pytest.mark.parametrize("method", ["kahan", "stochastic"])
+def test_the_fused_adamw_kernel_computes_torch_adamws_update(method):
+    fused, opt = adamw_run(method, BF16, steps=50)
+    generic, generic_opt = adamw_run(method, BF16, steps=50, cls=SubclassedAdamW, foreach=True)
+    assert unsupported(opt) is None and unsupported(generic_opt) == "SubclassedAdamW is not torch.optim.AdamW"
+    # the same arithmetic up to FMA and order: weights equal but for a rare last-bit rounding
+    assert (fused != generic).float().mean() < 0.01
+    assert ((fused - generic).abs() <= 2**-7 * fused.abs()).all()
+    for key in ("exp_avg", "exp_avg_sq"):
+        a, b = (o.state[o.param_groups[0]["params"][0]][key].float() for o in (opt, generic_opt))
+        assert torch.allclose(a, b, rtol=2**-7, atol=1e-12)
 
 
 def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
@@ -117,14 +140,14 @@ def test_stochastic_updates_carry_small_updates_on_average_and_reproduce_with_a_
 def test_compiled_rounding_gives_the_eager_bits():
     fn = torch.compile(stochastic_round_bf16, dynamic=True)
     x = torch.randn(3, 1000) * 50
-    for k in (0, 12345, 2**32 - 1):
+    for k in (0, 12345, 2**16 - 1):
         assert torch.equal(fn(x, key(k)).view(torch.int16), stochastic_round_bf16(x, key(k)).view(torch.int16))
 
 
-def model_and_opt(method, chunk_numel=2**26):
+def model_and_opt(method, chunk_numel=2**26, cls=torch.optim.AdamW):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to(BF16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    opt = cls(model.parameters(), lr=1e-2, foreach=True)
     updates = BF16Updates(opt, method, seed=1, compile=False, chunk_numel=chunk_numel)
     return model, opt, updates
 
@@ -140,26 +163,27 @@ def train(model, opt, updates, steps, start=0):
 
 @pytest.mark.parametrize("method", ["kahan", "stochastic"])
 def test_chunked_steps_equal_one_step(method):
-    one = model_and_opt(method)
-    chunked = model_and_opt(method, chunk_numel=40)  # 512 + 32 + 128 + 4 elements: four chunks
+    # the generic path (Adam); keys depend on the step and the parameter, not the chunk
+    one = model_and_opt(method, cls=torch.optim.Adam)
+    chunked = model_and_opt(method, chunk_numel=40, cls=torch.optim.Adam)  # 512 + 32 + 128 + 4: four chunks
     train(*one, 5)
     train(*chunked, 5)
     for a, b in zip(one[0].parameters(), chunked[0].parameters()):
-        assert a.dtype == BF16 and (torch.equal(a, b) if method == "kahan" else a.shape == b.shape)
-    if method == "kahan":  # the same arithmetic per tensor; stochastic keys differ per chunk call
-        assert all(torch.equal(one[1].state[a][COMPENSATION], chunked[1].state[b][COMPENSATION])
-                   for a, b in zip(one[0].parameters(), chunked[0].parameters()))
+        assert a.dtype == BF16 and torch.equal(a, b)
+        assert all(torch.equal(x, y) for x, y in zip(one[1].state[a].values(), chunked[1].state[b].values()))
+    assert one[2].steps == chunked[2].steps == 5
     assert all(len(g["params"]) == len(h["params"]) for g, h in zip(one[1].param_groups, chunked[1].param_groups))
 
 
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])  # the fused and the generic path
 @pytest.mark.parametrize("method", ["kahan", "stochastic"])
-def test_state_dicts_resume_bit_for_bit(method):
-    full = model_and_opt(method)
+def test_state_dicts_resume_bit_for_bit(method, cls):
+    full = model_and_opt(method, cls=cls)
     train(*full, 6)
-    cut = model_and_opt(method)
+    cut = model_and_opt(method, cls=cls)
     train(*cut, 3)
     saved = ({k: v.clone() for k, v in cut[0].state_dict().items()}, cut[1].state_dict(), cut[2].state_dict())
-    resumed = model_and_opt(method)
+    resumed = model_and_opt(method, cls=cls)
     resumed[0].load_state_dict(saved[0])
     resumed[1].load_state_dict(saved[1])
     resumed[2].load_state_dict(saved[2])

@@ -11,9 +11,9 @@ Per parameter, mixed-precision AdamW keeps 4 (FP32 weight) + 4 (FP32 gradient) +
 (two FP32 moments) = 16 bytes of model state; master-weight modes keep a 2-byte model
 weight and gradient, a 4-byte master and its 4-byte gradient, and 8 bytes of moments:
 20 bytes, not the 16 some tables give. bf16-kahan keeps 2 + 2 + 4 (bfloat16 moments) +
-2 (the compensation) = 10 bytes and bf16-sr 8, plus, during the optimizer step only,
-FP32 working copies of each parameter, its gradient and its moments (16 bytes), for
-at most CHUNK_NUMEL parameters at a time.
+2 (the compensation) = 10 bytes and bf16-sr 8; with an optimizer other than AdamW, the
+step also makes FP32 working copies of the parameters, their gradients and states, for at
+most CHUNK_NUMEL parameters at a time.
 """
 
 from __future__ import annotations
@@ -176,11 +176,13 @@ def plan(s: Setup) -> dict:
 
     peak = params + states + masters + cast_cache + unsharded + layers + working
     compensation = working_copies = 0
-    if p.update:  # mixprec.optim.updates: the step runs on FP32 copies, after backward freed the activations
+    if p.update:  # mixprec.optim.updates
         compensation = params if p.update == "kahan" else 0
-        widened = min(params / st, CHUNK_NUMEL)  # parameter elements stepped at a time (in chunks)
-        working_copies = widened * 4 * (2 + OPTIMIZER_STATES[s.optimizer])
-        peak = max(peak, params + grads + states + compensation + working_copies)
+        if s.optimizer != "adamw":  # the generic path: the step runs on FP32 copies, a chunk at a time,
+            # after backward freed the activations (AdamW's fused kernel needs none)
+            widened = min(params / st, CHUNK_NUMEL)
+            working_copies = widened * 4 * (2 + OPTIMIZER_STATES[s.optimizer])
+            peak = max(peak, params + grads + states + compensation + working_copies)
     # Communication per step, per device, ring algorithms: all-gather and reduce-scatter
     # move (n-1)/n of the full size, all-reduce twice that.
     comm = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}

@@ -279,11 +279,7 @@ class Policy:
         if self.master_weights and not self.sharded:
             self._master = MasterWeights(model, optimizer)
         if self.update:
-            self._updates = BF16Updates(optimizer, self.update, seed=self.update_seed)
-            logger.info("%s: each step runs in float32 on float32 working copies; its results are %s", self.name,
-                        f"rounded to nearest with a {dtype_name(self.storage_dtype)} Kahan compensation per parameter"
-                        if self.update == "kahan"
-                        else "stochastically rounded to bfloat16 (seed %d)" % self.update_seed)
+            self._updates = BF16Updates(optimizer, self.update, seed=self.update_seed)  # logs its path
         tiny_eps = [g["eps"] for g in (optimizer.param_groups if optimizer is not None else []) if "eps" in g
                     and torch.tensor(g["eps"], dtype=FP16).item() == 0]
         if self.storage_dtype == FP16 and not self.master_weights and tiny_eps:
