@@ -129,3 +129,36 @@ def test_a_snapshot_of_cuda_tensors_sees_the_state_at_capture():
     t.mul_(2)  # queued after the non-blocking copy on the same stream
     torch.cuda.synchronize()
     assert snapshot["state"][0].is_pinned() and torch.equal(snapshot["state"][0], before)
+
+
+def test_stochastic_rounding_gives_the_cpus_bits_on_cuda_eager_and_compiled():
+    # CPU test: tests/optim/test_updates.py (counter-based bits: the same on every device)
+    from mixprec.optim.rounding import rounding_key, stochastic_round_bf16
+
+    x = torch.randn(4096, 33) * 10
+    key = torch.tensor(rounding_key(0, 0, 3, 1), dtype=torch.int32)
+    on_cpu = stochastic_round_bf16(x, key)
+    compiled = torch.compile(stochastic_round_bf16, dynamic=True)
+    for out in (stochastic_round_bf16(x.cuda(), key), compiled(x.cuda(), key)):
+        assert torch.equal(out.cpu().view(torch.int16), on_cpu.view(torch.int16))
+
+
+@pytest.mark.parametrize("method", ["kahan", "stochastic"])
+def test_bf16_updates_fused_adamw_on_cuda_tracks_the_cpu(method):
+    from mixprec.optim.updates import BF16Updates
+
+    def run(device):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter((torch.randn(256, 64) + 1).to(torch.bfloat16).to(device))
+        opt = torch.optim.AdamW([p], lr=1e-3)
+        updates = BF16Updates(opt, method, seed=0)
+        assert updates.fused
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(20):
+            p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16).to(device)
+            updates.step()
+        return p.detach().float().cpu()
+
+    cpu, cuda = run("cpu"), run("cuda")
+    assert (cpu != cuda).float().mean() < 0.02  # FMA and order may move a rare last bit
+    assert ((cpu - cuda).abs() <= 2**-6 * cpu.abs()).all()

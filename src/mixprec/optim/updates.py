@@ -228,6 +228,7 @@ class BF16Updates:
         if kernel is None:
             kernel = fn
             if self.compile is not False:
+                logger.info("compiling %s for %s (once per process; seconds on a CPU)", fn.__name__, x.device.type)
                 compiled = torch.compile(fn, dynamic=True)
                 try:
                     out = compiled(x, *args)  # compiles here, on this device

@@ -214,7 +214,7 @@ class Policy:
             if self.master_weights else "none",
             "weight updates": {"kahan": f"Kahan-compensated ({stored} compensation per parameter)",
                                "stochastic": f"stochastically rounded to {stored}"}.get(
-                self.update, "float32 arithmetic" if self.storage_dtype == FP32 or self.master_weights
+                self.update, "float32" if self.storage_dtype == FP32 or self.master_weights
                 else f"rounded to nearest {stored}"),
             "optimizer states": dtype_name(self.optimizer_moments_dtype) + " moments" if
             self.optimizer_moments_dtype != FP32 else master,
