@@ -178,6 +178,7 @@ def plan(s: Setup) -> dict:
     compensation = working_copies = 0
     if p.update:  # mixprec.optim.updates
         compensation = params if p.update == "kahan" else 0
+        peak += compensation  # held all the time, like the moments
         if s.optimizer != "adamw":  # the generic path: the step runs on FP32 copies, a chunk at a time,
             # after backward freed the activations (AdamW's fused kernel needs none)
             widened = min(params / st, CHUNK_NUMEL)

@@ -49,8 +49,10 @@ FP32 = torch.float32
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (a plain tensor: itself)."""
-    return t.to_local() if hasattr(t, "device_mesh") else t
+    """A DTensor's local shard, or a plain tensor's detached view (either writes through to
+    the storage). Not an nn.Parameter: torch.compile keeps a Parameter's shape static, and
+    through duck sizing the shapes of the tensors beside it, compiling once per shape."""
+    return t.to_local() if hasattr(t, "device_mesh") else t.detach()
 
 
 class BF16Updates:
