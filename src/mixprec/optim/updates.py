@@ -231,7 +231,9 @@ class BF16Updates:
             kernel = fn
             if self.compile is not False:
                 logger.info("compiling %s for %s (once per process; seconds on a CPU)", fn.__name__, x.device.type)
-                compiled = torch.compile(fn, dynamic=True)
+                # emulate_precision_casts: Inductor otherwise keeps a value cast to bfloat16 and
+                # back in FP32 inside one kernel, and the Kahan compensation w - bf16(w) came out 0
+                compiled = torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
                 try:
                     out = compiled(x, *args)  # compiles here, on this device
                     self._kernels[(fn, x.device.type)] = compiled
