@@ -28,9 +28,10 @@ class Loop:
         self.lrs, self.first, self.last = [], {}, {}  # the lr each optimizer step used; weights after each step
         self.opt.register_step_pre_hook(lambda o, a, k: self.lrs.append(o.param_groups[0]["lr"]))
 
-    def run(self, steps: int, poison=()) -> int:
-        """Train `steps` steps; a NaN goes into W2's output the first time each step in `poison` runs."""
-        step, poison = 0, set(poison)
+    def run(self, steps: int, poison=(), blowup=(), max_norm: float = 1.0) -> int:
+        """Train `steps` steps; a NaN goes into W2's output the first time each step in `poison`
+        runs, and the gradients are multiplied by 1000 the first time each step in `blowup` runs."""
+        step, poison, blowup = 0, set(poison), set(blowup)
         while step < steps:
             x, y = torch.randint(0, 256, (2, 2, 32), generator=self.gen).unbind(0)
             handle = None
@@ -44,7 +45,11 @@ class Loop:
 
             loss = forward()
             self.policy.backward(loss)
-            applied = self.policy.step(self.opt, max_norm=1.0)
+            if step + 1 in blowup:
+                blowup.remove(step + 1)
+                for p in self.model.parameters():
+                    p.grad.mul_(1000)
+            applied = self.policy.step(self.opt, max_norm=max_norm)
             if applied:
                 self.sched.step()
             step = self.guard.after_step(step + 1, loss.item(), applied=applied,
@@ -76,6 +81,21 @@ def test_an_incident_rewinds_to_the_snapshot_and_backs_off(preset):
     assert loop.opt.param_groups[0]["lr"] == pytest.approx(schedule[12])  # the back-off never sticks
     if scale_before is not None:  # fp16: the scale went back to the snapshot's, then one back-off
         assert "loss scale" in incident["action"] and loop.policy.stats()["loss_scale"] < scale_before
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 0.0])
+def test_a_gradient_spike_is_an_incident_only_where_clipping_did_not_bound_it(max_norm, caplog):
+    loop = Loop("bf16-mixed", snapshot_interval=4)
+    loop.run(10, blowup={7}, max_norm=max_norm)
+    if max_norm:  # clipped to 1.0: a warning, counted; no rewind, and the spike stays out of the window
+        assert loop.guard.incidents == [] and loop.guard.clipped_spikes == [7]
+        assert max(loop.guard.monitor.norms) < 100
+        assert "step 7: gradient norm" in caplog.text and "clipping bounded the update" in caplog.text
+    else:
+        (incident,) = loop.guard.incidents
+        assert incident["kind"] == "grad_spike" and incident["step"] == 7 and incident["rewound_to"] == 4
+        assert loop.guard.clipped_spikes == []
+    assert loop.guard.summary()["clipped_grad_spikes"] == loop.guard.clipped_spikes
 
 
 def test_the_rewound_state_equals_the_snapshot_bit_for_bit():

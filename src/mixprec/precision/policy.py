@@ -110,7 +110,7 @@ class Policy:
         self._model = self._optimizer = self._master = self._scaler = None
         self._steps = self._skipped = self._nonfinite = 0
         self._last_grad_norm: float | None = None
-        self._last_overflow = False
+        self._last_overflow = self._last_clipped = False
         self._monitor = ScaleMonitor()
         self._fallback_step: int | None = None
         self.sharded = False  # set by fsdp_mixed_precision(): fully_shard does the casts
@@ -377,6 +377,7 @@ class Policy:
         # Without a loss scaler nothing else guards the weights: an inf or NaN anywhere in
         # the gradients makes the global norm non-finite, and that step is skipped too.
         nonfinite = not overflow and not math.isfinite(self._last_grad_norm)
+        self._last_clipped = bool(max_norm) and not (overflow or nonfinite) and self._last_grad_norm > max_norm
         if not (overflow or nonfinite):
             if max_norm:
                 for group in groups:
@@ -416,6 +417,11 @@ class Policy:
     def last_overflow(self) -> bool:
         """The loss scaler skipped the last step for an overflow (its business, not an incident)."""
         return self._last_overflow
+
+    @property
+    def last_clipped(self) -> bool:
+        """Clipping scaled the last step's gradients down (its norm was above max_norm)."""
+        return self._last_clipped
 
     @property
     def last_grad_norm(self) -> float | None:

@@ -45,6 +45,7 @@ class StabilityGuard:
         self.incidents: list[dict] = []
         self.rewinds = 0
         self.skipped: list[list[int]] = []  # [first, last] steps whose data was not replayed
+        self.clipped_spikes: list[int] = []  # steps whose gradient-norm spike clipping bounded (warnings)
         self.backoff_left = 0
         self._snapshot = None  # (step, captured state, monitor state), memory mode
         self.health: dict = {}  # the last step's z-scores and spike score, for metrics.jsonl
@@ -94,17 +95,25 @@ class StabilityGuard:
         self.drills.arm(step + 1)
 
     def after_step(self, step: int, loss: float, grad_norm: float | None = None, applied: bool = True,
-                   rerun=None) -> int:
+                   rerun=None, clipped: bool | None = None) -> int:
         """Check step `step` (1-based, counted after it ran) and return the step to go on
         from: `step` when healthy (or when only reporting), else the step rewound to.
         loss: the step's loss on the host; grad_norm: its global gradient norm (default: the
         policy's); applied: whether the optimizer step was taken; rerun: the step's
-        micro-batches as (forward, backward) pairs, for the locator."""
+        micro-batches as (forward, backward) pairs, for the locator; clipped: gradient
+        clipping scaled this step's gradients down (default: the policy's word), which makes
+        a gradient-norm spike a logged warning rather than an incident."""
         if grad_norm is None and self.policy is not None:
             grad_norm = self.policy.last_grad_norm
+        if clipped is None:
+            clipped = self.policy is not None and self.policy.last_clipped
         overflow = not applied and self.policy is not None and self.policy.last_overflow
-        health = self.monitor.check(step, loss, grad_norm, overflow)
+        health = self.monitor.check(step, loss, grad_norm, overflow, clipped)
         self.health = health.metrics()
+        if health.warning:
+            self.clipped_spikes.append(step)
+            logger.warning("[STABILITY] step %d: %s; clipping bounded the update, so not an incident (%d such steps)",
+                           step, health.warning, len(self.clipped_spikes))
         if health.kind is None:
             self.drills.disarm(step)
             if self.backoff_left:
@@ -227,12 +236,14 @@ class StabilityGuard:
     # ---- reporting and checkpoints -----------------------------------------------------------
     def summary(self) -> dict:
         return {"incidents": len(self.incidents), "rewinds": self.rewinds, "skipped_steps": self.skipped,
+                "clipped_grad_spikes": self.clipped_spikes,
                 "drill": str(self.config.drill) if self.config.drill else None, "drill_fired": self.drills.fired,
                 "incident_log": self.incidents}
 
     def state_dict(self) -> dict:
         return {"monitor": self.monitor.state_dict(), "incidents": self.incidents, "rewinds": self.rewinds,
-                "skipped": self.skipped, "backoff_left": self.backoff_left, "drills": self.drills.state_dict()}
+                "skipped": self.skipped, "backoff_left": self.backoff_left, "drills": self.drills.state_dict(),
+                "clipped_spikes": self.clipped_spikes}
 
     def load_state_dict(self, state: dict) -> None:
         """On resume. (A rewind restores only the window, through its own snapshot.)"""
@@ -240,6 +251,7 @@ class StabilityGuard:
         self.incidents, self.rewinds = list(state["incidents"]), int(state["rewinds"])
         self.skipped, self.backoff_left = [list(s) for s in state["skipped"]], int(state["backoff_left"])
         self.drills.load_state_dict(state["drills"])
+        self.clipped_spikes = [int(s) for s in state.get("clipped_spikes", [])]  # absent before it was counted
 
 
 def clone_state(state):

@@ -5,7 +5,10 @@ A value more than `threshold` standard deviations above the window's mean is a s
 (OLMo-core skips such steps with 6 over 128 steps); a non-finite loss, or a non-finite
 gradient norm that the loss scaler did not claim as an overflow, is an incident too.
 Only healthy steps enter the window, so a spike does not widen the band that judges
-the next one. The spike score is OLMo 2's: the share of the last `window` steps whose
+the next one. A gradient-norm spike on a step whose gradients clipping scaled down is a
+warning, not an incident: clipping already bounded the update it made (a clean
+small-flavor run had one such real spike, 15.7 standard deviations, that a rewind would
+only have wasted steps on); a spike in the loss still is an incident. The spike score is OLMo 2's: the share of the last `window` steps whose
 loss spiked, in percent.
 """
 
@@ -23,6 +26,7 @@ class Health:
     spike_score: float
     kind: str | None = None  # None (healthy), nonfinite, loss_spike, grad_spike
     reason: str = ""
+    warning: str = ""  # a healthy step's note: a gradient-norm spike that clipping bounded
 
     def metrics(self) -> dict:
         return {"loss_z": self.loss_z, "grad_norm_z": self.grad_norm_z, "spike_score": self.spike_score}
@@ -48,12 +52,14 @@ class HealthMonitor:
         self.norms: deque[float] = deque(maxlen=window)
         self.spikes: deque[int] = deque()  # steps whose loss spiked (kept across rewinds)
 
-    def check(self, step: int, loss: float, grad_norm: float | None, overflow: bool = False) -> Health:
-        """`overflow`: the loss scaler skipped this step (fp16): its business, not an incident."""
+    def check(self, step: int, loss: float, grad_norm: float | None, overflow: bool = False,
+              clipped: bool = False) -> Health:
+        """`overflow`: the loss scaler skipped this step (fp16): its business, not an incident.
+        `clipped`: gradient clipping scaled this step's gradients down."""
         finite_norm = grad_norm is not None and math.isfinite(grad_norm)
         loss_z = _z(loss, self.losses, self.min_history) if math.isfinite(loss) else None
         norm_z = _z(grad_norm, self.norms, self.min_history) if finite_norm else None
-        kind, reason = None, ""
+        kind, reason, warning = None, "", ""
         if not math.isfinite(loss):
             kind, reason = "nonfinite", f"loss is {loss}"
         elif grad_norm is not None and not finite_norm and not overflow:
@@ -63,18 +69,21 @@ class HealthMonitor:
             reason = (f"loss {loss:.4g} is {loss_z:.1f} standard deviations above the mean of the last "
                       f"{len(self.losses)} steps ({_mean_std(self.losses)[0]:.4g}; threshold {self.threshold:g})")
         elif norm_z is not None and norm_z > self.threshold:
-            kind = "grad_spike"
-            reason = (f"gradient norm {grad_norm:.4g} is {norm_z:.1f} standard deviations above the mean of the "
-                      f"last {len(self.norms)} steps ({_mean_std(self.norms)[0]:.4g}; threshold {self.threshold:g})")
+            text = (f"gradient norm {grad_norm:.4g} is {norm_z:.1f} standard deviations above the mean of the "
+                    f"last {len(self.norms)} steps ({_mean_std(self.norms)[0]:.4g}; threshold {self.threshold:g})")
+            if clipped:
+                warning = text
+            else:
+                kind, reason = "grad_spike", text
         if kind == "loss_spike":
             self.spikes.append(step)
         while self.spikes and self.spikes[0] <= step - self.window:
             self.spikes.popleft()
         if kind is None and not overflow:
             self.losses.append(loss)
-            if finite_norm:
+            if finite_norm and not warning:  # a spike does not widen the band
                 self.norms.append(grad_norm)
-        return Health(loss_z, norm_z, 100.0 * len(self.spikes) / self.window, kind, reason)
+        return Health(loss_z, norm_z, 100.0 * len(self.spikes) / self.window, kind, reason, warning)
 
     def state_dict(self) -> dict:
         return {"losses": list(self.losses), "norms": list(self.norms), "spikes": list(self.spikes)}
