@@ -143,6 +143,17 @@ def test_stochastic_rounding_gives_the_cpus_bits_on_cuda_eager_and_compiled():
         assert torch.equal(out.cpu().view(torch.int16), on_cpu.view(torch.int16))
 
 
+def test_nearest_rounding_on_cuda_is_torchs_cast_eager_and_compiled():
+    # CPU test: tests/optim/test_updates.py (Veltkamp's split there; the bits here)
+    from mixprec.optim.rounding import nearest_bf16
+
+    mantissas = torch.arange(1 << 23, dtype=torch.int32)
+    x = torch.cat([((e << 23) | mantissas).view(torch.float32) for e in (1, 127, 250)]).cuda()
+    x = torch.cat([x, -x, torch.tensor([float("inf"), -float("inf")], device="cuda")])
+    for fn in (nearest_bf16, torch.compile(nearest_bf16, dynamic=True)):
+        assert torch.equal(fn(x), x.to(torch.bfloat16).float())
+
+
 @pytest.mark.parametrize("method", ["kahan", "stochastic"])
 def test_bf16_updates_fused_adamw_on_cuda_tracks_the_cpu(method):
     from mixprec.optim.updates import BF16Updates

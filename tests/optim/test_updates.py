@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mixprec.optim.fused_adamw import unsupported
-from mixprec.optim.rounding import rounding_key, stochastic_round_bf16
+from mixprec.optim.rounding import nearest_bf16, rounding_key, stochastic_round_bf16
 from mixprec.optim.updates import COMPENSATION, BF16Updates
 
 BF16 = torch.bfloat16
@@ -142,6 +142,39 @@ def test_compiled_rounding_gives_the_eager_bits():
     x = torch.randn(3, 1000) * 50
     for k in (0, 12345, 2**16 - 1):
         assert torch.equal(fn(x, key(k)).view(torch.int16), stochastic_round_bf16(x, key(k)).view(torch.int16))
+
+
+def every_float32_of_binades(*exponents: int) -> torch.Tensor:
+    mantissas = torch.arange(1 << 23, dtype=torch.int32)
+    bits = torch.cat([(e << 23) | mantissas for e in exponents])
+    x = bits.view(torch.float32)
+    return torch.cat([x, -x])
+
+
+def test_nearest_rounding_is_torchs_cast_eager_and_compiled():
+    # every float32 in [2^-126, 2^-125), [1, 2) and [2^100, 2^101), both signs: ties to even included
+    x = every_float32_of_binades(1, 127, 227)
+    assert torch.equal(nearest_bf16(x), x.to(BF16).float())
+    y = torch.randn(1 << 16) * 1e3
+    assert torch.equal(torch.compile(nearest_bf16, dynamic=True)(y), y.to(BF16).float())
+    # the documented range: a subnormal within one bfloat16 subnormal step; beyond 2^112 NaN
+    tiny = torch.tensor([1e-39, -3e-40])
+    assert torch.all((nearest_bf16(tiny) - tiny.to(BF16).float()).abs() <= 2.0**-133)
+    assert torch.isnan(nearest_bf16(torch.tensor([2.0**113]))).all()
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+def test_compiled_kahan_keeps_the_compensation_in_every_dtype(dtype):
+    # bfloat16 is rounded by nearest_bf16; float16 by a cast, compiled with emulate_precision_casts
+    p = torch.nn.Parameter(torch.ones(4096, dtype=dtype))
+    opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.0)
+    BF16Updates(opt, "kahan", compile=True)
+    for _ in range(3):
+        p.grad = -torch.ones_like(p)
+        opt.step()
+    w = p.float() + opt.state[p][COMPENSATION].float()
+    assert torch.equal(p, torch.ones_like(p))  # 3e-4 is under half a step at 1 in both dtypes
+    assert torch.allclose(w, torch.full_like(w, 1 + 3e-4), rtol=0, atol=2e-6)
 
 
 @pytest.mark.parametrize("method", ["kahan", "stochastic"])

@@ -15,6 +15,35 @@ import torch
 WEYL = 25033  # odd, about 2^16 / golden ratio^2: consecutive elements' noise spreads evenly
 
 
+def _to_bf16_grid(x: torch.Tensor, add: torch.Tensor) -> torch.Tensor:
+    """FP32 `x` with `add` added to its bits and the low 16 bits dropped: a bfloat16 value,
+    kept in FP32 (a carry goes into the exponent, as a rounding's should). All int32
+    arithmetic stays in range for finite x; non-finite values are returned as they are.
+    (On a CPU, Inductor's bit casts go through memory: about twice the time of a
+    memory-bound kernel.)"""
+    rounded = ((x.view(torch.int32) + add) & -65536).view(torch.float32)
+    return torch.where(torch.isfinite(x), rounded, x)
+
+
+def nearest_bf16(x: torch.Tensor) -> torch.Tensor:
+    """FP32 `x` rounded to the nearest bfloat16 value (ties to even), kept in FP32: the value
+    of x.to(torch.bfloat16).float(), computed so that a compiler keeps it. (Inductor keeps
+    that round trip in FP32 inside one kernel unless emulate_precision_casts is set, and
+    with that option and dynamic shapes its CPU kernels run on one thread.)
+
+    On a CPU, Veltkamp's split: t = x * (2^16 + 1), then t - (t - x),
+    keeps x's top 8 significant bits, rounded to nearest, ties to even (checked against
+    torch's cast for every float32 of several binades), in three FP32 operations at
+    memory speed; it needs the operations unfused (Inductor's C++ default,
+    ffp-contract=off) and holds for 2^-126 <= |x| < 2^112 (a subnormal comes out within
+    one bfloat16 subnormal step, |x| >= 5.2e33 as NaN: a diverged weight either way).
+    Elsewhere (Triton fuses multiply-adds, and bit casts cost nothing there) on the bits."""
+    if x.device.type == "cpu":
+        t = x * 65537.0
+        return t - (t - x)
+    return _to_bf16_grid(x, 0x7FFF + ((x.view(torch.int32) >> 16) & 1))
+
+
 def stochastic_round_bf16(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """FP32 `x` rounded to bfloat16 up or down at random, P(up) = the dropped 16 bits / 2^16.
 
@@ -24,12 +53,9 @@ def stochastic_round_bf16(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     step to step, which is what makes the rounding unbiased. All arithmetic stays below
     2^31 in int32 (no overflow). Non-finite values round to nearest."""
     flat = x.reshape(-1)
-    bits = flat.view(torch.int32)
     index = torch.arange(flat.numel(), device=x.device, dtype=torch.int32)
     noise = ((index & 0xFFFF) * WEYL + key) & 0xFFFF
-    rounded = ((bits + noise) & -65536).view(torch.float32)  # carries into the exponent as it should
-    out = torch.where(torch.isfinite(flat), rounded, flat).to(torch.bfloat16)
-    return out.view(x.shape)
+    return _to_bf16_grid(flat, noise).to(torch.bfloat16).view(x.shape)
 
 
 def rounding_key(seed: int, rank: int, step: int, tensor: int) -> int:

@@ -81,7 +81,7 @@ class BF16Updates:
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.compile = compile
         self._index = {id(p): i for i, p in enumerate(params)}  # a parameter's part of the key
-        self._kernels = {}  # (function, device type) -> the kernel chosen there
+        self._kernels = {}  # (function, device type, emulated casts) -> the kernel chosen there
         self._counted, self._chunking = True, False
         self._working: list[tuple[torch.Tensor, torch.Tensor, list, int]] = []  # generic path
         self._held: list[tuple[dict, list, list]] = []  # fused path: (group, its params, the ones stepped here)
@@ -198,6 +198,7 @@ class BF16Updates:
     def _fused_steps(self, optimizer) -> None:
         for group, params, mine in self._held:
             group["params"] = params
+            made = {}  # step -> the kernels' scalars (a group's parameters mostly share their step)
             for p in mine:
                 state = optimizer.state[p]
                 if not state:
@@ -209,7 +210,8 @@ class BF16Updates:
                 if state["step"].device.type != "cpu":  # loaded for a fused torch AdamW: read it without syncs
                     state["step"] = state["step"].cpu()
                 state["step"] += 1
-                scalars = fused_adamw.scalars(group, state["step"].item())
+                step = state["step"].item()
+                scalars = made.get(step) or made.setdefault(step, fused_adamw.scalars(group, step))
                 tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
                 if self.method == "kahan":
                     self._kernel(fused_adamw.adamw_kahan_, tensors[0], _local(state[COMPENSATION]), *tensors[1:],
@@ -226,24 +228,27 @@ class BF16Updates:
 
     def _kernel(self, fn, x: torch.Tensor, *args):
         """fn(x, *args), compiled into one kernel on x's device where that works."""
-        kernel = self._kernels.get((fn, x.device.type))
+        # emulate_precision_casts (a low-precision round trip kept inside a kernel) only where
+        # the kernel casts to a dtype other than bfloat16 (bfloat16 is rounded by
+        # mixprec.optim.rounding, which a compiler keeps): with the option and dynamic shapes
+        # Inductor's CPU kernels run on one thread, 2.5x slower here
+        emulate = x.dtype not in (torch.bfloat16, FP32)
+        kernel = self._kernels.get((fn, x.device.type, emulate))
         if kernel is None:
             kernel = fn
             if self.compile is not False:
                 logger.info("compiling %s for %s (once per process; seconds on a CPU)", fn.__name__, x.device.type)
-                # emulate_precision_casts: Inductor otherwise keeps a value cast to bfloat16 and
-                # back in FP32 inside one kernel, and the Kahan compensation w - bf16(w) came out 0
-                compiled = torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
+                compiled = torch.compile(fn, dynamic=True, options={"emulate_precision_casts": emulate})
                 try:
                     out = compiled(x, *args)  # compiles here, on this device
-                    self._kernels[(fn, x.device.type)] = compiled
+                    self._kernels[(fn, x.device.type, emulate)] = compiled
                     return out
                 except Exception as e:  # no C++ compiler or Triton, an unsupported platform, ...
                     if self.compile:
                         raise
                     logger.warning("%s on %s runs eagerly (the same arithmetic, slower): torch.compile failed: %s",
                                    fn.__name__, x.device.type, str(e).splitlines()[0] if str(e) else type(e).__name__)
-            self._kernels[(fn, x.device.type)] = kernel
+            self._kernels[(fn, x.device.type, emulate)] = kernel
         return kernel(x, *args)
 
     @staticmethod
