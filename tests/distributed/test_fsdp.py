@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mixprec import Policy, UserError, build_model, model_args
+from mixprec import Policy, build_model, model_args
 from mixprec.distributed import apply_fsdp
 from mixprec.distributed.parallel import end_spawned_worker
 from mixprec.distributed.tensor_parallel import apply_tensor_parallel

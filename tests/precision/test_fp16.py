@@ -52,7 +52,7 @@ def test_fp16_mixed_equals_autocast_plus_gradscaler(device):
     ref = build_model(model_args("debug", 256), device=device, storage_dtype=FP32, seed=0)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler(device, growth_interval=3)
-    theirs, scales = [], []
+    theirs = []
     for i, x in enumerate(batches):
         with torch.autocast(device, dtype=torch.float16):
             loss = ref(x[:, :-1], x[:, 1:])
