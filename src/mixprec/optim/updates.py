@@ -211,7 +211,9 @@ class BF16Updates:
                     state["step"] = state["step"].cpu()
                 state["step"] += 1
                 step = state["step"].item()
-                scalars = made.get(step) or made.setdefault(step, fused_adamw.scalars(group, step))
+                if step not in made:
+                    made[step] = fused_adamw.scalars(group, step)
+                scalars = made[step]
                 tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
                 if self.method == "kahan":
                     self._kernel(fused_adamw.adamw_kahan_, tensors[0], _local(state[COMPENSATION]), *tensors[1:],
@@ -231,7 +233,7 @@ class BF16Updates:
         # emulate_precision_casts (a low-precision round trip kept inside a kernel) only where
         # the kernel casts to a dtype other than bfloat16 (bfloat16 is rounded by
         # mixprec.optim.rounding, which a compiler keeps): with the option and dynamic shapes
-        # Inductor's CPU kernels run on one thread, 2.5x slower here
+        # Inductor's CPU kernels run on one thread
         emulate = x.dtype not in (torch.bfloat16, FP32)
         kernel = self._kernels.get((fn, x.device.type, emulate))
         if kernel is None:

@@ -8,8 +8,8 @@ Only healthy steps enter the window, so a spike does not widen the band that jud
 the next one. A gradient-norm spike on a step whose gradients clipping scaled down is a
 warning, not an incident: clipping already bounded the update it made (a clean
 small-flavor run had one such real spike, 15.7 standard deviations, that a rewind would
-only have wasted steps on); a spike in the loss still is an incident. The spike score is OLMo 2's: the share of the last `window` steps whose
-loss spiked, in percent.
+only have wasted steps on); a spike in the loss still is an incident. The spike score
+is OLMo 2's: the share of the last `window` steps whose loss spiked, in percent.
 """
 
 from __future__ import annotations
