@@ -163,6 +163,28 @@ def test_nearest_rounding_is_torchs_cast_eager_and_compiled():
     assert torch.isnan(nearest_bf16(torch.tensor([2.0**113]))).all()
 
 
+def test_kahan_runs_eagerly_where_compiled_code_may_fuse_the_rounding(caplog):
+    # Veltkamp's split needs unfused FP32 operations: with contraction on, the kernel is
+    # not compiled (logged; an explicit compile=True is refused) and the result stays exact
+    from torch._inductor import config
+
+    with config.patch({"cpp.enable_floating_point_contract_flag": "fast"}):
+        p = torch.nn.Parameter(torch.ones(64, dtype=BF16))
+        opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.0)
+        updates = BF16Updates(opt, "kahan")
+        p.grad = -torch.ones_like(p)
+        opt.step()
+        assert "runs eagerly" in caplog.text and "ffp-contract=fast" in caplog.text
+        assert all(k is v for (k, *_), v in updates._kernels.items())  # the plain function, not a compiled one
+        assert opt.state[p][COMPENSATION].abs().min() > 0
+        q = torch.nn.Parameter(torch.ones(4, dtype=BF16))
+        strict = torch.optim.AdamW([q], lr=1e-4)
+        BF16Updates(strict, "kahan", compile=True)
+        q.grad = torch.ones_like(q)
+        with pytest.raises(RuntimeError, match="ffp-contract=fast"):
+            strict.step()
+
+
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
 def test_compiled_kahan_keeps_the_compensation_in_every_dtype(dtype):
     # bfloat16 is rounded by nearest_bf16; float16 by a cast, compiled with emulate_precision_casts

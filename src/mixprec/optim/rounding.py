@@ -44,6 +44,21 @@ def nearest_bf16(x: torch.Tensor) -> torch.Tensor:
     return _to_bf16_grid(x, 0x7FFF + ((x.view(torch.int32) >> 16) & 1))
 
 
+def compiled_nearest_unsafe(device: torch.device) -> str | None:
+    """Why a kernel compiled here would not keep nearest_bf16's Veltkamp split exact (Inductor
+    told to fuse multiply-adds or to reassociate in its C++ kernels), or None where it would."""
+    if device.type != "cpu":
+        return None
+    from torch._inductor import config
+
+    if config.cpp.enable_floating_point_contract_flag != "off":
+        return (f"Inductor's C++ kernels fuse multiply-adds (ffp-contract="
+                f"{config.cpp.enable_floating_point_contract_flag}), which breaks the bfloat16 rounding's exactness")
+    if config.cpp.enable_unsafe_math_opt_flag:
+        return "Inductor's C++ kernels allow unsafe math, which breaks the bfloat16 rounding's exactness"
+    return None
+
+
 def stochastic_round_bf16(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """FP32 `x` rounded to bfloat16 up or down at random, P(up) = the dropped 16 bits / 2^16.
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from mixprec.optim import fused_adamw
-from mixprec.optim.rounding import rounding_key, stochastic_round_bf16
+from mixprec.optim.rounding import compiled_nearest_unsafe, rounding_key, stochastic_round_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +238,13 @@ class BF16Updates:
         kernel = self._kernels.get((fn, x.device.type, emulate))
         if kernel is None:
             kernel = fn
-            if self.compile is not False:
+            unsafe = compiled_nearest_unsafe(x.device) if x.dtype == torch.bfloat16 else None
+            if self.compile is not False and unsafe is not None:
+                if self.compile:
+                    raise RuntimeError(f"{fn.__name__} cannot be compiled exactly here: {unsafe}")
+                logger.warning("%s on %s runs eagerly (the same arithmetic, slower): %s", fn.__name__,
+                               x.device.type, unsafe)
+            elif self.compile is not False:
                 logger.info("compiling %s for %s (once per process; seconds on a CPU)", fn.__name__, x.device.type)
                 compiled = torch.compile(fn, dynamic=True, options={"emulate_precision_casts": emulate})
                 try:
