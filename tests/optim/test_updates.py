@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mixprec.optim.fused_adamw import unsupported
-from mixprec.optim.rounding import nearest_bf16, rounding_key, stochastic_round_bf16
+from mixprec.optim.rounding import nearest_bf16, nearest_bf16_bits, rounding_key, stochastic_round_bf16
 from mixprec.optim.updates import COMPENSATION, BF16Updates
 
 BF16 = torch.bfloat16
@@ -155,6 +155,8 @@ def test_nearest_rounding_is_torchs_cast_eager_and_compiled():
     # every float32 in [2^-126, 2^-125), [1, 2) and [2^100, 2^101), both signs: ties to even included
     x = every_float32_of_binades(1, 127, 227)
     assert torch.equal(nearest_bf16(x), x.to(BF16).float())
+    # the bits form, which non-CPU devices run (tests/test_gpu.py runs it on CUDA)
+    assert torch.equal(nearest_bf16_bits(x), x.to(BF16).float())
     y = torch.randn(1 << 16) * 1e3
     assert torch.equal(torch.compile(nearest_bf16, dynamic=True)(y), y.to(BF16).float())
     # the documented range: a subnormal within one bfloat16 subnormal step; beyond 2^112 NaN

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mixprec.optim.rounding import nearest_bf16, stochastic_round_bf16
+from mixprec.optim.rounding import round_trip, stochastic_round_bf16
 
 
 def _adamw(w, g, m, v, step_size, bias_correction2_sqrt, lr, beta1, beta2, eps, weight_decay, sign):
@@ -32,9 +32,7 @@ def adamw_kahan_(p, c, g, m, v, *scalars) -> None:
     step_size (lr / bias correction 1), bias correction 2's root, lr, beta1, beta2, eps,
     weight decay, gradient sign."""
     w, m32, v32 = _adamw(p.float() + c.float(), g, m, v, *scalars)
-    # bfloat16: nearest_bf16, which a compiler cannot fold away; other dtypes need one that
-    # keeps the round trip (mixprec.optim.updates compiles them with emulate_precision_casts)
-    rounded = nearest_bf16(w) if p.dtype == torch.bfloat16 else w.to(p.dtype).float()
+    rounded = round_trip(w, p.dtype)  # compiled with rounding.compile_options(p.dtype)
     p.copy_(rounded)  # exact: rounded is a value of p's dtype
     c.copy_(w - rounded)  # exact in FP32: what the rounding dropped
     m.copy_(m32)

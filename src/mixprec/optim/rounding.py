@@ -41,7 +41,25 @@ def nearest_bf16(x: torch.Tensor) -> torch.Tensor:
     if x.device.type == "cpu":
         t = x * 65537.0
         return t - (t - x)
+    return nearest_bf16_bits(x)
+
+
+def nearest_bf16_bits(x: torch.Tensor) -> torch.Tensor:
+    """nearest_bf16 on the bits: round half to even at bit 16 (non-CPU devices)."""
     return _to_bf16_grid(x, 0x7FFF + ((x.view(torch.int32) >> 16) & 1))
+
+
+def round_trip(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP32 `x` rounded to nearest in `dtype`, kept in FP32, in a form compiled code keeps:
+    nearest_bf16 for bfloat16; a cast for other dtypes, which needs compile_options."""
+    return nearest_bf16(x) if dtype == torch.bfloat16 else x.to(dtype).float()
+
+
+def compile_options(dtype: torch.dtype) -> dict:
+    """torch.compile options for a kernel that calls round_trip(..., dtype):
+    emulate_precision_casts only where the round trip is a cast (not bfloat16, not
+    float32), since with it and dynamic shapes Inductor's CPU kernels run on one thread."""
+    return {"emulate_precision_casts": dtype not in (torch.bfloat16, torch.float32)}
 
 
 def compiled_nearest_unsafe(device: torch.device) -> str | None:

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from mixprec.optim import fused_adamw
-from mixprec.optim.rounding import compiled_nearest_unsafe, rounding_key, stochastic_round_bf16
+from mixprec.optim.rounding import compile_options, compiled_nearest_unsafe, rounding_key, stochastic_round_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -230,15 +230,14 @@ class BF16Updates:
 
     def _kernel(self, fn, x: torch.Tensor, *args):
         """fn(x, *args), compiled into one kernel on x's device where that works."""
-        # emulate_precision_casts (a low-precision round trip kept inside a kernel) only where
-        # the kernel casts to a dtype other than bfloat16 (bfloat16 is rounded by
-        # mixprec.optim.rounding, which a compiler keeps): with the option and dynamic shapes
-        # Inductor's CPU kernels run on one thread
-        emulate = x.dtype not in (torch.bfloat16, FP32)
-        kernel = self._kernels.get((fn, x.device.type, emulate))
+        options = compile_options(x.dtype)
+        key = (fn, x.device.type, options["emulate_precision_casts"])
+        kernel = self._kernels.get(key)
         if kernel is None:
             kernel = fn
-            unsafe = compiled_nearest_unsafe(x.device) if x.dtype == torch.bfloat16 else None
+            # only the Kahan kernel rounds to nearest by Veltkamp's split (stochastic rounding works on the bits)
+            unsafe = (compiled_nearest_unsafe(x.device)
+                      if fn is fused_adamw.adamw_kahan_ and x.dtype == torch.bfloat16 else None)
             if self.compile is not False and unsafe is not None:
                 if self.compile:
                     raise RuntimeError(f"{fn.__name__} cannot be compiled exactly here: {unsafe}")
@@ -246,17 +245,17 @@ class BF16Updates:
                                x.device.type, unsafe)
             elif self.compile is not False:
                 logger.info("compiling %s for %s (once per process; seconds on a CPU)", fn.__name__, x.device.type)
-                compiled = torch.compile(fn, dynamic=True, options={"emulate_precision_casts": emulate})
+                compiled = torch.compile(fn, dynamic=True, options=options)
                 try:
                     out = compiled(x, *args)  # compiles here, on this device
-                    self._kernels[(fn, x.device.type, emulate)] = compiled
+                    self._kernels[key] = compiled
                     return out
                 except Exception as e:  # no C++ compiler or Triton, an unsupported platform, ...
                     if self.compile:
                         raise
                     logger.warning("%s on %s runs eagerly (the same arithmetic, slower): torch.compile failed: %s",
                                    fn.__name__, x.device.type, str(e).splitlines()[0] if str(e) else type(e).__name__)
-            self._kernels[(fn, x.device.type, emulate)] = kernel
+            self._kernels[key] = kernel
         return kernel(x, *args)
 
     @staticmethod

@@ -22,6 +22,7 @@ from mixprec.fp8.convert import DEFAULT_EXCLUDE, convert_to_fp8
 from mixprec.fp8.recipe import FP8Recipe
 from mixprec.optim.updates import METHODS as UPDATE_METHODS
 from mixprec.optim.updates import BF16Updates
+from mixprec.precision.describe import describe, warn_known_bad
 from mixprec.precision.dtypes import dtype_name, parse_dtype
 from mixprec.precision.emulation import EmulatedMatmul
 from mixprec.precision.grad_norm import grad_norm
@@ -114,7 +115,7 @@ class Policy:
         self._monitor = ScaleMonitor()
         self._fallback_step: int | None = None
         self.sharded = False  # set by fsdp_mixed_precision(): fully_shard does the casts
-        self._warn_known_bad()
+        warn_known_bad(self)
 
     @classmethod
     def from_preset(cls, name: str, *, labels: dict[str, str] | None = None, emulate_matmul: bool | None = None,
@@ -199,28 +200,7 @@ class Policy:
 
     def describe(self) -> dict[str, str]:
         """Which dtype each kind of tensor is kept in under this policy."""
-        stored = dtype_name(self.storage_dtype)
-        master = "float32" if self.master_weights else stored
-        fp8 = (f"float8 in the block projections ({self.fp8.summary()}), {self.matmul_dtype} elsewhere"
-               if self.fp8 is not None else None)
-        return {
-            "parameters": stored + (" (norms float32)" if self.master_weights and not self.sharded else ""),
-            "matmul compute": fp8 or self.matmul_dtype,
-            "norm, softmax, RoPE": "float32",
-            "logits and loss": "float32",
-            # autocast's casts are differentiable: the gradient of an FP32 leaf is FP32.
-            "gradients": stored,
-            "master weights": ("float32 (the sharded parameters)" if self.sharded else master)
-            if self.master_weights else "none",
-            "weight updates": {"kahan": f"Kahan-compensated ({stored} compensation per parameter)",
-                               "stochastic": f"stochastically rounded to {stored}"}.get(
-                self.update, "float32" if self.storage_dtype == FP32 or self.master_weights
-                else f"rounded to nearest {stored}"),
-            "optimizer states": dtype_name(self.optimizer_moments_dtype) + " moments" if
-            self.optimizer_moments_dtype != FP32 else master,
-            "gradient reduction": dtype_name(self.reduce_dtype),
-            "loss scaling": "dynamic" if self.loss_scale is not None else "none",
-        }
+        return describe(self)
 
     def __repr__(self) -> str:
         return (f"Policy({self.name}: storage_dtype={dtype_name(self.storage_dtype)}, "
@@ -229,21 +209,6 @@ class Policy:
                 f"{', loss scaling' if self.loss_scale is not None else ''}"
                 f"{f', {self.update} updates' if self.update else ''}"
                 f"{f', fp8 {self.fp8.name}' if self.fp8 is not None else ''})")
-
-    def _warn_known_bad(self) -> None:
-        if self.reduce_dtype != FP32:
-            logger.warning(
-                "reduce_dtype %s: gradients summed across ranks in %s lose small contributions "
-                "(in bfloat16, 1e7 + 1 == 1e7); float32 is advised", *[dtype_name(self.reduce_dtype)] * 2)
-        if self.storage_dtype == BF16 and not self.master_weights and not self.update:
-            logger.warning(
-                "storage_dtype bfloat16: optimizer states and weights in bfloat16 drop any update smaller "
-                "than 2^-8 of the weight (1 + 2^-9 == 1 in bfloat16); bf16-mixed keeps float32 copies")
-        if self.storage_dtype == FP16 and not self.master_weights:
-            logger.warning(
-                "%s: float16 weights, gradients and optimizer states%s: gradients below 2^-24 flush to zero, "
-                "updates below 2^-11 of a weight are lost and values above 65504 overflow; fp16-mixed or "
-                "fp16-master avoid this", self.name, "" if self.loss_scale else " without loss scaling")
 
     # ---- hooks ----------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module) -> None:

@@ -243,7 +243,7 @@ class StabilityGuard:
     def state_dict(self) -> dict:
         return {"monitor": self.monitor.state_dict(), "incidents": self.incidents, "rewinds": self.rewinds,
                 "skipped": self.skipped, "backoff_left": self.backoff_left, "drills": self.drills.state_dict(),
-                "clipped_spikes": self.clipped_spikes}
+                "clipped_grad_spikes": self.clipped_spikes}
 
     def load_state_dict(self, state: dict) -> None:
         """On resume. (A rewind restores only the window, through its own snapshot.)"""
@@ -251,7 +251,7 @@ class StabilityGuard:
         self.incidents, self.rewinds = list(state["incidents"]), int(state["rewinds"])
         self.skipped, self.backoff_left = [list(s) for s in state["skipped"]], int(state["backoff_left"])
         self.drills.load_state_dict(state["drills"])
-        self.clipped_spikes = [int(s) for s in state.get("clipped_spikes", [])]  # absent before it was counted
+        self.clipped_spikes = [int(s) for s in state.get("clipped_grad_spikes", [])]  # absent before it was counted
 
 
 def clone_state(state):
