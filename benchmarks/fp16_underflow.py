@@ -91,7 +91,7 @@ def train(policy: Policy, loader_state, tokens, val, steps: int) -> dict:
         losses.append(loss.item())
     with torch.no_grad(), policy.autocast():
         val_loss = sum(model(x, y).item() for x, y in val) / len(val)
-    stats = policy.stats()
+    stats = policy.summary()
     return {"val_loss": val_loss, "train_loss_last10": sum(losses[-10:]) / 10, "skipped": stats["skipped_steps"],
             "loss_scale": stats["loss_scale"], "losses": losses}
 

@@ -12,7 +12,7 @@ def test_library_example_runs():
     code = re.search(r"## The library\n\n```python\n(.*?)```", README.read_text(), re.S).group(1)
     scope = {}
     exec(compile(code, "README.md", "exec"), scope)
-    stats = scope["policy"].stats()
+    stats = scope["policy"].summary()
     assert stats["precision"] == "bf16-mixed" and stats["steps"] == 10 and scope["state"]["steps"] == 10
 
 

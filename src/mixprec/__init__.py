@@ -8,7 +8,8 @@ import importlib
 
 _WHERE = {
     # precision policy
-    "Policy": "mixprec.precision", "PRESETS": "mixprec.precision", "ALIASES": "mixprec.precision",
+    "Policy": "mixprec.precision", "StepResult": "mixprec.precision", "PrecisionSpec": "mixprec.precision",
+    "Override": "mixprec.precision", "register_preset": "mixprec.precision", "PRESETS": "mixprec.precision", "ALIASES": "mixprec.precision",
     "APEX_LEVELS": "mixprec.precision", "has_fast_matmul": "mixprec.precision", "parse_dtype": "mixprec.precision",
     "dtype_name": "mixprec.precision",
     # loss scaling

@@ -140,6 +140,8 @@ class Precision:
     """Dtype of stored parameters, gradients and optimizer states; empty: the preset's."""
     emulate_matmul: str = "auto"
     """bfloat16/float16 matmuls as float32 GEMMs on the rounded operands: true, false, or auto (when the device has no native kernel)."""
+    override: tuple[str, ...] = ()
+    """Per-module compute, ordered rules PATTERN=FORMAT (fnmatch on module names; the first match decides): FORMAT float32 or bfloat16 (bf16 modes: "keep this layer in high precision") or an FP8 recipe (fp8-rowwise, ...). In TOML also [[precision.override]] tables with modules and compute keys."""
     tf32: bool = False
     """float32 matmuls on CUDA as TF32 (10-bit mantissa inputs, float32 accumulation; torch.set_float32_matmul_precision("high")). Off: true float32, as in Lightning's 32-true."""
 
@@ -155,9 +157,9 @@ class Precision:
 @dataclass(frozen=True)
 class FP8:
     recipe: str = ""
-    """FP8 GEMMs for the block projections on top of precision.preset: tensorwise, delayed, rowwise, blockwise. Empty: none, or the recipe of an fp8-* preset."""
-    filter_fqns: tuple[str, ...] = ("output",)
-    """Linear layers left in the base mode: substrings of their names or fnmatch globs (layers.0.*). Layers whose dimensions are not multiples of 16 are always left out."""
+    """FP8 GEMMs for the block projections on top of precision.preset: a registered recipe (tensorwise, delayed, rowwise, blockwise, ...). Empty: none, or the recipe of an fp8-* preset."""
+    filter_fqns: tuple[str, ...] = ()
+    """Linear layers left in the base mode: substrings of their names or fnmatch globs (layers.0.*). The model's output projection (whatever its name) and layers whose dimensions are not multiples of 16 are always left out."""
     amax_history_len: int = 16
     """Delayed scaling: steps of amax history per tensor."""
     amax_compute_algo: str = "max"
@@ -168,8 +170,6 @@ class FP8:
     """Run every FP8 GEMM as FP32 GEMMs on the FP8 values (the same numerics); false: torch's scaled GEMM wherever it has one for the layout (block-wise on a CPU is emulated either way)."""
 
     def __post_init__(self):
-        _check(self.recipe in ("", "tensorwise", "delayed", "rowwise", "blockwise"), "fp8.recipe", self.recipe,
-               "tensorwise, delayed, rowwise, blockwise (or empty)")
         _check(self.amax_history_len >= 1, "fp8.amax_history_len", self.amax_history_len, "a positive integer")
         _check(self.amax_compute_algo in ("max", "most_recent"), "fp8.amax_compute_algo", self.amax_compute_algo,
                "max, most_recent")
@@ -324,6 +324,9 @@ def _convert(table: str, name: str, kind: type, value):
     key = f"{table}.{name}"
     if kind == tuple[str, ...]:  # a TOML array, or "a,b" on the command line
         items = value.split(",") if isinstance(value, str) else value
+        if key == "precision.override" and isinstance(items, list):  # [[precision.override]] tables
+            items = [f"{i.get('modules', '')}={i.get('compute', '')}" if isinstance(i, dict) and set(i) <= {
+                "modules", "compute"} else i for i in items]
         if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
             raise UserError(f"{key}: bad value {value!r}; accepted: a list of strings (a,b on the command line)")
         return tuple(i.strip() for i in items if i.strip())
@@ -399,8 +402,10 @@ def build_policy(precision: Precision, training: Training,
             raise UserError(f"{l1} = {v1!r} contradicts {l2} = {v2!r}; give one")
         if pairs:
             labels[field], given[field] = pairs[0]
+    from mixprec.precision.spec import Override
+
     fp8_args = dict(fp8_recipe=fp8.recipe, fp8_options=fp8.options, fp8_exclude=fp8.filter_fqns,
-                    fp8_emulate=fp8.emulate)
+                    fp8_emulate=fp8.emulate, overrides=tuple(Override.parse(r) for r in precision.override))
     if precision.preset:
         return Policy.from_preset(precision.preset, labels=labels, emulate_matmul=precision.emulate,
                                   loss_scale=loss_scale, tf32=precision.tf32, update_seed=training.seed, **fp8_args,

@@ -168,8 +168,8 @@ def _overflow_worker(rank: int, store_path: str, out: str) -> None:
         policy.backward(loss)
         if i == 1 and rank == 1:  # an overflow in rank 1's gradient shard only
             model.layers[0].attention.wq.weight.grad.to_local()[0, 0] = float("inf")
-        applied.append(policy.step(opt, max_norm=1.0))
-        scales.append(policy.stats()["loss_scale"])
+        applied.append(policy.step(opt, max_norm=1.0).applied)
+        scales.append(policy.summary()["loss_scale"])
     weights = model.layers[0].attention.wq.weight.full_tensor()
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"applied": applied, "scales": scales, "checksum": float(weights.double().sum())}, f)

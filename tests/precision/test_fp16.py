@@ -28,7 +28,7 @@ def train(policy, model, opt, batches, corrupt=lambda i, model: None):
             loss = model(x[:, :-1], x[:, 1:])
         policy.backward(loss)
         corrupt(i, model)
-        applied.append(policy.step(opt, max_norm=1.0))
+        applied.append(policy.step(opt, max_norm=1.0).applied)
         losses.append(loss.item())
     return losses, applied
 
@@ -66,7 +66,7 @@ def test_fp16_mixed_equals_autocast_plus_gradscaler(device):
         theirs.append(loss.item())
     assert applied == [True, True, False, True, True]
     assert ours == theirs
-    assert policy.stats()["loss_scale"] == scaler.get_scale()
+    assert policy.summary()["loss_scale"] == scaler.get_scale()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
 
 
@@ -91,8 +91,8 @@ def test_a_skipped_step_changes_nothing(preset):
         assert torch.equal(a, b)
     for s0, s1 in zip(before[1]["state"].values(), after[1]["state"].values()):
         assert all(torch.equal(s0[k], s1[k]) for k in s0)  # exp_avg, exp_avg_sq and the step count
-    assert sched.last_epoch == 0 + 0 and policy.stats()["skipped_steps"] == 1
-    assert policy.stats()["loss_scale"] == 32768.0
+    assert sched.last_epoch == 0 + 0 and policy.summary()["skipped_steps"] == 1
+    assert policy.summary()["loss_scale"] == 32768.0
 
 
 def test_fp16_master_keeps_norms_and_masters_in_fp32():
@@ -151,7 +151,7 @@ def test_fallback_after_persistent_overflow_keeps_training(preset, caplog):
     train(policy, model, opt, BATCHES[:2])
     state = {k: v.clone() for k, v in policy.model_state_dict(model).items()}
     train(policy, model, opt, BATCHES[2:5], inf_grad({0, 1, 2}))
-    stats = policy.stats()
+    stats = policy.summary()
     assert stats["fallback_triggered"] and stats["fallback_step"] == 5 and stats["precision_final"] == "fp32"
     assert stats["precision"] == preset and "[FALLBACK] step 5" in caplog.text
     assert {p.dtype for p in model.parameters()} == {FP32}
@@ -167,13 +167,13 @@ def test_fallback_at_the_minimum_scale():
                                                                         fallback_after=0, fallback_to="fp32"))
     model, opt = tiny(policy)
     train(policy, model, opt, BATCHES[:4], inf_grad({0, 1, 2, 3}))
-    assert policy.stats()["fallback_step"] == 3  # 4 -> 2 -> 1, then an overflow at the minimum
+    assert policy.summary()["fallback_step"] == 3  # 4 -> 2 -> 1, then an overflow at the minimum
 
 
 def test_bf16_master_trains_with_fp32_masters_and_no_scaler():
     policy = Policy.from_preset("bf16-master")
     model, opt = tiny(policy)
-    assert policy.stats()["loss_scale"] is None and policy.master_weights
+    assert policy.summary()["loss_scale"] is None and policy.master_weights
     assert {p.dtype for n, p in model.named_parameters() if "norm" not in n} == {torch.bfloat16}
     losses, applied = train(policy, model, opt, BATCHES)
     assert all(applied) and losses[-1] < losses[0]

@@ -28,7 +28,7 @@ def step(policy, model, opt, sched, bad=None):
     policy.backward(loss)
     if bad is not None:
         model.layers[1].feed_forward.w2.weight.grad[0, 0] = bad
-    applied = policy.step(opt, max_norm=1.0)
+    applied = policy.step(opt, max_norm=1.0).applied
     if applied:
         sched.step()
     return applied
@@ -56,7 +56,7 @@ def test_a_non_finite_gradient_is_never_applied(preset, bad):
     before = snapshot(policy, model, opt, sched)
     assert not step(policy, model, opt, sched, bad)
     assert same(snapshot(policy, model, opt, sched), before)  # weights, masters, Adam state and step, schedule
-    assert policy.stats()["skipped_steps"] == 1
+    assert policy.summary()["skipped_steps"] == 1
     assert step(policy, model, opt, sched)  # and training goes on
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
@@ -66,11 +66,11 @@ def test_after_a_fallback_too(preset):
     # one overflow at the minimum scale falls back to fp32: from then on no scaler guards the step
     policy, model, opt, sched = setup(preset, init_scale=1.0, min_scale=1.0, fallback_to="fp32")
     assert not step(policy, model, opt, sched, math.inf)
-    assert policy.stats()["precision_final"] == "fp32" and policy.stats()["loss_scale"] is None
+    assert policy.summary()["precision_final"] == "fp32" and policy.summary()["loss_scale"] is None
     assert step(policy, model, opt, sched)
     before = snapshot(policy, model, opt, sched)
     for bad in (math.nan, math.inf):
         assert not step(policy, model, opt, sched, bad)
         assert same(snapshot(policy, model, opt, sched), before)
-    stats = policy.stats()
+    stats = policy.summary()
     assert stats["skipped_steps"] == 3 and stats["nonfinite_steps"] == 2 and stats["overflow_count"] == 1

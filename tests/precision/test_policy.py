@@ -123,8 +123,9 @@ def test_step_clips_true_gradients_like_torch():
     with policy.autocast():
         loss = ours(x).pow(2).mean()
     policy.backward(loss)
-    assert policy.step(opt_ours, max_norm=1.0) is True
-    assert policy.stats()["grad_norm"] == pytest.approx(norm.item())
+    result = policy.step(opt_ours, max_norm=1.0)
+    assert result.applied is True and bool(result) and result.clipped == (norm.item() > 1.0)
+    assert result.grad_norm == pytest.approx(norm.item())
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), ours.parameters()))
     assert all(p.grad is None for p in ours.parameters())
 
@@ -139,11 +140,11 @@ def test_stats_and_state_dict_round_trip():
             loss = model(torch.randn(2, 4)).float().sum()
         policy.backward(loss)
         policy.step(opt)
-    stats = policy.stats()
+    stats = policy.summary()
     assert stats["precision"] == "bf16-mixed" and stats["steps"] == 3 and stats["skipped_steps"] == 0
     restored = Policy.from_preset("bf16-mixed")
     restored.load_state_dict(policy.state_dict())
-    assert restored.stats()["steps"] == 3
+    assert restored.summary()["steps"] == 3
 
 
 def test_describe_matches_the_mode():

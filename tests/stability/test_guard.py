@@ -49,11 +49,10 @@ class Loop:
                 blowup.remove(step + 1)
                 for p in self.model.parameters():
                     p.grad.mul_(1000)
-            applied = self.policy.step(self.opt, max_norm=max_norm)
-            if applied:
+            result = self.policy.step(self.opt, max_norm=max_norm)
+            if result.applied:
                 self.sched.step()
-            step = self.guard.after_step(step + 1, loss.item(), applied=applied,
-                                         rerun=[(forward, self.policy.backward)])
+            step = self.guard.after_step(step + 1, loss.item(), result, rerun=[(forward, self.policy.backward)])
             if handle is not None:
                 handle.remove()
             self.last[step] = [p.detach().clone() for p in self.model.parameters()]
@@ -64,7 +63,7 @@ class Loop:
 @pytest.mark.parametrize("preset", ["bf16-mixed", "fp16-mixed"])
 def test_an_incident_rewinds_to_the_snapshot_and_backs_off(preset):
     loop = Loop(preset, snapshot_interval=5, backoff_steps=3)
-    scale_before = loop.policy.stats()["loss_scale"]
+    scale_before = loop.policy.summary()["loss_scale"]
     loop.run(12, poison={7})
     (incident,) = loop.guard.incidents
     assert incident["finding"]["module"] == W2 and incident["finding"]["phase"] == "forward"
@@ -80,7 +79,7 @@ def test_an_incident_rewinds_to_the_snapshot_and_backs_off(preset):
     assert loop.lrs[9:] == pytest.approx(schedule[8:12])
     assert loop.opt.param_groups[0]["lr"] == pytest.approx(schedule[12])  # the back-off never sticks
     if scale_before is not None:  # fp16: the scale went back to the snapshot's, then one back-off
-        assert "loss scale" in incident["action"] and loop.policy.stats()["loss_scale"] < scale_before
+        assert "loss scale" in incident["action"] and loop.policy.summary()["loss_scale"] < scale_before
 
 
 @pytest.mark.parametrize("max_norm", [1.0, 0.0])

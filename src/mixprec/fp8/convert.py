@@ -4,11 +4,12 @@
     ...                                  # train; after each optimizer step:
     conversion.after_step()              # delayed scaling: push the amaxes into the history
 
-Which layers: plain nn.Linear modules (not subclasses: the output layer computes the loss
-in its forward) whose dimensions are multiples of 16 (torch's FP8 kernels need them), less
-those matching a pattern of `exclude` (a substring of the module name or an fnmatch glob;
-the default leaves out "output"), and, when given, only those `module_filter_fn(fqn,
-module)` accepts. Every layer left out is logged with its reason.
+Which layers: plain nn.Linear modules (not subclasses: their forward may do more than the
+GEMM) whose dimensions are multiples of 16 (torch's FP8 kernels need them), less the
+model's output projection, whatever it is called (`output_projections`), those matching a
+pattern of `exclude` (a substring of the module name or an fnmatch glob), and, when given,
+only those `module_filter_fn(fqn, module)` accepts. Every layer left out is logged with
+its reason.
 """
 
 from __future__ import annotations
@@ -21,24 +22,48 @@ import torch
 from torch import nn
 
 from mixprec.fp8.gemm import probe
-from mixprec.fp8.linear import FP8Linear, Plan, Tiles
+from mixprec.fp8.linear import FP8Linear, Plan
 from mixprec.fp8.recipe import E4M3, FP8Recipe
 from mixprec.fp8.scaling import DelayedScales
-from mixprec.precision.dtypes import dtype_name
+from mixprec.dtypes import dtype_name
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_EXCLUDE = ("output",)
+DEFAULT_EXCLUDE = ()
 
 
 def matches(fqn: str, patterns) -> str | None:
     return next((p for p in patterns if p in fqn or fnmatch.fnmatchcase(fqn, p)), None)
 
 
-def why_not(fqn: str, module: nn.Module, exclude=DEFAULT_EXCLUDE) -> str | None:
-    """The reason a module stays in the base mode, or None for a layer to convert."""
+def output_projections(model: nn.Module) -> dict[str, str]:
+    """The Linear layers that make the model's logits, by name, with how each was found:
+    the model's own word (Hugging Face's get_output_embeddings()), a weight tied to a token
+    embedding, or else, in a model with token embeddings, the last Linear it registers (where
+    a decoder puts its head; a model without embeddings has no vocabulary to project to).
+    The logits feed a softmax over the vocabulary: FP8 there costs accuracy and saves little."""
+    linears = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    found = {}
+    for fqn, m in linears:
+        if head is not None and m is head:
+            found[fqn] = "the output projection (the model's get_output_embeddings())"
+        elif id(m.weight) in embedded:
+            found[fqn] = "the output projection (its weight is tied to the token embedding)"
+    if not found and linears and embedded:
+        found[linears[-1][0]] = "the output projection (the model's last Linear)"
+    return found
+
+
+def why_not(fqn: str, module: nn.Module, exclude=DEFAULT_EXCLUDE, outputs: dict[str, str] | None = None) -> str | None:
+    """The reason a module stays in the base mode, or None for a layer to convert.
+    outputs: the model's output projections (`output_projections`)."""
     if not isinstance(module, nn.Linear):
         return "not a Linear"
+    if outputs and fqn in outputs:
+        return outputs[fqn]
     if type(module) is not nn.Linear:
         return f"{type(module).__name__} is not a plain nn.Linear (its forward does more than the GEMM)"
     pattern = matches(fqn, exclude)
@@ -100,27 +125,29 @@ class Conversion:
 
 
 def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.dtype,
-                   exclude=DEFAULT_EXCLUDE, module_filter_fn=None, emulate: bool | None = None) -> Conversion:
+                   exclude=DEFAULT_EXCLUDE, module_filter_fn=None, emulate: bool | None = None,
+                   modules=None) -> Conversion:
     """Replace the chosen nn.Linear modules of `model` in place by FP8Linear modules that
     hold the same parameters. Returns the Conversion (and logs it).
+
+    modules: the FQNs to convert, already chosen (a precision layout's); the filters and
+    the left-out log lines are then the chooser's business.
 
     emulate: True runs every GEMM on the emulation (FP32 GEMMs on the FP8 values, the same
     numerics); False or None: torch's kernel wherever the probe finds one. On this project's
     CPUs both ran at the same speed, 0.6-0.7x an FP32 GEMM (benchmarks/bench_gemm.py)."""
     conversion = Conversion(recipe)
-    tiles = Tiles.of(recipe)
     device = next(model.parameters()).device.type
     why = "fp8.emulate = true"
-    for name, (a_tile, b_tile), dtypes in zip(
-            ("forward", "input gradient", "weight gradient"), [g[1:] for g in tiles.gemms()],
-            ((E4M3, E4M3, compute_dtype), (recipe.grad_dtype, E4M3, compute_dtype),
-             (recipe.grad_dtype, E4M3, torch.float32))):
+    for name, (a_tile, b_tile), dtypes in recipe.gemms(compute_dtype):
         conversion.routes[name] = why if emulate else probe(device, a_tile, b_tile, *dtypes)
-    plan = Plan(recipe, tiles, compute_dtype, tuple(why is None for why in conversion.routes.values()))
+    plan = Plan(recipe, recipe.tiles, compute_dtype, tuple(why is None for why in conversion.routes.values()))
+    outputs = output_projections(model)
+    chosen = None if modules is None else set(modules)
     for fqn, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, nn.Linear) or (chosen is not None and fqn not in chosen):
             continue
-        reason = why_not(fqn, module, exclude)
+        reason = None if chosen is not None else why_not(fqn, module, exclude, outputs)
         if reason is None and module_filter_fn is not None and not module_filter_fn(fqn, module):
             reason = "refused by module_filter_fn"
         if reason is not None:

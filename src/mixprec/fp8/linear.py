@@ -20,36 +20,8 @@ import torch
 from torch import nn
 
 from mixprec.fp8.gemm import scaled_mm
-from mixprec.fp8.recipe import E4M3, FP8Recipe, Granularity
+from mixprec.fp8.recipe import E4M3, FP8Recipe, Tiles
 from mixprec.fp8.scaling import DelayedScales, Quantized, amax_to_scale, cast, quantize, resolve_tile, tile_amax
-
-
-@dataclass(frozen=True)
-class Tiles:
-    """The tile of each cast, as `quantize` takes it (0: the whole dimension). None reuses
-    the cast of the role before it: the weight's for dgrad, the gradient's for wgrad."""
-    x: tuple[int, int]
-    w: tuple[int, int]
-    g: tuple[int, int]
-    w_dgrad: tuple[int, int] | None
-    g_wgrad: tuple[int, int] | None
-    x_wgrad: tuple[int, int] | None
-
-    @classmethod
-    def of(cls, recipe: FP8Recipe) -> "Tiles":
-        b = recipe.block
-        if recipe.granularity is Granularity.TENSORWISE:
-            return cls((0, 0), (0, 0), (0, 0), None, None, None)
-        if recipe.granularity is Granularity.ROWWISE:  # each operand along the dimension its GEMM sums over
-            return cls((1, 0), (1, 0), (1, 0), (0, 1), (0, 1), (0, 1))
-        return cls((1, b), (b, b), (1, b), None, (b, 1), (b, 1))  # 128x128 blocks serve W and W^T alike
-
-    def gemms(self):
-        """(name, a tile, b tile) of the three GEMMs, b as the (K, N) operand: what to probe."""
-        swap = lambda t: (t[1], t[0])  # noqa: E731
-        return (("forward", self.x, swap(self.w)),
-                ("input gradient", self.g, self.w_dgrad or self.w),
-                ("weight gradient", swap(self.g_wgrad or self.g), self.x_wgrad or self.x))
 
 
 @dataclass(frozen=True)

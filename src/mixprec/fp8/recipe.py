@@ -1,6 +1,10 @@
 """FP8 training recipes: how each GEMM operand of a converted Linear is scaled and cast.
 
-A recipe is a frozen dataclass; the four named ones are its presets:
+A recipe is a frozen dataclass that carries everything a converted Linear needs: the tile
+of each operand's cast (`tiles`) and the operand and output formats of each of the three
+GEMMs (`gemms`). The four named ones are registered below; a new recipe is one
+`register_recipe(FP8Recipe(...))` (and `mixprec.precision` then knows the preset
+`fp8-<name>`):
 
     recipe = FP8Recipe.from_name("rowwise")
 
@@ -40,6 +44,25 @@ class Scaling(enum.Enum):
 
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+GEMMS = ("forward", "input gradient", "weight gradient")
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The tile of each cast, as `quantize` takes it (0: the whole dimension). None reuses
+    the cast of the role before it: the weight's for dgrad, the gradient's for wgrad."""
+    x: tuple[int, int]
+    w: tuple[int, int]
+    g: tuple[int, int]
+    w_dgrad: tuple[int, int] | None
+    g_wgrad: tuple[int, int] | None
+    x_wgrad: tuple[int, int] | None
+
+    def gemms(self):
+        """(a tile, b tile) of the three GEMMs, b as the (K, N) operand: what to probe."""
+        swap = lambda t: (t[1], t[0])  # noqa: E731
+        return ((self.x, swap(self.w)), (self.g, self.w_dgrad or self.w),
+                (swap(self.g_wgrad or self.g), self.x_wgrad or self.x))
 
 
 @dataclass(frozen=True)
@@ -76,6 +99,29 @@ class FP8Recipe:
     def delayed(self) -> bool:
         return self.scaling is Scaling.DELAYED
 
+    @property
+    def tiles(self) -> Tiles:
+        b = self.block
+        if self.granularity is Granularity.TENSORWISE:
+            return Tiles((0, 0), (0, 0), (0, 0), None, None, None)
+        if self.granularity is Granularity.ROWWISE:  # each operand along the dimension its GEMM sums over
+            return Tiles((1, 0), (1, 0), (1, 0), (0, 1), (0, 1), (0, 1))
+        return Tiles((1, b), (b, b), (1, b), None, (b, 1), (b, 1))  # 128x128 blocks serve W and W^T alike
+
+    def gemms(self, compute_dtype: torch.dtype):
+        """Each GEMM as (name, (a tile, b tile), (a format, b format, output dtype)): the
+        forward and input gradient write the compute dtype, the weight gradient FP32."""
+        formats = ((E4M3, E4M3, compute_dtype), (self.grad_dtype, E4M3, compute_dtype),
+                   (self.grad_dtype, E4M3, torch.float32))
+        return tuple(zip(GEMMS, self.tiles.gemms(), formats))
+
+    @property
+    def backward_fp32_copies(self) -> int:
+        """FP32 copies of an activation an eager backward makes to cast: the gradient, and
+        for scales along M (row- and block-wise) the dequantised input too, besides the
+        input's own widening (measured on the debug flavor; the memory planner counts them)."""
+        return 2 if self.granularity is Granularity.TENSORWISE else 3
+
     def with_options(self, **options) -> "FP8Recipe":
         """The recipe with [fp8] table options applied; options delayed scaling does not use
         are refused for current-scaling recipes only when changed from their defaults."""
@@ -103,9 +149,18 @@ class FP8Recipe:
         return RECIPES[name]
 
 
-RECIPES: dict[str, FP8Recipe] = {
-    "tensorwise": FP8Recipe("tensorwise", Granularity.TENSORWISE, fast_accum=True),
-    "delayed": FP8Recipe("delayed", Granularity.TENSORWISE, Scaling.DELAYED, fast_accum=True),
-    "rowwise": FP8Recipe("rowwise", Granularity.ROWWISE, grad_dtype=E4M3, power_of_2_scales=True),
-    "blockwise": FP8Recipe("blockwise", Granularity.BLOCKWISE, grad_dtype=E4M3, moments_dtype=torch.bfloat16),
-}
+RECIPES: dict[str, FP8Recipe] = {}  # the registry: config, presets and the CLI validate against it
+
+
+def register_recipe(recipe: FP8Recipe) -> FP8Recipe:
+    """Make `recipe` known by its name (fp8.recipe, the preset fp8-<name>)."""
+    if recipe.name in RECIPES and RECIPES[recipe.name] != recipe:
+        raise ValueError(f"an FP8 recipe named {recipe.name!r} is registered already")
+    RECIPES[recipe.name] = recipe
+    return recipe
+
+
+register_recipe(FP8Recipe("tensorwise", Granularity.TENSORWISE, fast_accum=True))
+register_recipe(FP8Recipe("delayed", Granularity.TENSORWISE, Scaling.DELAYED, fast_accum=True))
+register_recipe(FP8Recipe("rowwise", Granularity.ROWWISE, grad_dtype=E4M3, power_of_2_scales=True))
+register_recipe(FP8Recipe("blockwise", Granularity.BLOCKWISE, grad_dtype=E4M3, moments_dtype=torch.bfloat16))

@@ -1,12 +1,15 @@
-"""What a precision policy keeps each kind of tensor in, and the warnings a mode's known
-weaknesses earn, read off the policy's fields (Policy.describe and Policy.__init__ call these)."""
+"""What a precision policy keeps each kind of tensor in, per role and per module, and the
+log lines a mode earns (its path, its known weaknesses), read off the policy's spec and
+layout (Policy.describe, Policy.__init__ and Policy.setup call these)."""
 
 from __future__ import annotations
 
 import logging
 
-from mixprec.precision.dtypes import dtype_name
-from mixprec.precision.presets import BF16, FP16, FP32
+import torch
+
+from mixprec.dtypes import dtype_name
+from mixprec.precision.presets import BF16, FP16, FP32, PRESETS
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +37,59 @@ def describe(policy) -> dict[str, str]:
         policy.optimizer_moments_dtype != FP32 else master,
         "gradient reduction": dtype_name(policy.reduce_dtype),
         "loss scaling": "dynamic" if policy.loss_scale is not None else "none",
+        **({"per-module overrides": "; ".join(map(str, policy.spec.overrides))} if policy.spec.overrides else {}),
     }
+
+
+def describe_modules(layout) -> str:
+    """The per-module table: module, its parameters' dtype, its matmuls' compute, and why."""
+    rows = [("module", "stored", "compute", "why")] + layout.table()
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}" for r in rows)
+
+
+def policy_repr(policy) -> str:
+    return (f"Policy({policy.name}: storage_dtype={dtype_name(policy.storage_dtype)}, "
+            f"param_dtype={dtype_name(policy.param_dtype)}, reduce_dtype={dtype_name(policy.reduce_dtype)}"
+            f"{', master_weights' if policy.master_weights else ''}"
+            f"{', loss scaling' if policy.loss_scale is not None else ''}"
+            f"{f', {policy.update} updates' if policy.update else ''}"
+            f"{f', fp8 {policy.fp8.name}' if policy.fp8 is not None else ''}"
+            f"{f', {len(policy.spec.overrides)} per-module overrides' if policy.spec.overrides else ''})")
+
+
+def log_path(policy) -> None:
+    """Which mechanism applies the mode: fully_shard, autocast, or none."""
+    if policy.sharded:
+        logger.info("Mixed precision training is handled by fully_shard: %s parameters sharded in %s%s, "
+                    "all-gathered in %s, gradients reduced in %s", policy.name, dtype_name(policy.storage_dtype),
+                    " (they are the master weights)" if policy.master_weights else "",
+                    dtype_name(policy.param_dtype), dtype_name(policy.reduce_dtype))
+    elif policy.uses_autocast:
+        logger.info("Mixed precision training is handled by AMP: torch.autocast(%s, %s) over %s parameters%s",
+                    policy.device_type, dtype_name(policy.param_dtype), dtype_name(policy.storage_dtype),
+                    " with float32 master weights" if policy.master_weights else "")
+    else:
+        logger.info("Mixed precision training is disabled: %s (%s)", policy.name,
+                    PRESETS[policy.name].summary if policy.name in PRESETS else "custom")
+    if policy.scaling is not None:
+        logger.info("[MIXED PRECISION] training with %s, loss scale %g", policy.name, policy.scaling.value)
+
+
+def warn_optimizer(policy, optimizer) -> None:
+    """What the optimizer does not do that the mode wants, or does that the mode cannot take."""
+    moments = policy.optimizer_moments_dtype
+    if moments != FP32 and optimizer is not None and getattr(optimizer, "moments_dtype", FP32) != moments:
+        logger.warning("%s keeps AdamW moments in %s (DeepSeek-V3's memory layout); this %s keeps its own: "
+                       "mixprec.optim.AdamW(..., moments_dtype=torch.%s) does it", policy.name, dtype_name(moments),
+                       type(optimizer).__name__, dtype_name(moments))
+    tiny_eps = [g["eps"] for g in (optimizer.param_groups if optimizer is not None else []) if "eps" in g
+                and torch.tensor(g["eps"], dtype=FP16).item() == 0]
+    if policy.storage_dtype == FP16 and not policy.master_weights and tiny_eps:
+        # Adam divides by sqrt(v) + eps: a parameter whose gradient is exactly 0 (an
+        # embedding row no token used) gets 0 / 0 = NaN in its first float16 update.
+        logger.warning("%s: optimizer eps %g is 0 in float16, so a zero gradient gives a NaN update; "
+                       "use eps >= 6e-8 (1e-4 is usual for float16 states)", policy.name, tiny_eps[0])
 
 
 def warn_known_bad(policy) -> None:

@@ -1,35 +1,5 @@
-"""The one place where dtype names are parsed."""
+"""Dtype names for the precision package (they live in mixprec.dtypes, below every package)."""
 
-from __future__ import annotations
+from mixprec.dtypes import dtype_name, parse_dtype
 
-import torch
-
-from mixprec.errors import UserError
-
-# Names users type (TorchTitan spells them out, Lightning and Accelerate abbreviate).
-_BY_NAME = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-_CANONICAL = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def parse_dtype(value: str | torch.dtype, field: str) -> torch.dtype:
-    """`value` as a torch dtype; a UserError naming `field` when it is not one we train in."""
-    if isinstance(value, torch.dtype):
-        if value in _CANONICAL:
-            return value
-        raise UserError(f"{field}: dtype {value} is not supported; accepted: {', '.join(_CANONICAL.values())}")
-    dtype = _BY_NAME.get(str(value).strip().lower())
-    if dtype is None:
-        raise UserError(f"{field}: unknown dtype {value!r}; accepted: {', '.join(_BY_NAME)}")
-    return dtype
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return _CANONICAL.get(dtype, str(dtype).removeprefix("torch."))
+__all__ = ["dtype_name", "parse_dtype"]

@@ -1,12 +1,15 @@
-"""The precision policy: the user's words parsed once into one object whose hooks
-the training loop calls. Nothing else in mixprec branches on a precision name.
+"""The precision policy: a PrecisionSpec put to work. It owns the lifecycle (setup, autocast,
+backward, step, state) and hands each concern to a part that keeps its own state: loss
+scaling with its fallback, master weights, the update rule, module formats (FP8 and
+per-module compute), matmul emulation and TF32. Nothing else in mixprec branches on a
+precision name.
 
     policy = Policy.from_preset("bf16-mixed")
     model, optimizer = policy.setup(model, optimizer)
     with policy.autocast():
         loss = model(x, y)
     policy.backward(loss)
-    applied = policy.step(optimizer, max_norm=1.0)
+    result = policy.step(optimizer, max_norm=1.0)   # a StepResult; truthy when applied
 """
 
 from __future__ import annotations
@@ -14,154 +17,106 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from dataclasses import replace
 
 import torch
 
+from mixprec.dtypes import dtype_name, parse_dtype
 from mixprec.errors import UserError
-from mixprec.fp8.convert import DEFAULT_EXCLUDE, convert_to_fp8
 from mixprec.fp8.recipe import FP8Recipe
-from mixprec.optim.updates import METHODS as UPDATE_METHODS
 from mixprec.optim.updates import BF16Updates
-from mixprec.precision.describe import describe, warn_known_bad
-from mixprec.precision.dtypes import dtype_name, parse_dtype
-from mixprec.precision.emulation import EmulatedMatmul
+from mixprec.precision import describe as _describe
+from mixprec.precision.conversion import ModuleFormats
+from mixprec.precision.emulation import Emulation, has_fast_matmul
 from mixprec.precision.grad_norm import grad_norm
-from mixprec.precision.loss_scaler import LossScaleConfig, LossScaler
-from mixprec.precision.master import MasterWeights, cast_parameters, is_norm
-from mixprec.precision.monitor import ScaleMonitor
-from mixprec.precision.presets import BF16, FP16, FP32, FP8_BASES, PRESETS, resolve_preset_name
+from mixprec.precision.layout import Layout, resolve
+from mixprec.precision.loss_scaling import LossScaling
+from mixprec.precision.master import MasterWeights, cast_parameters
+from mixprec.precision.presets import BF16, FP32, PRESETS, name_of, resolve_preset_name
+from mixprec.precision.scaling_config import LossScaleConfig
+from mixprec.precision.spec import PrecisionSpec, Update
+from mixprec.precision.step import StepResult
 from mixprec.precision.tf32 import set_tf32, tf32_active
 
 logger = logging.getLogger(__name__)
-
-def has_fast_matmul(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether `dtype` matmuls have a native fast kernel on this device. A CPU without
-    AVX512-BF16 or AMX emulates BF16 (measured on an AVX2 CPU: 16 GFLOP/s vs 140 in
-    FP32); FP16 needs AMX-FP16."""
-    if dtype == FP32:
-        return True
-    if device_type == "cuda":
-        return torch.cuda.is_available() and (dtype == FP16 or torch.cuda.is_bf16_supported())
-    if device_type == "cpu":
-        if dtype == BF16:
-            return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-        return torch.cpu._is_amx_fp16_supported()
-    return True
+__all__ = ["Policy", "StepResult", "has_fast_matmul"]
 
 
 class Policy:
-    """Where each tensor lives, in which dtype, and the hooks that keep it there.
+    """`spec` says what each tensor is in; the keywords are run settings. loss_scale: the
+    scaler's settings for a spec with loss scaling; emulate_matmul: None decides at setup;
+    tf32: FP32 matmuls on CUDA as TF32; fp8_exclude / fp8_emulate: FP8 layers' filter and
+    GEMM route; update_seed: keys bf16-sr. Without a spec, the spec's fields may be given
+    as keywords (Policy(param_dtype="bfloat16"))."""
 
-    storage_dtype: the model's parameters (and, without master weights, gradients and
-        optimizer states).
-    param_dtype: compute; torch.autocast does the cast where it differs from storage.
-    reduce_dtype: gradient reduction across data-parallel ranks.
-    master_weights: FP32 copies of the parameters live with the optimizer; norm layers
-        stay FP32 in the model (Apex O2).
-    loss_scale: dynamic loss scaling and fallback settings; None disables scaling.
-    emulate_matmul: run BF16/FP16 matmuls as FP32 GEMMs on the rounded operands
-        (mixprec.precision.emulation); None decides at setup: on without a native kernel.
-    tf32: FP32 matmuls on CUDA run as TF32 (set process-wide at setup). Off, the policy
-        leaves torch's setting alone and warns when something else turned TF32 on.
-    fp8: an FP8 recipe (mixprec.fp8) for the Linear layers that `fp8_exclude` and the
-        default filter leave (not the output layer); everything else computes as above.
-    update: how a low-precision model without master weights takes its updates
-        (mixprec.optim.updates): "kahan" (a compensation buffer per parameter) or
-        "stochastic" (stochastic rounding to bfloat16, keyed by `update_seed`); None: rounded
-        to nearest.
-    """
-
-    def __init__(self, param_dtype=FP32, reduce_dtype=FP32, storage_dtype=FP32, *, master_weights: bool = False,
-                 loss_scale: LossScaleConfig | None = None, emulate_matmul: bool | None = None, tf32: bool = False,
-                 fp8: FP8Recipe | None = None, fp8_exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
-                 fp8_emulate: bool | None = None, update: str | None = None, update_seed: int = 0):
-        self.param_dtype = parse_dtype(param_dtype, "param_dtype")
-        self.reduce_dtype = parse_dtype(reduce_dtype, "reduce_dtype")
-        self.storage_dtype = parse_dtype(storage_dtype, "storage_dtype")
-        if self.storage_dtype != FP32 and self.param_dtype != self.storage_dtype:
-            raise UserError(
-                f"param_dtype {dtype_name(self.param_dtype)} with storage_dtype {dtype_name(self.storage_dtype)}: "
-                f"a {dtype_name(self.storage_dtype)} model computes in {dtype_name(self.storage_dtype)}; "
-                "accepted: param_dtype equal to storage_dtype, or storage_dtype float32"
-            )
-        if master_weights and self.storage_dtype == FP32:
-            raise UserError("master_weights with storage_dtype float32: the parameters are already float32; "
-                            "accepted: storage_dtype float16 or bfloat16")
-        self.master_weights = master_weights
-        if update is not None:
-            if update not in UPDATE_METHODS:
-                raise UserError(f"update {update!r}: accepted {', '.join(UPDATE_METHODS)}")
-            wanted = BF16 if update == "stochastic" else None
-            if self.storage_dtype == FP32 or master_weights or (wanted and self.storage_dtype != wanted):
-                raise UserError(f"{update} updates need a {dtype_name(wanted) if wanted else 'low-precision'} model "
-                                f"without master weights (storage_dtype {dtype_name(self.storage_dtype)}"
-                                f"{', master_weights' if master_weights else ''}); accepted: bf16-kahan, bf16-sr")
-        self.update, self.update_seed, self._updates = update, update_seed, None
-        self.loss_scale = loss_scale
-        self.tf32 = tf32
-        self.fp8, self.fp8_exclude, self.fp8_emulate, self._fp8 = fp8, tuple(fp8_exclude), fp8_emulate, None
-        self.fallback_to: str | None = None  # chosen at setup from loss_scale.fallback_to
-        self._emulate_requested = self.emulate_matmul = emulate_matmul
-        self.requested = self.name = self._match_preset()
-        if fp8 is not None and (loss_scale is not None or self.param_dtype == FP16):
-            # a float16 mode may fall back to another precision mid-run; the FP8 layers' output dtype is fixed
-            raise UserError(f"fp8 recipe {fp8.name!r} on {self.name.split('+')[0]}: FP8 recipes build on "
-                            f"{', '.join(FP8_BASES)}")
-        self.device_type: str | None = None
-        self._model = self._optimizer = self._master = self._scaler = None
-        self._steps = self._skipped = self._nonfinite = 0
-        self._last_grad_norm: float | None = None
-        self._last_overflow = self._last_clipped = False
-        self._monitor = ScaleMonitor()
-        self._fallback_step: int | None = None
+    def __init__(self, spec: PrecisionSpec | None = None, *, loss_scale: LossScaleConfig | None = None,
+                 emulate_matmul: bool | None = None, tf32: bool = False, fp8_exclude: tuple[str, ...] = (),
+                 fp8_emulate: bool | None = None, update_seed: int = 0, **fields):
+        if spec is None:
+            fields.setdefault("loss_scaling", loss_scale is not None)
+            if fields.get("update") is None:
+                fields.pop("update", None)
+            spec = PrecisionSpec(**fields)
+        elif fields:
+            raise TypeError(f"Policy got both a spec and its fields {sorted(fields)}")
+        self.spec = spec
+        self.loss_scale = (loss_scale or LossScaleConfig()) if spec.loss_scaling else None
+        self.tf32, self.fp8_exclude, self.fp8_emulate, self.update_seed = tf32, tuple(fp8_exclude), fp8_emulate, update_seed
+        self.requested = self.name = name_of(spec)
         self.sharded = False  # set by fsdp_mixed_precision(): fully_shard does the casts
-        warn_known_bad(self)
+        self.device_type: str | None = None
+        self.layout: Layout | None = None
+        self.emulation = Emulation(emulate_matmul)
+        self.formats = self.scaling = self.masters = self.updates = None
+        self._model = self._optimizer = None
+        self.counts = {"steps": 0, "skipped": 0, "nonfinite": 0, "overflows": 0}
+        self._fallback_step: int | None = None
+        _describe.warn_known_bad(self)
 
     @classmethod
-    def from_preset(cls, name: str, *, labels: dict[str, str] | None = None, emulate_matmul: bool | None = None,
-                    loss_scale: LossScaleConfig | None = None, tf32: bool = False, fp8_recipe: str = "",
-                    fp8_options: dict | None = None, fp8_exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
-                    fp8_emulate: bool | None = None, update_seed: int = 0, **overrides) -> "Policy":
-        """A preset by name or alias. `overrides` may change the fields a preset only
-        defaults (reduce_dtype); one that contradicts the preset's own fields is an error
-        naming both. `labels` names each override as the user wrote it (for messages).
-        `fp8_recipe` adds an FP8 recipe to a preset without one; `fp8_options` are the
-        recipe's tunable fields (amax_history_len, ...). `update_seed` keys bf16-sr's rounding."""
+    def from_preset(cls, name: str, *, labels: dict[str, str] | None = None, fp8_recipe: str = "",
+                    fp8_options: dict | None = None, overrides=(), **settings) -> Policy:
+        """A preset by name or alias. Keywords: the run settings of Policy(), plus `reduce_dtype`
+        (a field a preset only defaults), `storage_dtype` / `param_dtype` (which must agree with
+        the preset: an error naming both otherwise), `fp8_recipe` (a recipe on a preset without
+        one) with `fp8_options` (its tunable fields), and `overrides` (per-module rules).
+        `labels` names each field as the user wrote it (for messages)."""
         labels = labels or {}
         preset_name = resolve_preset_name(name, labels.get("preset", "preset"))
-        preset = PRESETS[preset_name]
-        fields = {"storage_dtype": preset.storage_dtype, "param_dtype": preset.param_dtype, "reduce_dtype": FP32}
-        for key, value in overrides.items():
-            if key not in fields:
-                raise TypeError(f"Policy.from_preset got an unexpected field {key!r}")
-            label = labels.get(key, key)
-            dtype = parse_dtype(value, label)
-            if key != "reduce_dtype" and dtype != fields[key]:
-                raise UserError(
-                    f"{labels.get('preset', 'preset')} = {name!r} contradicts {label} = {dtype_name(dtype)!r}: "
-                    f"{preset_name} has {key} {dtype_name(fields[key])}; drop one of the two"
-                )
-            fields[key] = dtype
-        scaling = (loss_scale or LossScaleConfig()) if preset.loss_scaling else None
-        if preset.fp8 and fp8_recipe and fp8_recipe != preset.fp8:
+        spec = PRESETS[preset_name]
+        for key in ("storage_dtype", "param_dtype", "reduce_dtype"):
+            if key not in settings:
+                continue
+            label, dtype = labels.get(key, key), parse_dtype(settings.pop(key), labels.get(key, key))
+            if key != "reduce_dtype" and dtype != getattr(spec, key):
+                raise UserError(f"{labels.get('preset', 'preset')} = {name!r} contradicts {label} = "
+                                f"{dtype_name(dtype)!r}: {preset_name} has {key} {dtype_name(getattr(spec, key))}; "
+                                "drop one of the two")
+            spec = replace(spec, **{key: dtype})
+        if spec.fp8 and fp8_recipe and fp8_recipe != spec.fp8.name:
             raise UserError(f"{labels.get('preset', 'preset')} = {name!r} contradicts fp8.recipe = {fp8_recipe!r}: "
-                            f"{preset_name} has the {preset.fp8} recipe; drop one of the two")
-        recipe_name = preset.fp8 or fp8_recipe
-        recipe = FP8Recipe.from_name(recipe_name).with_options(**(fp8_options or {})) if recipe_name else None
-        return cls(**fields, master_weights=preset.master_weights, loss_scale=scaling, emulate_matmul=emulate_matmul,
-                   tf32=tf32, fp8=recipe, fp8_exclude=fp8_exclude, fp8_emulate=fp8_emulate,
-                   update=preset.update or None, update_seed=update_seed)
-
-    def _match_preset(self) -> str:
-        key = (self.storage_dtype, self.param_dtype, self.master_weights, self.loss_scale is not None, self.update or "")
-        base = next((name for name, p in PRESETS.items() if not p.fp8
-                     and (p.storage_dtype, p.param_dtype, p.master_weights, p.loss_scaling, p.update) == key), "custom")
-        if self.fp8 is None:
-            return base
-        fp8_name = f"fp8-{self.fp8.name}"
-        return fp8_name if base == "bf16-mixed" and fp8_name in PRESETS else f"{base}+{fp8_name}"
+                            f"{preset_name} has the {spec.fp8.name} recipe; drop one of the two")
+        recipe = spec.fp8 or (FP8Recipe.from_name(fp8_recipe) if fp8_recipe else None)
+        if recipe is not None:
+            recipe = recipe.with_options(**(fp8_options or {}))
+        spec = replace(spec, fp8=recipe, overrides=tuple(overrides))
+        return cls(spec, **settings)
 
     # ---- what the policy promises -------------------------------------------------
+    storage_dtype = property(lambda self: FP32 if self.sharded and self.spec.master_weights
+                             else self.spec.storage_dtype,
+                             doc="The parameters' dtype (under fully_shard the FP32 shards are the masters).")
+    param_dtype = property(lambda self: self.spec.param_dtype, doc="Matmul compute.")
+    reduce_dtype = property(lambda self: self.spec.reduce_dtype, doc="Gradient reduction across ranks.")
+    master_weights = property(lambda self: self.spec.master_weights)
+    fp8 = property(lambda self: self.spec.fp8, doc="The base mode's FP8 recipe, or None.")
+    update = property(lambda self: None if self.spec.update is Update.NEAREST else self.spec.update.value)
+    emulate_matmul = property(lambda self: self.emulation.active)
+    optimizer_moments_dtype = property(
+        lambda self: self.spec.moments_dtype if self.spec.fp8 is not None else FP32,
+        doc="Moments narrower than the weights that the mode asks the optimizer for (fp8-blockwise: bfloat16).")
+    fp8_conversion = property(lambda self: self.formats.main if self.formats is not None else None)
+
     @property
     def uses_autocast(self) -> bool:
         # A master-weights model mixes FP32 norms with low-precision weights: autocast
@@ -173,12 +128,17 @@ class Policy:
         casts to fully_shard and never autocasts on top of them (that would cast twice)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
+        wider = [str(o) for o in self.spec.overrides if o.compute == FP32 and self.param_dtype != FP32]
+        if wider:
+            raise UserError(f"precision.override {wider[0]} under fully_shard: the block's parameters are "
+                            f"all-gathered in {dtype_name(self.param_dtype)}, so the layer cannot compute in float32; "
+                            "accepted: bfloat16 or FP8 overrides, or data_parallel_shard_degree 1")
         self.sharded = True
-        if self.master_weights:
-            # The sharded FP32 parameters are the master weights: the optimizer steps them,
-            # fully_shard all-gathers them in param_dtype. No second copy is needed, and
-            # fp16-master computes exactly what fp16-mixed computes under FSDP.
-            self.storage_dtype = FP32
+        if self.layout is not None and self.spec.master_weights:
+            # The sharded FP32 parameters are the master weights: no second copy is needed,
+            # and fp16-master computes exactly what fp16-mixed computes under FSDP.
+            self.layout = replace(self.layout, modules={f: replace(m, storage=FP32)
+                                                        for f, m in self.layout.modules.items()})
         compute = self.param_dtype if self.param_dtype != self.storage_dtype else None
         return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=self.reduce_dtype)
 
@@ -192,36 +152,29 @@ class Policy:
         """What the matmuls really compute in: param_dtype, or tf32 for FP32 matmuls as TF32."""
         return "tfloat32" if self.param_dtype == FP32 and self.tf32_active else dtype_name(self.param_dtype)
 
-    @property
-    def optimizer_moments_dtype(self) -> torch.dtype:
-        """The dtype the mode keeps AdamW's moments in beside FP32 weights (bfloat16 under
-        fp8-blockwise, as DeepSeek-V3; mixprec.optim.AdamW keeps them so)."""
-        return self.fp8.moments_dtype if self.fp8 is not None and self.storage_dtype == FP32 else FP32
-
     def describe(self) -> dict[str, str]:
         """Which dtype each kind of tensor is kept in under this policy."""
-        return describe(self)
+        return _describe.describe(self)
 
     def __repr__(self) -> str:
-        return (f"Policy({self.name}: storage_dtype={dtype_name(self.storage_dtype)}, "
-                f"param_dtype={dtype_name(self.param_dtype)}, reduce_dtype={dtype_name(self.reduce_dtype)}"
-                f"{', master_weights' if self.master_weights else ''}"
-                f"{', loss scaling' if self.loss_scale is not None else ''}"
-                f"{f', {self.update} updates' if self.update else ''}"
-                f"{f', fp8 {self.fp8.name}' if self.fp8 is not None else ''})")
+        return _describe.policy_repr(self)
 
     # ---- hooks ----------------------------------------------------------------------
-    def prepare_model(self, model: torch.nn.Module) -> None:
-        """The model rewrites the mode needs before anything wraps the model (compile,
-        fully_shard): the FP8 conversion. Runs once; setup calls it when nobody did."""
-        if self.fp8 is not None and self._fp8 is None:
-            self._fp8 = convert_to_fp8(model, self.fp8, compute_dtype=self.param_dtype, exclude=self.fp8_exclude,
-                                       emulate=self.fp8_emulate)
+    def prepare_model(self, model: torch.nn.Module) -> Layout:
+        """Resolve the spec against `model` into its per-module layout and apply it (FP8
+        conversion, per-module compute) before anything wraps the model (compile,
+        fully_shard). Runs once; setup calls it when nobody did."""
+        if self.layout is None:
+            first = next(model.parameters(), None)
+            self.device_type = first.device.type if first is not None else "cpu"
+            self.layout = resolve(self.spec, model, exclude=self.fp8_exclude, sharded=self.sharded)
+            self.formats = ModuleFormats(self.layout, self.fp8_emulate)
+            self.formats.apply(model, self.device_type)
+        return self.layout
 
-    @property
-    def fp8_conversion(self):
-        """The mixprec.fp8.Conversion made at setup (layers, reasons, GEMM routes), or None."""
-        return self._fp8
+    def will_emulate(self, device_type: str) -> bool:
+        """Whether setup on `device_type` emulates this policy's low-precision matmuls."""
+        return self.emulation.will_emulate(device_type, self.spec.low_precision_dtypes)
 
     def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
         """Cast the parameters in place (the same Parameter objects, so an optimizer built
@@ -231,80 +184,34 @@ class Policy:
             raise ValueError("Policy.setup needs an optimizer that has not stepped yet")
         if (self.master_weights or self.update) and optimizer is None:
             raise ValueError(f"{self.name} changes how the optimizer updates the weights: pass it to Policy.setup")
-        first = next(model.parameters(), None)
-        self.device_type = first.device.type if first is not None else "cpu"
+        layout = self.prepare_model(model)
         self._model, self._optimizer = model, optimizer
-        self.prepare_model(model)
-        moments = self.optimizer_moments_dtype
-        if moments != FP32 and optimizer is not None and getattr(optimizer, "moments_dtype", FP32) != moments:
-            logger.warning("%s keeps AdamW moments in %s (DeepSeek-V3's memory layout); this %s keeps its own: "
-                           "mixprec.optim.AdamW(..., moments_dtype=torch.%s) does it", self.name, dtype_name(moments),
-                           type(optimizer).__name__, dtype_name(moments))
-        cast_parameters(model, self.storage_dtype, keep_fp32=is_norm if self.master_weights else None)
+        _describe.warn_optimizer(self, optimizer)
+        fp32_modules = {fqn for fqn, m in layout.modules.items() if m.storage == FP32}
+        cast_parameters(model, self.storage_dtype, keep_fp32=lambda fqn, m: fqn in fp32_modules)
         if self.master_weights and not self.sharded:
-            self._master = MasterWeights(model, optimizer)
+            self.masters = MasterWeights(model, optimizer)
         if self.update:
-            self._updates = BF16Updates(optimizer, self.update, seed=self.update_seed)  # logs its path
-        tiny_eps = [g["eps"] for g in (optimizer.param_groups if optimizer is not None else []) if "eps" in g
-                    and torch.tensor(g["eps"], dtype=FP16).item() == 0]
-        if self.storage_dtype == FP16 and not self.master_weights and tiny_eps:
-            # Adam divides by sqrt(v) + eps: a parameter whose gradient is exactly 0 (an
-            # embedding row no token used) gets 0 / 0 = NaN in its first float16 update.
-            logger.warning("%s: optimizer eps %g is 0 in float16, so a zero gradient gives a NaN update; "
-                           "use eps >= 6e-8 (1e-4 is usual for float16 states)", self.name, tiny_eps[0])
+            self.updates = BF16Updates(optimizer, self.update, seed=self.update_seed)  # logs its path
         if self.loss_scale is not None:
-            self._scaler = LossScaler(first.device if first is not None else "cpu", config=self.loss_scale)
-            self.fallback_to = self.loss_scale.fallback_to
-            if self.fallback_to == "auto":
-                self.fallback_to = "bf16-mixed" if has_fast_matmul(self.device_type, BF16) else "fp32"
-            if self.sharded:
-                # fully_shard fixes its MixedPrecisionPolicy when it wraps the model: a switch
-                # of precision mid-run would leave it all-gathering the old dtype.
-                logger.warning("precision: no automatic fallback under fully_shard: overflowing steps are skipped "
-                               "and the loss scale halves down to %g; to change precision, resume the last "
-                               "checkpoint with another precision.preset", self.loss_scale.min_scale)
-                self.fallback_to = None
-        if self.sharded:
-            logger.info("Mixed precision training is handled by fully_shard: %s parameters sharded in %s%s, "
-                        "all-gathered in %s, gradients reduced in %s", self.name, dtype_name(self.storage_dtype),
-                        " (they are the master weights)" if self.master_weights else "",
-                        dtype_name(self.param_dtype), dtype_name(self.reduce_dtype))
-        elif self.uses_autocast:
-            logger.info("Mixed precision training is handled by AMP: torch.autocast(%s, %s) over %s parameters%s",
-                        self.device_type, dtype_name(self.param_dtype), dtype_name(self.storage_dtype),
-                        " with float32 master weights" if self.master_weights else "")
-        else:
-            logger.info("Mixed precision training is disabled: %s (%s)", self.name, PRESETS[self.name].summary
-                        if self.name in PRESETS else "custom")
-        if self._scaler is not None:
-            logger.info("[MIXED PRECISION] training with %s, loss scale %g", self.name, self._scaler.get_scale())
+            self.scaling = LossScaling(self.loss_scale, next(model.parameters()).device, self._fallback_target())
+        _describe.log_path(self)
         set_tf32(self.device_type, self.tf32)
-        self._choose_emulation()
+        self.emulation.choose(self.device_type, self.spec.low_precision_dtypes)
         return model, optimizer
 
-    def will_emulate(self, device_type: str) -> bool:
-        """Whether setup on `device_type` emulates this policy's matmuls."""
-        if self.param_dtype == FP32:
-            return False
-        if self._emulate_requested is None:
-            return not has_fast_matmul(device_type, self.param_dtype)
-        return self._emulate_requested
-
-    def _choose_emulation(self) -> None:
-        self.emulate_matmul = self.will_emulate(self.device_type)
-        if self.param_dtype == FP32:
-            return
-        native = has_fast_matmul(self.device_type, self.param_dtype)
-        if self._emulate_requested is None:
-            if self.emulate_matmul:
-                logger.info(
-                    "%s matmuls are emulated: float32 GEMMs on %s operands, %s results (the same numbers up to "
-                    "summation order), because this %s has no native %s GEMM; precision.emulate_matmul = false "
-                    "uses the native kernel", *[dtype_name(self.param_dtype)] * 3, self.device_type,
-                    dtype_name(self.param_dtype))
-        elif not self.emulate_matmul and not native:
-            logger.warning("%s matmuls on this %s have no native kernel and are not emulated: expect them "
-                           "5-100x slower than float32", dtype_name(self.param_dtype), self.device_type)
+    def _fallback_target(self) -> str | None:
+        target = self.loss_scale.fallback_to
+        if target == "auto":
+            target = "bf16-mixed" if has_fast_matmul(self.device_type, BF16) else "fp32"
+        if target and self.sharded:
+            # fully_shard fixes its MixedPrecisionPolicy when it wraps the model: a switch
+            # of precision mid-run would leave it all-gathering the old dtype.
+            logger.warning("precision: no automatic fallback under fully_shard: overflowing steps are skipped "
+                           "and the loss scale halves down to %g; to change precision, resume the last "
+                           "checkpoint with another precision.preset", self.loss_scale.min_scale)
+            return None
+        return target
 
     def autocast(self, device_type: str | None = None):
         """Context for the forward pass and the loss."""
@@ -312,162 +219,124 @@ class Policy:
         if self.uses_autocast:
             device_type = device_type or self.device_type or ("cuda" if torch.cuda.is_available() else "cpu")
             stack.enter_context(torch.autocast(device_type, dtype=self.param_dtype))
-        stack.enter_context(self._emulation())
+        stack.enter_context(self.emulation.context())
         return stack
 
-    def _emulation(self):
-        if self.emulate_matmul:
-            return EmulatedMatmul()
-        return contextlib.nullcontext()
-
     def backward(self, loss: torch.Tensor) -> None:
-        with self._emulation():
-            (self._scaler.scale(loss) if self._scaler is not None else loss).backward()
+        with self.emulation.context():
+            (self.scaling.scale(loss) if self.scaling is not None else loss).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None) -> StepResult:
         """Unscale, clip to `max_norm` (when given) on the true gradients, step unless a
         gradient overflowed, update the loss scale, clear the gradients. A skipped step
-        changes no parameter, optimizer state or step count. Returns whether it was applied."""
+        changes no parameter, optimizer state or step count."""
         self._optimizer = optimizer
-        if self._master is not None:
-            self._master.grads_to_master()
-        overflow = False
-        if self._scaler is not None:
-            self._scaler.unscale_(optimizer)
-            overflow = self._scaler.found_inf
+        if self.masters is not None:
+            self.masters.grads_to_master()
+        overflow = self.scaling.unscale(optimizer) if self.scaling is not None else False
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         norm, groups = grad_norm(params)
         # the one host sync of a step; the norm is the same on every rank, so is the choice
-        self._last_grad_norm = norm.float().item()
+        norm_value = norm.float().item()
         # Without a loss scaler nothing else guards the weights: an inf or NaN anywhere in
         # the gradients makes the global norm non-finite, and that step is skipped too.
-        nonfinite = not overflow and not math.isfinite(self._last_grad_norm)
-        self._last_clipped = bool(max_norm) and not (overflow or nonfinite) and self._last_grad_norm > max_norm
-        if not (overflow or nonfinite):
+        nonfinite = not overflow and not math.isfinite(norm_value)
+        applied = not (overflow or nonfinite)
+        clipped = bool(max_norm) and applied and norm_value > max_norm
+        if applied:
             if max_norm:
                 for group in groups:
                     torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
-            if self._updates is not None:
-                self._updates.step()  # in chunks: FP32 working copies of part of the model at a time
+            if self.updates is not None:
+                self.updates.step()  # in chunks: FP32 working copies of part of the model at a time
             else:
                 optimizer.step()
-            if self._master is not None:
-                self._master.master_to_model()
+            if self.masters is not None:
+                self.masters.master_to_model()
         optimizer.zero_grad(set_to_none=True)
-        if self._fp8 is not None:
-            self._fp8.after_step()
-        self._steps += 1
-        self._last_overflow = overflow
-        self._skipped += overflow or nonfinite
+        if self.formats is not None:
+            self.formats.after_step()
+        c = self.counts
+        c["steps"] += 1
+        c["skipped"] += not applied
+        c["overflows"] += overflow
         if nonfinite:
-            self._nonfinite += 1
-            if self._nonfinite <= 10 or self._nonfinite % 100 == 0:
+            c["nonfinite"] += 1
+            if c["nonfinite"] <= 10 or c["nonfinite"] % 100 == 0:
                 logger.warning("[NONFINITE] step %d: gradient norm %s: step skipped (weights, optimizer state and "
-                               "learning-rate schedule untouched; %d such steps so far)", self._steps,
-                               self._last_grad_norm, self._nonfinite)
-        if self._scaler is not None:
-            before = self._scaler.get_scale()
-            self._scaler.update()
-            after = self._scaler.get_scale()
-            self._monitor.record(self._steps, overflow, before, after, self.loss_scale.growth_interval)
-            at_minimum = overflow and before <= self.loss_scale.min_scale
-            after_n = self.loss_scale.fallback_after
-            if self.fallback_to and (at_minimum or (after_n and self._monitor.consecutive >= after_n)):
-                reason = (f"at the minimum loss scale {before:g}" if at_minimum
-                          else f"after {self._monitor.consecutive} consecutive overflows")
-                self._fall_back(reason)
-        return not (overflow or nonfinite)
-
-    @property
-    def last_overflow(self) -> bool:
-        """The loss scaler skipped the last step for an overflow (its business, not an incident)."""
-        return self._last_overflow
-
-    @property
-    def last_clipped(self) -> bool:
-        """Clipping scaled the last step's gradients down (its norm was above max_norm)."""
-        return self._last_clipped
-
-    @property
-    def last_grad_norm(self) -> float | None:
-        """The last step's global gradient norm (already on the host)."""
-        return self._last_grad_norm
+                               "learning-rate schedule untouched; %d such steps so far)", c["steps"], norm_value,
+                               c["nonfinite"])
+        fallback = self.scaling.update(c["steps"], overflow) if self.scaling is not None else None
+        if fallback:
+            self._fall_back(self.scaling.fallback_to, fallback)
+        return StepResult(applied, overflow, nonfinite, clipped, norm_value,
+                          self.scaling.value if self.scaling is not None else None, self.name, fallback)
 
     def back_off_loss_scale(self) -> tuple[float, float] | None:
         """Multiply the loss scale by loss_scale.backoff_factor (after a rewind); (before, after),
         or None without a scaler."""
-        if self._scaler is None:
-            return None
-        before = self._scaler.get_scale()
-        self._scaler.update(max(self.loss_scale.min_scale, before * self.loss_scale.backoff_factor))
-        return before, self._scaler.get_scale()
+        return self.scaling.back_off() if self.scaling is not None else None
 
-    def _fall_back(self, reason: str | None) -> None:
-        """Switch to `fallback_to`, keeping the FP32 weights and optimizer state."""
-        old, target = self.name, PRESETS[self.fallback_to]
-        if self._master is not None:
-            self._master.release()
-            self._master = None
+    def _fall_back(self, target: str, reason: str | None) -> None:
+        """Swap the spec for `target`'s, keeping the FP32 weights and optimizer state: the
+        master-weights and loss-scaling parts go."""
+        old = self.name
+        if self.masters is not None:
+            self.masters.release()
+            self.masters = None
         cast_parameters(self._model, FP32)
-        optimizer_states = self._optimizer.state.values() if self._optimizer is not None else []
-        for state in optimizer_states:  # FP16 states of a model without masters
-            for key, t in state.items():
+        for state in self._optimizer.state.values() if self._optimizer is not None else []:
+            for key, t in state.items():  # FP16 states of a model without masters
                 if torch.is_tensor(t) and t.is_floating_point() and key != "step":
                     state[key] = t.float()
-        self.storage_dtype, self.param_dtype = target.storage_dtype, target.param_dtype
-        self.master_weights, self._scaler, self.loss_scale = False, None, None
-        self.name, self._fallback_step = self.fallback_to, self._steps
+        self.spec = replace(PRESETS[target], reduce_dtype=self.reduce_dtype, overrides=self.spec.overrides)
+        self.scaling, self.loss_scale = None, None
+        self.name, self._fallback_step = target, self.counts["steps"]
         if reason is not None:
-            logger.warning("[FALLBACK] step %d: %s -> %s %s", self._steps, old, self.name, reason)
-        self._choose_emulation()
+            logger.warning("[FALLBACK] step %d: %s -> %s %s", self.counts["steps"], old, self.name, reason)
+        self.emulation.choose(self.device_type, self.spec.low_precision_dtypes)
 
-    # ---- monitoring and checkpointing -----------------------------------------------
-    def stats(self) -> dict:
+    # ---- reporting and checkpointing ------------------------------------------------
+    def summary(self) -> dict:
+        """The run's precision figures, for summary.json."""
+        c = self.counts
         return {
-            "precision": self.requested,
-            "precision_final": self.name,
-            "param_dtype": dtype_name(self.param_dtype),
-            "matmul_dtype": self.matmul_dtype,
-            "storage_dtype": dtype_name(self.storage_dtype),
-            "reduce_dtype": dtype_name(self.reduce_dtype),
-            "autocast": self.uses_autocast,
-            "master_weights": self.master_weights,
-            "update": self.update,
-            "steps": self._steps,
-            "skipped_steps": self._skipped,
-            "nonfinite_steps": self._nonfinite,
-            "grad_norm": self._last_grad_norm,
-            "loss_scale": self._scaler.get_scale() if self._scaler is not None else None,
-            "overflow_count": self._monitor.overflows,
-            "overflow_rate": self._monitor.overflows / self._steps if self._steps else 0.0,
-            "fallback_triggered": self._fallback_step is not None,
-            "fallback_step": self._fallback_step,
+            "precision": self.requested, "precision_final": self.name, "param_dtype": dtype_name(self.param_dtype),
+            "matmul_dtype": self.matmul_dtype, "storage_dtype": dtype_name(self.storage_dtype),
+            "reduce_dtype": dtype_name(self.reduce_dtype), "autocast": self.uses_autocast,
+            "master_weights": self.master_weights, "update": self.update, "steps": c["steps"],
+            "skipped_steps": c["skipped"], "nonfinite_steps": c["nonfinite"],
+            "loss_scale": self.scaling.value if self.scaling is not None else None,
+            "overflow_count": c["overflows"], "overflow_rate": c["overflows"] / c["steps"] if c["steps"] else 0.0,
+            "fallback_triggered": self._fallback_step is not None, "fallback_step": self._fallback_step,
             "fp8_recipe": self.fp8.name if self.fp8 is not None else None,
-            "fp8_layers": len(self._fp8.modules) if self._fp8 is not None else 0,
+            "fp8_layers": self.formats.fp8_layers if self.formats is not None else 0,
+            "precision_overrides": [str(o) for o in self.spec.overrides],
         }
 
     def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The model's weights at full precision: master copies where the mode has them."""
         state = model.state_dict()
-        if self._master is not None:
-            state.update({name: m.detach() for name, m in self._master.named_masters(model).items()})
+        if self.masters is not None:
+            state.update({name: m.detach() for name, m in self.masters.named_masters(model).items()})
         return state
 
     def load_model_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         model.load_state_dict(state)  # rounds into the model's dtypes
-        if self._master is not None:
+        if self.masters is not None:
             with torch.no_grad():
-                for name, m in self._master.named_masters(model).items():
+                for name, m in self.masters.named_masters(model).items():
                     m.copy_(state[name])
 
     def state_dict(self) -> dict:
+        c = self.counts
         return {
-            "precision": self.requested, "precision_final": self.name, "steps": self._steps,
-            "skipped": self._skipped, "nonfinite": self._nonfinite, "fallback_step": self._fallback_step,
-            "monitor": self._monitor.state_dict(),
-            "scaler": self._scaler.state_dict() if self._scaler is not None else None,
-            "fp8": self._fp8.state_dict() if self._fp8 is not None else None,
-            "updates": self._updates.state_dict() if self._updates is not None else None,
+            "precision": self.requested, "precision_final": self.name, "steps": c["steps"],
+            "skipped": c["skipped"], "nonfinite": c["nonfinite"], "fallback_step": self._fallback_step,
+            "monitor": {"overflows": c["overflows"], "consecutive": self.scaling.consecutive if self.scaling else 0},
+            "scaler": self.scaling.scaler.state_dict() if self.scaling is not None else None,
+            "fp8": self.formats.state_dict() if self.formats is not None else None,
+            "updates": self.updates.state_dict() if self.updates is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -476,17 +345,19 @@ class Policy:
         if state.get("precision") != self.requested:
             logger.warning("precision: resuming a %s checkpoint under %s", state.get("precision"), self.requested)
         elif state.get("fallback_step") is not None and self._fallback_step is None:
-            self.fallback_to = state["precision_final"]
-            self._fall_back(None)
+            self._fall_back(state["precision_final"], None)
             logger.info("precision: the checkpoint had fallen back to %s at step %d; resuming in %s",
                         state["precision_final"], state["fallback_step"], self.name)
             self._fallback_step = state["fallback_step"]
-        self._steps, self._skipped = int(state["steps"]), int(state["skipped"])
-        self._nonfinite = int(state.get("nonfinite", 0))
-        self._monitor.load_state_dict(state.get("monitor", {}))
-        if self._scaler is not None and state.get("scaler"):
-            self._scaler.load_state_dict(state["scaler"])
-        if self._fp8 is not None and state.get("fp8"):
-            self._fp8.load_state_dict(state["fp8"])
-        if self._updates is not None and state.get("updates") and state["updates"]["method"] == self.update:
-            self._updates.load_state_dict(state["updates"])
+        monitor = state.get("monitor", {})
+        self.counts = {"steps": int(state["steps"]), "skipped": int(state["skipped"]),
+                       "nonfinite": int(state.get("nonfinite", 0)), "overflows": int(monitor.get("overflows", 0))}
+        if self.scaling is not None:
+            self.scaling.consecutive = int(monitor.get("consecutive", 0))
+            self.scaling.monitor.load_state_dict(monitor)
+            if state.get("scaler"):
+                self.scaling.scaler.load_state_dict(state["scaler"])
+        if self.formats is not None and state.get("fp8"):
+            self.formats.load_state_dict(state["fp8"])
+        if self.updates is not None and state.get("updates") and state["updates"]["method"] == self.update:
+            self.updates.load_state_dict(state["updates"])

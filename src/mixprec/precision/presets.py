@@ -2,61 +2,37 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from mixprec.errors import UserError
+from mixprec.fp8.recipe import RECIPES, FP8Recipe
+from mixprec.precision.spec import PrecisionSpec, Update
 
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
+Preset = PrecisionSpec  # a preset is a name for a spec
+
+PRESETS: dict[str, PrecisionSpec] = {}
 
 
-@dataclass(frozen=True)
-class Preset:
-    storage_dtype: torch.dtype  # the model's parameters (TorchTitan's training.dtype)
-    param_dtype: torch.dtype  # compute (TorchTitan's mixed_precision_param)
-    master_weights: bool = False  # FP32 copies live with the optimizer; norms stay FP32 in the model
-    loss_scaling: bool = False  # dynamic loss scaling
-    summary: str = ""
-    fp8: str = ""  # an FP8 recipe (mixprec.fp8) for the block projections, on top of the fields above
-    update: str = ""  # how a low-precision weight takes its update (mixprec.optim.updates): kahan, stochastic
+def register_preset(name: str, spec: PrecisionSpec) -> PrecisionSpec:
+    """Make `spec` a preset: precision.preset, Policy.from_preset, compare and audit know it."""
+    if name in PRESETS and PRESETS[name] != spec:
+        raise ValueError(f"a preset named {name!r} is registered already")
+    PRESETS[name] = spec
+    ALIASES.setdefault(name, name)
+    return spec
 
 
-PRESETS: dict[str, Preset] = {
-    "fp32": Preset(FP32, FP32, summary="everything in float32"),
-    "bf16-mixed": Preset(FP32, BF16, summary="float32 parameters and optimizer states, autocast bfloat16 compute"),
-    "bf16-true": Preset(BF16, BF16, summary="parameters, gradients and optimizer states in bfloat16, no float32 "
-                                             "copy; RoPE and logits in float32"),
-    "bf16-kahan": Preset(BF16, BF16, update="kahan",
-                         summary="bf16-true with a bfloat16 Kahan compensation per parameter carrying each update's "
-                                 "rounding error"),
-    "bf16-sr": Preset(BF16, BF16, update="stochastic",
-                      summary="bf16-true with each updated weight stochastically rounded to bfloat16 (seeded)"),
-    "fp16-mixed": Preset(FP32, FP16, loss_scaling=True,
-                         summary="float32 parameters, autocast float16 compute, dynamic loss scaling"),
-    "fp16-master": Preset(FP16, FP16, master_weights=True, loss_scaling=True,
-                          summary="float16 model with float32 norms, float32 master weights and optimizer states, "
-                                  "dynamic loss scaling"),
-    "bf16-master": Preset(BF16, BF16, master_weights=True,
-                          summary="bfloat16 model with float32 norms, float32 master weights and optimizer states"),
-    "fp16-true": Preset(FP16, FP16, summary="everything in float16, no master weights, no loss scaling"),
-    # bf16-mixed with the block projections' GEMMs in FP8 (embeddings, norms, attention,
-    # the output layer and the loss stay as bf16-mixed has them)
-    "fp8-tensorwise": Preset(FP32, BF16, fp8="tensorwise",
-                             summary="bf16-mixed, block projections in FP8 with one current scale per tensor"),
-    "fp8-delayed": Preset(FP32, BF16, fp8="delayed",
-                          summary="bf16-mixed, block projections in FP8 with scales from an amax history"),
-    "fp8-rowwise": Preset(FP32, BF16, fp8="rowwise",
-                          summary="bf16-mixed, block projections in FP8 with a power-of-two scale per row"),
-    "fp8-blockwise": Preset(FP32, BF16, fp8="blockwise",
-                            summary="bf16-mixed, block projections in FP8 with DeepSeek-V3's 1x128 and 128x128 "
-                                    "scales, AdamW moments in bfloat16"),
-}
-FP8_BASES = ("fp32", "bf16-mixed", "bf16-master", "bf16-true")  # modes an FP8 recipe may build on
+def fp8_preset(recipe: FP8Recipe) -> PrecisionSpec:
+    """bf16-mixed with the block projections' GEMMs in FP8 under `recipe` (embeddings, norms,
+    attention, the output projection and the loss stay as bf16-mixed has them)."""
+    return PrecisionSpec(FP32, BF16, fp8=recipe, summary=f"bf16-mixed, block projections in FP8 ({recipe.summary()})"
+                         + (f", AdamW moments in {str(recipe.moments_dtype).removeprefix('torch.')}"
+                            if recipe.moments_dtype != FP32 else ""))
+
 
 # Lightning's precision=..., Accelerate's mixed_precision=..., Apex's opt_level=...
 ALIASES: dict[str, str] = {
-    **{name: name for name in PRESETS},
     "32-true": "fp32", "32": "fp32", "no": "fp32", "float32": "fp32",
     "bf16": "bf16-mixed",
     "16-mixed": "fp16-mixed", "16": "fp16-mixed", "fp16": "fp16-mixed",
@@ -77,8 +53,35 @@ APEX_LEVELS = {
 }
 
 
+for _name, _spec in {
+    "fp32": PrecisionSpec(FP32, FP32, summary="everything in float32"),
+    "bf16-mixed": PrecisionSpec(FP32, BF16, summary="float32 parameters and optimizer states, autocast bfloat16 "
+                                                    "compute"),
+    "bf16-true": PrecisionSpec(BF16, BF16, summary="parameters, gradients and optimizer states in bfloat16, no "
+                                                   "float32 copy; RoPE and logits in float32"),
+    "bf16-kahan": PrecisionSpec(BF16, BF16, update=Update.KAHAN,
+                                summary="bf16-true with a bfloat16 Kahan compensation per parameter carrying each "
+                                        "update's rounding error"),
+    "bf16-sr": PrecisionSpec(BF16, BF16, update=Update.STOCHASTIC,
+                             summary="bf16-true with each updated weight stochastically rounded to bfloat16 (seeded)"),
+    "fp16-mixed": PrecisionSpec(FP32, FP16, loss_scaling=True,
+                                summary="float32 parameters, autocast float16 compute, dynamic loss scaling"),
+    "fp16-master": PrecisionSpec(FP16, FP16, master_weights=True, loss_scaling=True,
+                                 summary="float16 model with float32 norms, float32 master weights and optimizer "
+                                         "states, dynamic loss scaling"),
+    "bf16-master": PrecisionSpec(BF16, BF16, master_weights=True,
+                                 summary="bfloat16 model with float32 norms, float32 master weights and optimizer "
+                                         "states"),
+    "fp16-true": PrecisionSpec(FP16, FP16, summary="everything in float16, no master weights, no loss scaling"),
+}.items():
+    register_preset(_name, _spec)
+
+
 def resolve_preset_name(name: str, field: str = "precision.preset") -> str:
     key = str(name).strip().lower()
+    recipe = key.removeprefix("fp8-")
+    if key not in ALIASES and key.startswith("fp8-") and recipe in RECIPES:  # a recipe registered after import
+        register_preset(key, fp8_preset(RECIPES[recipe]))
     if key not in ALIASES:
         raise UserError(
             f"{field}: unknown precision {name!r}; accepted: {', '.join(PRESETS)} "
@@ -89,5 +92,23 @@ def resolve_preset_name(name: str, field: str = "precision.preset") -> str:
 
 def preset_for(storage_dtype: torch.dtype, param_dtype: torch.dtype) -> str | None:
     """The mode without master weights that stores and computes in these dtypes."""
-    return next((name for name, p in PRESETS.items() if not p.fp8 and not p.update
+    return next((name for name, p in PRESETS.items() if not p.fp8 and p.update is Update.NEAREST
                  and (p.storage_dtype, p.param_dtype, p.master_weights) == (storage_dtype, param_dtype, False)), None)
+
+
+def name_of(spec: PrecisionSpec) -> str:
+    """The preset a spec is (reduction dtype and overrides aside), "base+fp8-recipe" for an FP8
+    recipe on another base, or "custom"."""
+    from dataclasses import replace
+
+    plain = replace(spec, reduce_dtype=FP32, overrides=(), fp8=None)
+    base = next((name for name, p in PRESETS.items() if p == plain), "custom")
+    if spec.fp8 is None:
+        return base
+    fp8_name = f"fp8-{spec.fp8.name}"
+    return fp8_name if base == "bf16-mixed" and fp8_name in PRESETS else f"{base}+{fp8_name}"
+
+
+for _recipe in RECIPES.values():
+    register_preset(f"fp8-{_recipe.name}", fp8_preset(_recipe))
+FP8_BASES = ("fp32", "bf16-mixed", "bf16-master", "bf16-true")  # modes an FP8 recipe may build on

@@ -94,20 +94,19 @@ class StabilityGuard:
             self._take(step)
         self.drills.arm(step + 1)
 
-    def after_step(self, step: int, loss: float, grad_norm: float | None = None, applied: bool = True,
-                   rerun=None, clipped: bool | None = None) -> int:
+    def after_step(self, step: int, loss: float, result=None, rerun=None, *, grad_norm: float | None = None) -> int:
         """Check step `step` (1-based, counted after it ran) and return the step to go on
         from: `step` when healthy (or when only reporting), else the step rewound to.
-        loss: the step's loss on the host; grad_norm: its global gradient norm (default: the
-        policy's); applied: whether the optimizer step was taken; rerun: the step's
-        micro-batches as (forward, backward) pairs, for the locator; clipped: gradient
-        clipping scaled this step's gradients down (default: the policy's word), which makes
-        a gradient-norm spike a logged warning rather than an incident."""
-        if grad_norm is None and self.policy is not None:
-            grad_norm = self.policy.last_grad_norm
-        if clipped is None:
-            clipped = self.policy is not None and self.policy.last_clipped
-        overflow = not applied and self.policy is not None and self.policy.last_overflow
+        loss: the step's loss on the host; result: what Policy.step returned (a StepResult:
+        whether it was applied, an overflow the loss scaler handled, the gradient norm, and
+        whether clipping bounded it, which makes a gradient-norm spike a logged warning
+        rather than an incident); rerun: the step's micro-batches as (forward, backward)
+        pairs, for the locator; grad_norm: the norm, for a loop without a policy."""
+        applied = result.applied if result is not None else True
+        overflow = result is not None and result.overflow
+        clipped = result is not None and result.clipped
+        if result is not None and grad_norm is None:
+            grad_norm = result.grad_norm
         health = self.monitor.check(step, loss, grad_norm, overflow, clipped)
         self.health = health.metrics()
         if health.warning:

@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from mixprec.precision.dtypes import dtype_name
+from mixprec.dtypes import dtype_name
 
 
 @dataclass

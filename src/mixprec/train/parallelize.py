@@ -81,7 +81,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, policy: Policy, device: to
                 compile_components: tuple[str, ...] | None) -> None:
     """Apply the policy's model rewrites (FP8), TP, activation checkpointing, compile and
     FSDP2 to `model` in place. compile_components None: no compile."""
-    if dims.tp_enabled and policy.fp8 is not None:
+    if dims.tp_enabled and any(not isinstance(f, torch.dtype) for f in policy.spec.compute_formats):
         raise UserError(f"{policy.name} with parallelism.tensor_parallel_degree {dims.tp}: the FP8 layers are not "
                         "tensor-parallel; accepted: tensor_parallel_degree 1 (FSDP2 and DDP shard or replicate them)")
     policy.prepare_model(model)

@@ -27,8 +27,8 @@ from mixprec.errors import TrainingUnstable, UserError
 from mixprec.models.llama import ModelArgs, build_model, model_args, resolve_attention
 from mixprec.models.loss import loss_chunk
 from mixprec.optim import AdamW
-from mixprec.precision import Policy
-from mixprec.precision.dtypes import dtype_name
+from mixprec.precision import Policy, StepResult
+from mixprec.dtypes import dtype_name
 from mixprec.stability.guard import StabilityGuard, clone_state
 from mixprec.rng import rng_state, set_rng_state
 from mixprec.train.checkpoint import (CheckpointManager, check_compatible, keep_optimizer_kernels,
@@ -296,17 +296,16 @@ class Trainer:
         while self.step < tcfg.steps:
             t0 = time.perf_counter()
             lr = self.scheduler.get_last_lr()[0] * (self.guard.lr_factor if self.guard is not None else 1.0)
-            loss, applied = self.train_step()
+            loss, result = self.train_step()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             dt = time.perf_counter() - t0
             self.step += 1
             speeds.append(tokens_per_step / dt)
-            stats = self.policy.stats()
             if self.guard is not None:
                 try:
                     step = self.step
-                    if self.guard.after_step(step, loss, stats["grad_norm"], applied, self._rerun()) != step:
+                    if self.guard.after_step(step, loss, result, self._rerun()) != step:
                         self._after_rewind()  # self.step is now the step gone back to
                         if bar is not None:
                             bar.n = self.step
@@ -314,15 +313,16 @@ class Trainer:
                 except TrainingUnstable:
                     self._write_summary(self._summary(loss, None, False, start_step, speeds, unstable=True))
                     raise
-            if stats["matmul_dtype"] not in peaks:
-                peaks[stats["matmul_dtype"]] = peak_flops(self.device, self.policy)
-            peak = peaks[stats["matmul_dtype"]]
+            matmul = self.policy.matmul_dtype
+            if matmul not in peaks:
+                peaks[matmul] = peak_flops(self.device, self.policy)
+            peak = peaks[matmul]
             record = {
-                "step": self.step, "loss": loss, "lr": lr, "grad_norm": stats["grad_norm"],
+                "step": self.step, "loss": loss, "lr": lr, "grad_norm": result.grad_norm,
                 "tokens_per_sec": speeds[-1],
                 "mfu": flops_per_token * speeds[-1] / peak if peak else None,
                 "peak_memory_bytes": peak_memory_bytes(self.device),
-                "precision": stats["precision_final"], "skipped": not applied, "loss_scale": stats["loss_scale"],
+                "precision": result.precision, "skipped": not result.applied, "loss_scale": result.loss_scale,
                 **(self.guard.health if self.guard is not None else {}),
             }
             last = self.step == tcfg.steps
@@ -366,7 +366,7 @@ class Trainer:
         # Median over steps after warm-up (the first steps pay for allocation and caching).
         warm = speeds[min(len(speeds) - 1, max(1, len(speeds) // 5)):] if speeds else []
         summary = {
-            **{k: v for k, v in self.policy.stats().items() if k != "grad_norm"},
+            **self.policy.summary(),
             "steps": self.step,
             "steps_this_run": self.step - start_step,
             "final_train_loss": loss,
@@ -388,8 +388,8 @@ class Trainer:
             summary["stability"] = self.guard.summary()
         return summary
 
-    def train_step(self, before_step=None) -> tuple[float, bool]:
-        """One optimizer step over `accum` micro-batches: (mean loss, whether applied).
+    def train_step(self, before_step=None) -> tuple[float, StepResult]:
+        """One optimizer step over `accum` micro-batches: (mean loss, what the step did).
         `before_step(micro)`, when given, is called after each micro-batch's backward."""
         accum = self.accum
         loss_sum = torch.zeros((), device=self.device)
@@ -409,10 +409,10 @@ class Trainer:
         if self.dims.world_size > 1:
             torch.distributed.all_reduce(loss_sum)
             loss_sum /= self.dims.world_size
-        applied = self.policy.step(self.optimizer, self.config.training.max_norm)
-        if applied:
+        result = self.policy.step(self.optimizer, self.config.training.max_norm)
+        if result.applied:
             self.scheduler.step()
-        return loss_sum.item(), applied
+        return loss_sum.item(), result
 
     def _rerun(self) -> list:
         """The last step's micro-batches as (forward, backward) pairs for the locator: the

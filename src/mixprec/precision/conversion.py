@@ -1,0 +1,79 @@
+"""The policy part that puts a precision layout into the model: the FP8 conversion (one per
+recipe in the layout) and per-module compute dtypes (an autocast region around each such
+Linear's forward). It keeps the original Parameter objects; the state it owns is the FP8
+layers' delayed-scaling history."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch import nn
+
+from mixprec.dtypes import dtype_name
+from mixprec.fp8.convert import Conversion, convert_to_fp8
+from mixprec.precision.layout import Layout
+from mixprec.precision.spec import FP32
+
+logger = logging.getLogger(__name__)
+
+
+def _compute_in(forward, dtype: torch.dtype, device_type: str):
+    """`forward` with its matmuls in `dtype`: autocast to a low-precision dtype, or autocast
+    off and floating inputs widened for float32."""
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if dtype == FP32:
+            with torch.autocast(device_type, enabled=False):
+                args = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+                return forward(*args, **kwargs)
+        with torch.autocast(device_type, dtype=dtype):
+            return forward(*args, **kwargs)
+    return run
+
+
+class ModuleFormats:
+    def __init__(self, layout: Layout, emulate_fp8: bool | None = None):
+        self.layout, self.emulate_fp8 = layout, emulate_fp8
+        self.conversions: list[Conversion] = []
+
+    def apply(self, model: nn.Module, device_type: str) -> None:
+        spec = self.layout.spec
+        for recipe in self.layout.recipes():
+            chosen = self.layout.fp8(recipe)
+            self.conversions.append(convert_to_fp8(model, recipe, compute_dtype=spec.param_dtype, modules=chosen,
+                                                   emulate=self.emulate_fp8))
+        for fqn, reason in self.layout.left_out().items():
+            logger.info("fp8: %s stays in %s: %s", fqn, self.layout.modules[fqn].compute_name, reason)
+        for fqn, dtype in self.layout.dtype_overrides().items():
+            module = model.get_submodule(fqn)
+            module.forward = _compute_in(module.forward, dtype, device_type)
+            logger.info("precision: %s computes in %s (%s)", fqn, dtype_name(dtype), self.layout.modules[fqn].why)
+
+    @property
+    def main(self) -> Conversion | None:
+        """The conversion of the base mode's recipe (or the first, for overrides only)."""
+        spec = self.layout.spec
+        return next((c for c in self.conversions if c.recipe == spec.fp8), self.conversions[0]
+                    if self.conversions else None)
+
+    @property
+    def fp8_layers(self) -> int:
+        return sum(len(c.modules) for c in self.conversions)
+
+    def after_step(self) -> None:
+        for c in self.conversions:
+            c.after_step()
+
+    def state_dict(self) -> dict | None:
+        if not self.conversions:
+            return None
+        state = {"recipe": self.main.recipe.name, "delayed": {}}
+        for c in self.conversions:
+            state["delayed"].update(c.state_dict()["delayed"])
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        for c in self.conversions:
+            c.load_state_dict(state)

@@ -1,0 +1,111 @@
+"""A precision spec resolved against a model: one row per module that holds parameters or
+runs a matmul, saying what its parameters are stored in and what its matmuls compute in,
+and why. `describe` prints it, the audit checks each module against it, the memory
+planner turns it into bytes, and the policy applies it (FP8 conversion, compute overrides).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mixprec.fp8.convert import output_projections, why_not
+from mixprec.fp8.recipe import FP8Recipe
+from mixprec.precision.master import is_norm
+from mixprec.precision.spec import FP32, Format, PrecisionSpec, format_name
+
+# reasons FP8 cannot take a Linear whatever a rule says: its shape or its forward
+_STRUCTURAL = ("not a Linear", "is not a plain nn.Linear", "multiples of 16")
+
+
+@dataclass(frozen=True)
+class ModulePrecision:
+    kind: str  # linear, norm, embedding or other
+    storage: torch.dtype  # its own parameters
+    compute: Format | None  # its matmuls; None for a module without a matmul of its own
+    why: str  # where the compute format comes from
+
+    @property
+    def compute_name(self) -> str:
+        return format_name(self.compute) if self.compute is not None else "-"
+
+
+@dataclass(frozen=True)
+class Layout:
+    spec: PrecisionSpec
+    modules: dict[str, ModulePrecision]
+
+    def linears(self) -> dict[str, ModulePrecision]:
+        return {fqn: m for fqn, m in self.modules.items() if m.kind == "linear"}
+
+    def fp8(self, recipe: FP8Recipe | None = None) -> dict[str, FP8Recipe]:
+        """The Linear layers in FP8 (under `recipe` only, when given), with their recipe."""
+        return {fqn: m.compute for fqn, m in self.modules.items() if isinstance(m.compute, FP8Recipe)
+                and (recipe is None or m.compute == recipe)}
+
+    def recipes(self) -> list[FP8Recipe]:
+        return list(dict.fromkeys(self.fp8().values()))
+
+    def dtype_overrides(self) -> dict[str, torch.dtype]:
+        """Linear layers whose compute dtype differs from the base mode's."""
+        return {fqn: m.compute for fqn, m in self.linears().items()
+                if isinstance(m.compute, torch.dtype) and m.compute != self.spec.param_dtype}
+
+    def left_out(self) -> dict[str, str]:
+        """Linear layers not in FP8 although the base mode has a recipe, with why."""
+        if self.spec.fp8 is None:
+            return {}
+        return {fqn: m.why for fqn, m in self.linears().items() if not isinstance(m.compute, FP8Recipe)}
+
+    def table(self) -> list[tuple[str, str, str, str]]:
+        """(module, storage, compute, why) rows, for printing."""
+        return [(fqn or "(root)", str(m.storage).removeprefix("torch."), m.compute_name, m.why)
+                for fqn, m in self.modules.items()]
+
+
+def _kind(module: nn.Module, fqn: str) -> str:
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    return "norm" if is_norm(fqn, module) else "other"
+
+
+def resolve(spec: PrecisionSpec, model: nn.Module, *, exclude=(), module_filter_fn=None,
+            sharded: bool = False) -> Layout:
+    """The per-module table of `spec` on `model`. exclude: FQN patterns FP8 leaves out (the
+    config's fp8.filter_fqns); module_filter_fn(fqn, module): False leaves a layer out of FP8;
+    sharded: fully_shard keeps the parameters (FP32 masters included) itself."""
+    outputs = output_projections(model)
+    rows = {}
+    for fqn, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
+        kind = _kind(module, fqn)
+        if not own and kind != "linear":
+            continue
+        storage = spec.storage_dtype
+        if spec.master_weights:
+            storage = FP32 if sharded or kind == "norm" else storage  # Apex O2 keeps norms FP32
+        if kind != "linear":
+            rows[fqn] = ModulePrecision(kind, storage, None, "no matmul of its own")
+            continue
+        compute, why = spec.param_dtype, "the base mode"
+        if spec.fp8 is not None:
+            reason = why_not(fqn, module, exclude, outputs)
+            if reason is None and module_filter_fn is not None and not module_filter_fn(fqn, module):
+                reason = "refused by module_filter_fn"
+            compute, why = (spec.fp8, "the base mode's FP8 recipe") if reason is None else (spec.param_dtype, reason)
+        rule = spec.override_for(fqn)
+        if rule is not None:
+            if isinstance(rule.compute, FP8Recipe):
+                reason = why_not(fqn, module)
+                if reason is not None and any(s in reason for s in _STRUCTURAL):
+                    why = f"precision.override {rule} cannot apply: {reason}"
+                else:
+                    compute, why = rule.compute, f"precision.override {rule}"
+            else:
+                compute, why = rule.compute, f"precision.override {rule}"
+        rows[fqn] = ModulePrecision(kind, storage, compute, why)
+    return Layout(spec, rows)

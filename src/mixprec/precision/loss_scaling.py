@@ -1,0 +1,52 @@
+"""The loss-scaling part of a policy: the scaler, its log lines, and the decision to fall
+back to another precision (the part counts the overflows it decides on; the monitor only
+writes the log)."""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec.precision.loss_scaler import LossScaler
+from mixprec.precision.monitor import ScaleMonitor
+from mixprec.precision.scaling_config import LossScaleConfig
+
+
+class LossScaling:
+    def __init__(self, config: LossScaleConfig, device: torch.device | str, fallback_to: str | None):
+        self.config, self.fallback_to = config, fallback_to
+        self.scaler = LossScaler(device, config=config)
+        self.monitor = ScaleMonitor()
+        self.consecutive = 0  # overflows in a row: fallback_after counts these
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss)
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Unscale the gradients in place; whether any overflowed."""
+        self.scaler.unscale_(optimizer)
+        return self.scaler.found_inf
+
+    @property
+    def value(self) -> float:
+        return self.scaler.get_scale()
+
+    def update(self, step: int, overflow: bool) -> str | None:
+        """Move the scale after a step; the reason to fall back now, or None."""
+        before = self.scaler.get_scale()
+        self.scaler.update()
+        after = self.scaler.get_scale()
+        self.consecutive = self.consecutive + 1 if overflow else 0
+        self.monitor.record(step, overflow, before, after, self.config.growth_interval)
+        if not self.fallback_to:
+            return None
+        if overflow and before <= self.config.min_scale:
+            return f"at the minimum loss scale {before:g}"
+        if self.config.fallback_after and self.consecutive >= self.config.fallback_after:
+            return f"after {self.consecutive} consecutive overflows"
+        return None
+
+    def back_off(self) -> tuple[float, float]:
+        """Multiply the scale by backoff_factor (after a rewind): (before, after)."""
+        before = self.scaler.get_scale()
+        self.scaler.update(max(self.config.min_scale, before * self.config.backoff_factor))
+        return before, self.scaler.get_scale()

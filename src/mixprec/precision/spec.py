@@ -1,0 +1,179 @@
+"""Precision as data: what every tensor role of a training step is kept or computed in.
+
+A PrecisionSpec is frozen and says it once; a preset is a name for one (presets.py). The
+per-module overrides are ordered rules from FQN patterns to another compute format; the
+spec resolved against a model is a per-module table (layout.py) that `describe` prints,
+the audit checks module by module and the memory planner turns into bytes.
+
+    spec = PrecisionSpec(storage_dtype=FP32, param_dtype=BF16,
+                         overrides=(Override.parse("layers.0.*=float32"),))
+
+Roles that no mode changes: norms, softmax, RoPE, logits and the loss are FP32 (the model
+upcasts them), and a gradient takes its parameter's dtype (autocast's casts are
+differentiable: the gradient of an FP32 leaf is FP32).
+"""
+
+from __future__ import annotations
+
+import enum
+import fnmatch
+from dataclasses import dataclass, field
+
+import torch
+
+from mixprec.dtypes import dtype_name, parse_dtype
+from mixprec.errors import UserError
+from mixprec.fp8.recipe import RECIPES, FP8Recipe
+
+FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
+Format = torch.dtype | FP8Recipe  # a matmul's compute format
+
+
+class Update(enum.Enum):
+    """How a weight without an FP32 master copy takes its update (mixprec.optim.updates)."""
+    NEAREST = "nearest"  # rounded to the storage dtype
+    KAHAN = "kahan"  # a compensation buffer per parameter carries each rounding error
+    STOCHASTIC = "stochastic"  # stochastically rounded to bfloat16 (seeded)
+
+
+def format_name(fmt: Format) -> str:
+    return f"fp8-{fmt.name}" if isinstance(fmt, FP8Recipe) else dtype_name(fmt)
+
+
+def parse_format(text, where: str) -> Format:
+    """A compute format by name: a dtype name, or an FP8 recipe (fp8-rowwise or rowwise)."""
+    if isinstance(text, (torch.dtype, FP8Recipe)):
+        return parse_dtype(text, where) if isinstance(text, torch.dtype) else text
+    name = str(text).strip().lower()
+    recipe = name.removeprefix("fp8-")
+    if recipe in RECIPES and (name.startswith("fp8-") or name == recipe):
+        return RECIPES[recipe]
+    try:
+        return parse_dtype(name, where)
+    except UserError:
+        raise UserError(f"{where}: unknown compute format {text!r}; accepted: float32, bfloat16, float16, "
+                        f"{', '.join('fp8-' + r for r in RECIPES)}") from None
+
+
+@dataclass(frozen=True)
+class Override:
+    """Modules whose FQN matches `modules` (fnmatch) compute their matmuls in `compute`."""
+    modules: str
+    compute: Format
+
+    @classmethod
+    def parse(cls, rule) -> Override:
+        """From "PATTERN=FORMAT" (the command line's form) or {"modules": ..., "compute": ...} (TOML's)."""
+        if isinstance(rule, Override):
+            return rule
+        if isinstance(rule, dict):
+            unknown = set(rule) - {"modules", "compute"}
+            if unknown or not {"modules", "compute"} <= set(rule):
+                raise UserError(f"precision.override: bad rule {rule!r}; accepted: modules = \"PATTERN\", "
+                                "compute = \"FORMAT\"")
+            pattern, fmt = rule["modules"], rule["compute"]
+        else:
+            pattern, sep, fmt = str(rule).partition("=")
+            if not sep:
+                raise UserError(f"precision.override: bad rule {rule!r}; accepted: PATTERN=FORMAT, e.g. "
+                                "layers.0.*=float32")
+        if not str(pattern).strip():
+            raise UserError(f"precision.override: rule {rule!r} names no modules; accepted: an fnmatch pattern")
+        return cls(str(pattern).strip(), parse_format(fmt, f"precision.override {str(pattern).strip()!r}"))
+
+    def matches(self, fqn: str) -> bool:
+        return fnmatch.fnmatchcase(fqn, self.modules)
+
+    def __str__(self) -> str:
+        return f"{self.modules}={format_name(self.compute)}"
+
+
+@dataclass(frozen=True)
+class PrecisionSpec:
+    storage_dtype: torch.dtype = FP32
+    """The model's parameters; without master weights also their gradients and optimizer moments."""
+    param_dtype: torch.dtype = FP32
+    """Matmul compute (torch.autocast, or fully_shard's all-gather, casts to it where it differs from storage)."""
+    reduce_dtype: torch.dtype = FP32
+    """Gradient reduction across data-parallel ranks."""
+    master_weights: bool = False
+    """FP32 copies of the parameters live with the optimizer; norm layers stay FP32 in the model (Apex O2)."""
+    loss_scaling: bool = False
+    """Dynamic loss scaling (float16 compute)."""
+    update: Update = Update.NEAREST
+    """How a low-precision weight without a master copy takes its update."""
+    fp8: FP8Recipe | None = None
+    """An FP8 recipe for the Linear layers FP8 can take (not the output projection)."""
+    overrides: tuple[Override, ...] = ()
+    """Ordered per-module rules; the first that matches a module's FQN decides its compute format."""
+    summary: str = field(default="", compare=False)
+    """One line for logs and --help."""
+
+    def __post_init__(self):
+        for name in ("storage_dtype", "param_dtype", "reduce_dtype"):
+            object.__setattr__(self, name, parse_dtype(getattr(self, name), name))
+        if isinstance(self.update, str):
+            accepted = [u.value for u in Update if u is not Update.NEAREST]
+            if self.update not in accepted:
+                raise UserError(f"update {self.update!r}: accepted {', '.join(accepted)}")
+            object.__setattr__(self, "update", Update(self.update))
+        object.__setattr__(self, "overrides", tuple(Override.parse(r) for r in self.overrides))
+        storage, param = self.storage_dtype, self.param_dtype
+        if storage != FP32 and param != storage:
+            raise UserError(f"param_dtype {dtype_name(param)} with storage_dtype {dtype_name(storage)}: a "
+                            f"{dtype_name(storage)} model computes in {dtype_name(storage)}; accepted: param_dtype "
+                            "equal to storage_dtype, or storage_dtype float32")
+        if self.master_weights and storage == FP32:
+            raise UserError("master_weights with storage_dtype float32: the parameters are already float32; "
+                            "accepted: storage_dtype float16 or bfloat16")
+        if self.update is not Update.NEAREST:
+            wanted = BF16 if self.update is Update.STOCHASTIC else None
+            if storage == FP32 or self.master_weights or (wanted and storage != wanted):
+                raise UserError(f"{self.update.value} updates need a {dtype_name(wanted) if wanted else 'low-precision'}"
+                                f" model without master weights (storage_dtype {dtype_name(storage)}"
+                                f"{', master_weights' if self.master_weights else ''}); accepted: bf16-kahan, bf16-sr")
+        fp8_formats = [self.fp8] + [o.compute for o in self.overrides if isinstance(o.compute, FP8Recipe)]
+        if any(fp8_formats) and (self.loss_scaling or param == FP16):
+            # a float16 mode may fall back to another precision mid-run; the FP8 layers' output dtype is fixed
+            recipe = next(r for r in fp8_formats if r)
+            raise UserError(f"fp8 recipe {recipe.name!r} on a float16 mode: FP8 recipes build on fp32, bf16-mixed, "
+                            "bf16-master, bf16-true")
+        for rule in self.overrides:
+            self._check_override(rule)
+
+    def _check_override(self, rule: Override) -> None:
+        fmt = rule.compute
+        if isinstance(fmt, FP8Recipe) or fmt == self.param_dtype:
+            return
+        where = f"precision.override {rule}"
+        if self.storage_dtype != FP32:
+            raise UserError(f"{where}: a {dtype_name(self.storage_dtype)} model computes in "
+                            f"{dtype_name(self.storage_dtype)} (its weights are stored so); accepted: "
+                            f"{dtype_name(self.storage_dtype)} or an FP8 recipe, or a mode with float32 storage")
+        if fmt == FP16 and not self.loss_scaling:
+            raise UserError(f"{where}: float16 compute needs loss scaling, which this mode has not; accepted: "
+                            "float32, bfloat16 or an FP8 recipe (or an fp16 mode)")
+        if fmt == BF16 and self.loss_scaling:
+            raise UserError(f"{where}: bfloat16 in a float16 mode; accepted: float32 or float16")
+
+    # ---- what the spec says, role by role ------------------------------------------------
+    @property
+    def moments_dtype(self) -> torch.dtype:
+        """The optimizer's moments: beside FP32 weights the recipe's (bfloat16 under
+        fp8-blockwise, as DeepSeek-V3), else the masters' FP32 or the storage dtype."""
+        if self.fp8 is not None and self.storage_dtype == FP32:
+            return self.fp8.moments_dtype
+        return FP32 if self.master_weights else self.storage_dtype
+
+    @property
+    def compute_formats(self) -> set[Format]:
+        """Every compute format some module may use."""
+        return {self.param_dtype} | ({self.fp8} if self.fp8 else set()) | {o.compute for o in self.overrides}
+
+    @property
+    def low_precision_dtypes(self) -> set[torch.dtype]:
+        """The bfloat16/float16 matmul dtypes of the spec (what emulation may have to cover)."""
+        return {f for f in self.compute_formats if isinstance(f, torch.dtype) and f != FP32}
+
+    def override_for(self, fqn: str) -> Override | None:
+        return next((o for o in self.overrides if o.matches(fqn)), None)
