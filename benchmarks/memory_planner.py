@@ -23,7 +23,8 @@ from mixprec.train.parallelize import apply_activation_checkpointing
 
 
 def measured_peak(flavor: str, preset: str, batch: int, seq_len: int, attention: str = "eager",
-                  checkpointing: str = "none", vocab_size: int = 256, loss: str = "full", device: str = "cpu") -> float:
+                  checkpointing: str = "none", vocab_size: int = 256, loss: str = "full", device: str = "cpu",
+                  overrides=()) -> float:
     """Peak bytes of one steady-state training step, as MemTracker sees it."""
     from dataclasses import replace
 
@@ -31,7 +32,7 @@ def measured_peak(flavor: str, preset: str, batch: int, seq_len: int, attention:
 
     args = replace(model_args(flavor, vocab_size), attention=attention)
     args = replace(args, loss_chunk=loss_chunk(loss, args.vocab_size, batch * seq_len))
-    policy = Policy.from_preset(preset)
+    policy = Policy.from_preset(preset, overrides=overrides)
     model = build_model(args, device=device, storage_dtype=policy.storage_dtype, seed=0)
     apply_activation_checkpointing(model, checkpointing)
     moments = policy.optimizer_moments_dtype
@@ -48,7 +49,7 @@ def measured_peak(flavor: str, preset: str, batch: int, seq_len: int, attention:
 
     step()  # optimizer states exist from here on
     tracker = MemTracker()
-    masters = list(policy._master.named_masters(model).values()) if policy._master is not None else []
+    masters = list(policy.masters.named_masters(model).values()) if policy.masters is not None else []
     tracker.track_external(model, opt, *masters)
     with tracker:
         step()

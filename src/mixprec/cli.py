@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--flavor", default="small", help="debug, small, 1B, 8B, 70B (Llama 3 shapes)")
     memory.add_argument("--vocab-size", type=int, default=256, help="for flavors without their own vocabulary")
     memory.add_argument("--preset", default="bf16-mixed", help="precision mode")
+    memory.add_argument("--override", default="", metavar="RULES",
+                        help="per-module compute, PATTERN=FORMAT rules separated by commas (as precision.override)")
     memory.add_argument("--optimizer", default="adamw", help="adamw, sgd (momentum), none")
     memory.add_argument("--batch", type=int, default=4, help="sequences per device and micro-batch")
     memory.add_argument("--seq-len", type=int, default=256)
@@ -176,13 +178,14 @@ def _memory_advice(config, error: BaseException) -> str:
 
     name = type(error).__name__
     try:
-        policy_name = build_policy(config.precision, config.training, config.loss_scale, config.fp8).name
+        policy = build_policy(config.precision, config.training, config.loss_scale, config.fp8)
+        policy_name = policy.name
         m, t = config.model, config.training
         args = model_args(m.flavor, 256 if config.data.tokenizer == "byte" else config.data.bpe_vocab_size)
         device_type = "cuda" if t.device.startswith("cuda") or (t.device == "auto" and torch.cuda.is_available()) \
             else "cpu"
         # the trainer's own choices of attention and loss
-        setup = Setup(args, policy_name, t.local_batch_size, t.seq_len, checkpointing=config.activation_checkpoint.mode,
+        setup = Setup(args, policy.spec, t.local_batch_size, t.seq_len, checkpointing=config.activation_checkpoint.mode,
                       dp_shard=max(1, config.parallelism.data_parallel_shard_degree),
                       attention=resolve_attention(m.attention, device_type),
                       loss="chunked" if loss_chunk(m.loss, args.vocab_size, t.local_batch_size * t.seq_len) else "full")
@@ -229,7 +232,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from mixprec.precision.presets import resolve_preset_name
 
     setup = Setup(model_args(args.flavor, args.vocab_size), resolve_preset_name(args.preset, "--preset"),
-                  batch=args.batch, seq_len=args.seq_len, optimizer=args.optimizer, checkpointing=args.checkpointing,
+                  overrides=tuple(r for r in args.override.split(",") if r.strip()), batch=args.batch, seq_len=args.seq_len, optimizer=args.optimizer, checkpointing=args.checkpointing,
                   dp_shard=args.dp_shard, dp_replicate=args.dp_replicate, tp=args.tp,
                   reshard_after_forward=not args.no_reshard, attention=args.attention, loss=args.loss,
                   bandwidth_gbps=args.bandwidth_gbps)

@@ -80,17 +80,18 @@ def test_a_layer_quantised_behind_the_plans_back_fails(tmp_path, text_file, caps
 
     real = convert_module.convert_to_fp8
 
-    def hides_one(*args, **kwargs):
-        conversion = real(*args, **kwargs)
-        conversion.modules.pop("layers.1.feed_forward.w2")
-        return conversion
+    def adds_one(*args, modules, **kwargs):  # converts a layer the layout left out
+        return real(*args, modules={**modules, "layers.1.feed_forward.w2": None}, **kwargs)
 
-    monkeypatch.setattr("mixprec.precision.policy.convert_to_fp8", hides_one)
-    assert audit(tmp_path, text_file, "--precision.preset", "fp8-tensorwise") == 1
+    monkeypatch.setattr("mixprec.precision.conversion.convert_to_fp8", adds_one)
+    assert audit(tmp_path, text_file, "--precision.preset", "fp8-tensorwise",
+                 "--fp8.filter_fqns", "layers.1.feed_forward.w2") == 1
     report = json.loads(capsys.readouterr().out)
     stages = {r["stage"]: r for r in report["stages"]}
     assert not stages["FP8 layers (forward GEMMs in float8)"]["ok"]
     assert "fp8: layers.1.feed_forward.w2 ran in FP8 but the plan leaves it out" in report["notes"]
+    assert not stages["Linear layers by compute (per module)"]["ok"]
+    assert any(n.startswith("module layers.1.feed_forward.w2: promised bfloat16") for n in report["notes"])
 
 
 def test_a_planned_layer_that_ran_in_bf16_fails(tmp_path, text_file, capsys, monkeypatch):
@@ -106,7 +107,7 @@ def test_a_planned_layer_that_ran_in_bf16_fails(tmp_path, text_file, capsys, mon
         model.layers[0].attention.wq = plain
         return conversion
 
-    monkeypatch.setattr("mixprec.precision.policy.convert_to_fp8", undoes_one)
+    monkeypatch.setattr("mixprec.precision.conversion.convert_to_fp8", undoes_one)
     assert audit(tmp_path, text_file, "--precision.preset", "fp8-rowwise") == 1
     report = json.loads(capsys.readouterr().out)
     assert "fp8: layers.0.attention.wq was planned for FP8 but its forward GEMM ran in bfloat16" in report["notes"]

@@ -24,6 +24,7 @@ from mixprec.analysis.audit_fp8 import FP8Tracker, fp8_rows
 from mixprec.optim.updates import COMPENSATION
 from mixprec.precision.dtypes import dtype_name
 from mixprec.precision.emulation import _MATMULS, EmulatedMatmul
+from mixprec.precision.spec import Update, format_name
 
 aten = torch.ops.aten
 FP32 = torch.float32
@@ -77,25 +78,26 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def promises(policy) -> dict[str, set[torch.dtype] | None]:
-    """The dtypes the policy promises at each stage (after setup: `sharded` is known)."""
+    """The dtypes the policy promises at each stage (after setup: `sharded` is known), read
+    off its per-module layout where a module's compute may differ from the base mode's."""
     storage, compute = policy.storage_dtype, policy.param_dtype
-    stored = {storage, FP32} if policy.master_weights and not policy.sharded else {storage}
+    stored = {m.storage for m in policy.layout.modules.values()} if policy.layout is not None else {storage}
+    computes = {compute} | set(policy.layout.dtype_overrides().values()) if policy.layout is not None else {compute}
     return {
         "stored parameters": stored,
-        "compute parameters (matmul operands)": {compute},
-        "matmul output": {compute},
+        "compute parameters (matmul operands)": computes,
+        "matmul output": computes,
         "norm (rsqrt)": {FP32},
         "softmax": {FP32},
         "logits (log-softmax input)": {FP32},
         "loss": {FP32},
-        "local gradients (backward matmuls)": {compute},
+        "local gradients (backward matmuls)": computes,
         # a gradient takes its parameter's dtype; under FSDP they stay inside fully_shard
         "accumulated gradients (micro-batch 1 of 2)": None if policy.sharded else stored,
         "reduced gradients": stored,
-        "optimizer states": {policy.optimizer_moments_dtype} if policy.optimizer_moments_dtype != FP32
-        else {FP32} if policy.master_weights else {storage},
+        "optimizer states": {FP32 if policy.sharded and policy.master_weights else policy.spec.moments_dtype},
         "master weights": {FP32} if policy.master_weights else None,
-        "Kahan compensation": {storage} if policy.update == "kahan" else None,
+        "Kahan compensation": {storage} if policy.spec.update is Update.KAHAN else None,
         "all-gather traffic": {compute} if policy.sharded else None,
         "reduce-scatter traffic": {policy.reduce_dtype} if policy.sharded else None,
     }
@@ -119,13 +121,13 @@ def run_audit(config) -> dict:
         trainer = Trainer(config)
         trainer.accum = 2  # two micro-batches: accumulation is a stage of its own
         policy, model = trainer.policy, trainer.raw_model
-        tracker = FP8Tracker() if policy.fp8 is not None else None
+        tracker = FP8Tracker()  # which format each Linear's forward GEMMs ran in, FP8 or not
         observer = _Observer(emulate=policy.emulate_matmul, fp8=tracker)
-        policy.emulate_matmul = False  # the observer emulates instead, after recording
+        policy.emulation.active = False  # the observer emulates instead, after recording
         # Ops between the end of a forward and the start of the next are the backward's.
         hooks = [model.register_forward_pre_hook(lambda *_: setattr(observer, "backward", False)),
                  model.register_forward_hook(lambda *_: setattr(observer, "backward", True))]
-        hooks += tracker.hooks(model) if tracker is not None else []
+        hooks += tracker.hooks(model)
 
         def grads() -> set[torch.dtype]:
             return {_local(p.grad).dtype for p in model.parameters() if p.grad is not None}
@@ -140,15 +142,15 @@ def run_audit(config) -> dict:
         tf32_during_step = policy.tf32_active
         for h in hooks:
             h.remove()
-        policy.emulate_matmul = observer.emulate
+        policy.emulation.active = observer.emulate
         seen = observer.seen
         seen["stored parameters"] = stored
         states = [(k, _local(t).dtype) for s in trainer.optimizer.state.values() for k, t in s.items()
                   if torch.is_tensor(t) and k != "step"]
         seen["optimizer states"] = {dtype for k, dtype in states if k != COMPENSATION}
         seen["Kahan compensation"] = {dtype for k, dtype in states if k == COMPENSATION}
-        if policy._master is not None:
-            seen["master weights"] = {m.dtype for m in policy._master.named_masters(model).values()}
+        if policy.masters is not None:
+            seen["master weights"] = {m.dtype for m in policy.masters.named_masters(model).values()}
         elif policy.master_weights and policy.sharded:
             seen["master weights"] = stored  # the sharded parameters are the masters
         expected = promises(policy)
@@ -170,7 +172,10 @@ def run_audit(config) -> dict:
             promised = policy.tf32 and policy.device_type == "cuda"
             rows.append({"stage": "float32 matmuls", "promised": [_fp32_matmul_name(promised)],
                          "observed": [_fp32_matmul_name(tf32_during_step)], "ok": tf32_during_step == promised})
-        if tracker is not None:
+        module_rows, module_notes = per_module_rows(tracker, policy.layout)
+        rows += module_rows
+        notes += module_notes
+        if policy.layout.fp8():
             fp8, fp8_notes = fp8_rows(tracker, policy, micro_batches=trainer.accum)
             rows += fp8
             notes += fp8_notes
@@ -181,6 +186,24 @@ def run_audit(config) -> dict:
                 "ok": all(r["ok"] for r in rows)}
 
 
+def per_module_rows(tracker: FP8Tracker, layout) -> tuple[list[dict], list[str]]:
+    """Each Linear's forward GEMMs against its row of the layout: one row counting the
+    layers per compute format, a note naming each layer that broke its promise."""
+    promised, observed, notes = {}, {}, []
+    for fqn, m in layout.linears().items():
+        want = "float8" if not isinstance(m.compute, torch.dtype) else format_name(m.compute)
+        got = tracker.forward.get(fqn, set())
+        promised[want] = promised.get(want, 0) + 1
+        for name in got:
+            observed[name] = observed.get(name, 0) + 1
+        if got and got != {want}:
+            notes.append(f"module {fqn}: promised {format_name(m.compute)} ({m.why}), its forward GEMMs ran in "
+                         f"{', '.join(sorted(got))}")
+    count = lambda d: [f"{n} {k}" for k, n in sorted(d.items())]  # noqa: E731
+    return [{"stage": "Linear layers by compute (per module)", "promised": count(promised),
+             "observed": count(observed), "ok": not notes}], notes
+
+
 def _fp32_matmul_name(tf32: bool) -> str:
     return "tfloat32" if tf32 else "float32"
 
@@ -189,12 +212,14 @@ def format_report(report: dict) -> str:
     lines = [f"precision {report['precision']}, {report['world_size']} process(es); mixed precision handled by "
              f"{report['path']}"]
     width = max(len(r["stage"]) for r in report["stages"])
-    lines.append(f"{'stage':<{width}}  {'promised':<18} {'observed':<28} ")
+    pw = max(18, *(len(", ".join(r["promised"] or [])) + 1 for r in report["stages"]))
+    ow = max(28, *(len(", ".join(r["observed"])) + 1 for r in report["stages"]))
+    lines.append(f"{'stage':<{width}}  {'promised':<{pw}} {'observed':<{ow}} ")
     for r in report["stages"]:
         promised = ", ".join(r["promised"]) if r["promised"] else "-"
         observed = ", ".join(r["observed"]) or "not observed"
         mark = "ok" if r["ok"] and r["promised"] else ("VIOLATION" if not r["ok"] else "")
-        lines.append(f"{r['stage']:<{width}}  {promised:<18} {observed:<28} {mark}")
+        lines.append(f"{r['stage']:<{width}}  {promised:<{pw}} {observed:<{ow}} {mark}")
     lines += [f"note: {n}" for n in report["notes"]]
     lines.append("audit: " + ("every observed dtype keeps the policy's promise" if report["ok"]
                               else "an observed dtype breaks the policy's promise"))

@@ -94,8 +94,9 @@ class FP8Tracker:
 
 def fp8_rows(tracker: FP8Tracker, policy, micro_batches: int) -> tuple[list[dict], list[str]]:
     """The audit's FP8 rows and notes for a policy with an FP8 recipe."""
-    conversion, recipe = policy.fp8_conversion, policy.fp8
-    planned = set(conversion.modules)
+    conversion, layout = policy.fp8_conversion, policy.layout
+    recipe = conversion.recipe
+    planned = set(layout.fp8())
     in_fp8 = {name for name, kinds in tracker.forward.items() if "float8" in kinds}
     mixed = {name for name in in_fp8 if tracker.forward[name] != {"float8"}}
     notes = [f"fp8: {conversion.describe()}"]
@@ -106,8 +107,8 @@ def fp8_rows(tracker: FP8Tracker, policy, micro_batches: int) -> tuple[list[dict
         notes.append(f"fp8: {name} ran in FP8 but the plan leaves it out")
     for name in sorted(mixed):
         notes.append(f"fp8: {name} ran some forward GEMMs outside FP8")
-    for name, reason in conversion.left_out.items():
-        notes.append(f"fp8: {name} left in {dtype_name(policy.param_dtype)}: {reason}")
+    for name, reason in layout.left_out().items():
+        notes.append(f"fp8: {name} left in {layout.modules[name].compute_name}: {reason}")
     if recipe.delayed and conversion.modules:
         name, m = next(iter(conversion.modules.items()))
         for role, i in (("input", 0), ("weight", 1), ("output gradient", 2)):
@@ -116,14 +117,15 @@ def fp8_rows(tracker: FP8Tracker, policy, micro_batches: int) -> tuple[list[dict
     else:
         notes.append(f"fp8: scales are computed from each tensor's own amax at every cast ({recipe.summary()})")
     expected_backward = 2 * micro_batches * len(planned)
+    grad_formats = {E4M3} | {r.grad_dtype for r in layout.recipes()}
     rows = [
         {"stage": "FP8 layers (forward GEMMs in float8)", "promised": [f"{len(planned)} planned"],
          "observed": [f"{len(in_fp8)} ran"], "ok": in_fp8 == planned and not mixed},
         {"stage": "FP8 forward operands", "promised": [dtype_name(E4M3)],
          "observed": sorted(map(dtype_name, tracker.operands["forward"])), "ok": tracker.operands["forward"] == {E4M3}},
-        {"stage": "FP8 backward operands", "promised": sorted(map(dtype_name, {E4M3, recipe.grad_dtype})),
+        {"stage": "FP8 backward operands", "promised": sorted(map(dtype_name, grad_formats)),
          "observed": sorted(map(dtype_name, tracker.operands["backward"])),
-         "ok": tracker.operands["backward"] == {E4M3, recipe.grad_dtype}},
+         "ok": tracker.operands["backward"] == grad_formats},
         {"stage": "FP8 backward GEMMs", "promised": [str(expected_backward)], "observed": [str(tracker.backward_gemms)],
          "ok": tracker.backward_gemms == expected_backward},
         {"stage": "FP8 layer outputs", "promised": [dtype_name(policy.param_dtype)],

@@ -27,8 +27,9 @@ from mixprec.fp8.recipe import FP8Recipe
 from mixprec.models.llama import Llama, ModelArgs
 from mixprec.models.loss import chunk_tokens
 from mixprec.optim.updates import CHUNK_NUMEL
-from mixprec.precision.master import is_norm
-from mixprec.precision.presets import FP32, PRESETS
+from mixprec.precision.layout import resolve
+from mixprec.precision.presets import FP32, PRESETS, resolve_preset_name
+from mixprec.precision.spec import Override, PrecisionSpec, Update
 from mixprec.train.parallelize import AC_MODES, checkpointed_blocks
 
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}  # state tensors per parameter (SGD: momentum)
@@ -37,7 +38,7 @@ OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}  # state tensors per parame
 @dataclass(frozen=True)
 class Setup:
     args: ModelArgs
-    preset: str = "bf16-mixed"
+    preset: str | PrecisionSpec = "bf16-mixed"  # a preset's name or a spec
     batch: int = 4  # sequences per device and micro-batch
     seq_len: int = 256
     optimizer: str = "adamw"
@@ -49,9 +50,19 @@ class Setup:
     attention: str = "eager"  # or "sdpa": no (T, T) tensors saved
     loss: str = "full"  # or "chunked": model.loss, the full logits never exist
     bandwidth_gbps: float = 100.0  # per device, for the communication time
+    overrides: tuple = ()  # per-module rules (precision.override) on top of the preset
+
+    @property
+    def spec(self) -> PrecisionSpec:
+        from dataclasses import replace
+
+        spec = self.preset if isinstance(self.preset, PrecisionSpec) else PRESETS[resolve_preset_name(self.preset,
+                                                                                                       "--preset")]
+        return replace(spec, overrides=spec.overrides + tuple(Override.parse(r) for r in self.overrides))
 
     def __post_init__(self):
-        for name, value, accepted in (("preset", self.preset, PRESETS), ("optimizer", self.optimizer, OPTIMIZER_STATES),
+        self.spec  # an unknown preset or a bad rule: one line
+        for name, value, accepted in (("optimizer", self.optimizer, OPTIMIZER_STATES),
                                       ("checkpointing", self.checkpointing, AC_MODES),
                                       ("attention", self.attention, ("eager", "sdpa")),
                                       ("loss", self.loss, ("full", "chunked"))):
@@ -93,17 +104,18 @@ def _block_activations(a: ModelArgs, B: int, T: int, c: int, r: int, n: int, cas
 
 def plan(s: Setup) -> dict:
     """Bytes per device of each kind of memory, the peak, and communication per step."""
-    p = PRESETS[s.preset]
+    p = s.spec
     a = s.args
     with torch.device("meta"):
         model = Llama(a)
     sharded = s.dp_shard > 1
+    layout = resolve(p, model, sharded=sharded).modules
     master = p.master_weights and not sharded  # under FSDP the sharded FP32 params are the masters
     storage = FP32 if p.master_weights and sharded else p.storage_dtype
     autocast = not sharded and (p.param_dtype != p.storage_dtype or p.master_weights)
     c, st = p.param_dtype.itemsize, storage.itemsize
 
-    params = grads = masters = states = cast_cache = linear_params = 0
+    params = grads = masters = states = cast_cache = 0
     n_params = 0
     seen = set()
     for fqn, module in model.named_modules():
@@ -115,7 +127,7 @@ def plan(s: Setup) -> dict:
             n_params += numel
             split = s.tp if fqn.startswith("layers.") and isinstance(module, torch.nn.Linear) else 1
             local = numel / split / s.dp_shard
-            dtype_bytes = 4 if master and is_norm(fqn, module) else st
+            dtype_bytes = layout[fqn].storage.itemsize
             params += local * dtype_bytes
             grads += local * dtype_bytes
             if master and dtype_bytes != 4:
@@ -123,15 +135,25 @@ def plan(s: Setup) -> dict:
                 grads += local * 4  # the masters' FP32 gradients
             states += local * OPTIMIZER_STATES[s.optimizer] * (4 if p.master_weights else st)
             if isinstance(module, torch.nn.Linear):
-                linear_params += numel / split
-    fp8 = bool(p.fp8)
-    if fp8:
-        # moments in the recipe's dtype (bfloat16 for blockwise)
-        states *= FP8Recipe.from_name(p.fp8).moments_dtype.itemsize / 4
-    if autocast:  # autocast keeps one low-precision copy of each weight from forward to backward
-        # (an FP8 Linear keeps its 1-byte FP8 weight instead)
-        fp8_params = sum(w.numel() for w in model.layers.parameters() if w.dim() == 2) / s.tp if fp8 else 0
-        cast_cache = (linear_params - fp8_params) * c + fp8_params
+                # autocast keeps one low-precision copy of each weight from forward to backward;
+                # an FP8 Linear keeps its 1-byte FP8 weight instead, a float32 one none
+                compute = layout[fqn].compute
+                copy = 1 if isinstance(compute, FP8Recipe) else compute.itemsize if compute != FP32 else 0
+                cast_cache += numel / split * copy
+    if p.fp8 is not None and p.storage_dtype == FP32:
+        states *= p.moments_dtype.itemsize / 4  # the recipe's moments (bfloat16 for blockwise)
+    if not autocast:
+        cast_cache = sum(numel / (s.tp if fqn.startswith("layers.") else 1)
+                         for fqn, m in layout.items() if isinstance(m.compute, FP8Recipe)
+                         for numel in [model.get_submodule(fqn).weight.numel()])
+    # each block's share of projections in FP8 and in float32 (per-module overrides)
+    fp8_share, fp32_share = [], []
+    for i, block in enumerate(model.layers):
+        rows = [(layout[f"layers.{i}.{n}"].compute, m.weight.numel()) for n, m in block.named_modules()
+                if isinstance(m, torch.nn.Linear)]
+        total = sum(n for _, n in rows)
+        fp8_share.append(sum(n for f, n in rows if isinstance(f, FP8Recipe)) / total)
+        fp32_share.append(sum(n for f, n in rows if f == FP32) / total if c != 4 else 0.0)
     block_params = sum(w.numel() for w in model.layers[0].parameters())
     unsharded = 0
     if sharded:  # all-gathered units in param_dtype: the current block and the prefetched next
@@ -142,12 +164,16 @@ def plan(s: Setup) -> dict:
     r = 4 if autocast and not p.master_weights else c if sharded else st  # the residual stream
     norm_w = 4 if master else (c if sharded else st)
     n = max(r, norm_w)
-    block = _block_activations(a, B, T, c, r, n, autocast and n != c, s.tp, s.attention == "sdpa", fp8)
+    sdpa = s.attention == "sdpa"
+    plain, in_fp8 = (_block_activations(a, B, T, c, r, n, autocast and n != c, s.tp, sdpa, f) for f in (False, True))
+    wide = _block_activations(a, B, T, 4, r, n, False, s.tp, sdpa)  # float32 projections (overrides)
+    # each block's activations, mixed by the share of its projections in each compute format
+    blocks = [(1 - f8 - f32) * plain + f8 * in_fp8 + f32 * wide for f8, f32 in zip(fp8_share, fp32_share)]
     inputs = r * B * T * a.dim  # what a checkpointed block keeps: its input
     # Saved through the forward: each block's activations, or only its input where it
     # recomputes in backward (selective: every other block, 1, 3, 5, ...; full: all).
     recomputed = checkpointed_blocks(a.n_layers, s.checkpointing)
-    saved = [inputs if i in recomputed else block for i in range(a.n_layers)]
+    saved = [inputs if i in recomputed else blocks[i] for i in range(a.n_layers)]
     layers = sum(saved)
     norm = (4 + r) * B * T * a.dim  # the final norm's FP32 input and output
     if s.loss == "chunked":
@@ -168,16 +194,17 @@ def plan(s: Setup) -> dict:
     # An eager FP8 Linear's backward widens its operands to FP32 to cast them (the gradient,
     # and for row- and block-wise the dequantised input): two or three FP32 copies of the
     # widest projection's activations (measured on the debug flavor; Inductor fuses them away).
-    widenings = {"": 0, "tensorwise": 2, "delayed": 2}.get(p.fp8, 3)
+    recipes = {m.compute for m in layout.values() if isinstance(m.compute, FP8Recipe)}
+    widenings = max((rc.backward_fp32_copies for rc in recipes), default=0)
     fp8_backward = widenings * 4 * B * T * max(a.dim, a.ffn_dim // s.tp)
-    backward = max((sum(saved[:i]) + block + (a.n_layers - i) * block_grads + other_grads + fp8_backward
+    backward = max((sum(saved[:i]) + blocks[i] + (a.n_layers - i) * block_grads + other_grads + fp8_backward
                     for i in recomputed), default=0)
     working = max(head + transient, backward - layers)
 
     peak = params + states + masters + cast_cache + unsharded + layers + working
     compensation = working_copies = 0
-    if p.update:  # mixprec.optim.updates
-        compensation = params if p.update == "kahan" else 0
+    if p.update is not Update.NEAREST:  # mixprec.optim.updates
+        compensation = params if p.update is Update.KAHAN else 0
         peak += compensation  # held all the time, like the moments
         if s.optimizer != "adamw":  # the generic path: the step runs on FP32 copies, a chunk at a time,
             # after backward freed the activations (AdamW's fused kernel needs none)

@@ -99,7 +99,7 @@ class Policy:
         recipe = spec.fp8 or (FP8Recipe.from_name(fp8_recipe) if fp8_recipe else None)
         if recipe is not None:
             recipe = recipe.with_options(**(fp8_options or {}))
-        spec = replace(spec, fp8=recipe, overrides=tuple(overrides))
+        spec = replace(spec, fp8=recipe, overrides=spec.overrides + tuple(overrides))
         return cls(spec, **settings)
 
     # ---- what the policy promises -------------------------------------------------

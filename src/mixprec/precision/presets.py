@@ -101,6 +101,9 @@ def name_of(spec: PrecisionSpec) -> str:
     recipe on another base, or "custom"."""
     from dataclasses import replace
 
+    exact = next((name for name, p in PRESETS.items() if p == replace(spec, reduce_dtype=FP32)), None)
+    if exact is not None:
+        return exact
     plain = replace(spec, reduce_dtype=FP32, overrides=(), fp8=None)
     base = next((name for name, p in PRESETS.items() if p == plain), "custom")
     if spec.fp8 is None:
