@@ -42,3 +42,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _mixprec_logs_reach_caplog():
+    """The command line stops mixprec's logger propagating (it prints its own lines); a test
+    that ran it must not hide later tests' log records from caplog."""
+    import logging
+
+    yield
+    logging.getLogger("mixprec").propagate = True

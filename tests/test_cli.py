@@ -23,7 +23,7 @@ SURFACE = """
 --training.early_stopping_patience --training.dtype --training.mixed_precision_param
 --training.mixed_precision_reduce
 --precision.preset --precision.param_dtype --precision.reduce_dtype --precision.storage_dtype
---precision.emulate_matmul --precision.tf32
+--precision.emulate_matmul --precision.override --precision.tf32
 --fp8.recipe --fp8.filter_fqns --fp8.amax_history_len --fp8.amax_compute_algo --fp8.margin --fp8.emulate
 --loss_scale.init_scale --loss_scale.growth_factor --loss_scale.backoff_factor --loss_scale.growth_interval
 --loss_scale.min_scale --loss_scale.max_scale --loss_scale.hysteresis --loss_scale.fallback_after

@@ -170,6 +170,10 @@ class FP8:
     """Run every FP8 GEMM as FP32 GEMMs on the FP8 values (the same numerics); false: torch's scaled GEMM wherever it has one for the layout (block-wise on a CPU is emulated either way)."""
 
     def __post_init__(self):
+        if self.recipe:  # the registry imports torch: only when a recipe is named
+            from mixprec.fp8.recipe import RECIPES
+
+            _check(self.recipe in RECIPES, "fp8.recipe", self.recipe, f"{', '.join(RECIPES)} (or empty)")
         _check(self.amax_history_len >= 1, "fp8.amax_history_len", self.amax_history_len, "a positive integer")
         _check(self.amax_compute_algo in ("max", "most_recent"), "fp8.amax_compute_algo", self.amax_compute_algo,
                "max, most_recent")
