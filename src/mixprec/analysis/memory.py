@@ -136,16 +136,12 @@ def plan(s: Setup) -> dict:
             states += local * OPTIMIZER_STATES[s.optimizer] * (4 if p.master_weights else st)
             if isinstance(module, torch.nn.Linear):
                 # autocast keeps one low-precision copy of each weight from forward to backward;
-                # an FP8 Linear keeps its 1-byte FP8 weight instead, a float32 one none
+                # an FP8 Linear keeps its 1-byte FP8 weight instead (with or without autocast)
                 compute = layout[fqn].compute
-                copy = 1 if isinstance(compute, FP8Recipe) else compute.itemsize if compute != FP32 else 0
+                copy = 1 if isinstance(compute, FP8Recipe) else compute.itemsize if autocast and compute != FP32 else 0
                 cast_cache += numel / split * copy
     if p.fp8 is not None and p.storage_dtype == FP32:
         states *= p.moments_dtype.itemsize / 4  # the recipe's moments (bfloat16 for blockwise)
-    if not autocast:
-        cast_cache = sum(numel / (s.tp if fqn.startswith("layers.") else 1)
-                         for fqn, m in layout.items() if isinstance(m.compute, FP8Recipe)
-                         for numel in [model.get_submodule(fqn).weight.numel()])
     # each block's share of projections in FP8 and in float32 (per-module overrides)
     fp8_share, fp32_share = [], []
     for i, block in enumerate(model.layers):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mixprec.dtypes import dtype_name
 from mixprec.fp8.convert import output_projections, why_not
 from mixprec.fp8.recipe import FP8Recipe
 from mixprec.precision.master import is_norm
@@ -61,7 +62,7 @@ class Layout:
 
     def table(self) -> list[tuple[str, str, str, str]]:
         """(module, storage, compute, why) rows, for printing."""
-        return [(fqn or "(root)", str(m.storage).removeprefix("torch."), m.compute_name, m.why)
+        return [(fqn or "(root)", dtype_name(m.storage), m.compute_name, m.why)
                 for fqn, m in self.modules.items()]
 
 

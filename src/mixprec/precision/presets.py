@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from mixprec.dtypes import dtype_name
 from mixprec.errors import UserError
 from mixprec.fp8.recipe import RECIPES, FP8Recipe
 from mixprec.precision.spec import PrecisionSpec, Update
@@ -27,7 +28,7 @@ def fp8_preset(recipe: FP8Recipe) -> PrecisionSpec:
     """bf16-mixed with the block projections' GEMMs in FP8 under `recipe` (embeddings, norms,
     attention, the output projection and the loss stay as bf16-mixed has them)."""
     return PrecisionSpec(FP32, BF16, fp8=recipe, summary=f"bf16-mixed, block projections in FP8 ({recipe.summary()})"
-                         + (f", AdamW moments in {str(recipe.moments_dtype).removeprefix('torch.')}"
+                         + (f", AdamW moments in {dtype_name(recipe.moments_dtype)}"
                             if recipe.moments_dtype != FP32 else ""))
 
 
