@@ -142,7 +142,7 @@ def one(preset: str, flavor: str, steps: int, native_steps: int, extra: list[str
 
 
 def one_mode(preset: str, impl: str, compiled: bool, flavor: str, device: str, batch: int, seq_len: int, steps: int,
-             extra: list[str]) -> dict:
+             extra: list[str], profile: str | None = None) -> dict:
     """One (preset, mixprec or plain, eager or compiled) run: tokens/s, MFU, peak memory."""
     from mixprec.config import load_config
     from mixprec.models.llama import build_model
@@ -194,6 +194,14 @@ def one_mode(preset: str, impl: str, compiled: bool, flavor: str, device: str, b
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     times = _timed(synced, steps, warmup=0)
+    if profile:  # a few steps under torch.profiler: the kernels by device time, to a text file
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                synced()
+        sort = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+        Path(profile).write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
     tokens = batch * seq_len
     tps = tokens / statistics.median(times)
     peak = peak_flops(dev, policy)
@@ -205,17 +213,27 @@ def one_mode(preset: str, impl: str, compiled: bool, flavor: str, device: str, b
 def modes_table(args, extra: list[str]) -> None:
     results = []
     for preset in args.presets.split(","):
-        for impl in ("plain", "mixprec"):
-            for compiled in (False, True):
+        for impl in args.impls.split(","):
+            for compiled in [m == "compiled" for m in args.compile_modes.split(",")]:
                 cmd = [sys.executable, __file__, "--one-mode", f"{preset}:{impl}:{int(compiled)}", "--flavor",
                        args.flavor, "--device", args.device, "--batch", str(args.batch), "--seq-len",
                        str(args.seq_len), "--steps", str(args.steps), *extra]
-                print(f"--- {preset} {impl} {'compiled' if compiled else 'eager'}", flush=True)
-                proc = subprocess.run(cmd, capture_output=True, text=True)
+                name = f"{preset} {impl} {'compiled' if compiled else 'eager'}"
+                if args.profile and name == args.profile:
+                    cmd += ["--profile-to", str(Path(args.profile_dir) / f"profile-{preset}-{impl}-{int(compiled)}.txt")]
+                print(f"--- {name}", flush=True)
+                start = time.perf_counter()
+                try:
+                    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout)
+                except subprocess.TimeoutExpired:
+                    print(f"    over {args.run_timeout} s: left out", flush=True)
+                    continue
                 if proc.returncode:
                     print(proc.stderr[-2000:], flush=True)
                     continue
                 results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                print(f"    {time.perf_counter() - start:.0f} s: {results[-1]['tokens_per_sec']:.0f} tok/s, peak "
+                      f"{results[-1]['peak_memory_bytes'] / 2**30:.1f} GiB", flush=True)
     print(f"\n{args.flavor} flavor, {args.batch} x {args.seq_len} tokens per step, {args.device}")
     print(f"{'preset':<12}{'impl':<9}{'mode':<10}{'tok/s':>10}{'MFU':>8}{'peak GiB':>10}{'vs plain':>10}")
     by_key = {(r["preset"], r["impl"], r["compiled"]): r for r in results}
@@ -243,12 +261,18 @@ def main() -> None:
     p.add_argument("--modes", action="store_true", help="eager and compiled, mixprec and plain (default on cuda)")
     p.add_argument("--batch", type=int, default=4, help="sequences per step (with --modes)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (with --modes)")
+    p.add_argument("--impls", default="plain,mixprec", help="with --modes: plain, mixprec or both")
+    p.add_argument("--compile-modes", default="eager,compiled", help="with --modes: eager, compiled or both")
+    p.add_argument("--run-timeout", type=float, default=900, help="with --modes: seconds before a run is left out")
+    p.add_argument("--profile", help="with --modes: profile this run ('PRESET IMPL eager|compiled') to a text file")
+    p.add_argument("--profile-dir", default=".", help="where --profile writes its table")
     p.add_argument("--one-mode", help=argparse.SUPPRESS)  # internal: preset:impl:compiled in this process
+    p.add_argument("--profile-to", help=argparse.SUPPRESS)
     args, extra = p.parse_known_args()
     if args.one_mode:
         preset, impl, compiled = args.one_mode.split(":")
         print(json.dumps(one_mode(preset, impl, compiled == "1", args.flavor, args.device, args.batch, args.seq_len,
-                                  args.steps, extra)))
+                                  args.steps, extra, args.profile_to)))
         return
     if args.modes or args.device == "cuda":
         modes_table(args, extra)

@@ -10,7 +10,7 @@ accumulator. For tensor- and row-wise scales that is the same as dequantising fi
 running an FP32 GEMM; tests/fp8/test_gemm.py checks both, and the kernels against it.
 
 Which route each GEMM takes is decided once per (device, layout) by `probe`: the kernel is
-run on a 256 x 256 x 256 problem and compared with the emulation; a kernel that is missing,
+run on a 512 x 512 x 512 problem and compared with the emulation; a kernel that is missing,
 refuses the layout or disagrees is not used, and the caller logs why.
 """
 
@@ -48,15 +48,24 @@ def layout(q: Quantized, side: str) -> str:
     return "blockwise"
 
 
-def _kernel_scales(q: Quantized, kind: str) -> torch.Tensor:
+def _kernel_scales(q: Quantized, kind: str, side: str) -> torch.Tensor:
     """The scale layout torch's kernels read: a 0-dim tensor for tensor-wise, (M, 1) and
-    (1, N) for row-wise, column-major tiles for block-wise (the layout DeepSeek's kernels use)."""
+    (1, N) for row-wise. Block-wise scales are checked on a and on b's transpose: 1x128
+    tiles want them column-major there, 128x128 blocks row-major; so on b the two swap."""
     s = q.scale_inv.float()
     if kind == "tensorwise":
         return s.reshape(())
     if kind == "rowwise":  # (M, 1) or (1, N) with unit strides (a transposed view has the other's)
         return s.reshape(-1).contiguous().view(s.shape)
-    return s.t().contiguous().t()
+    one_by_128 = 1 in q.tile
+    return s.t().contiguous().t() if one_by_128 == (side == "a") else s.contiguous()
+
+
+def _scaling_type(tile: tuple[int, int]):
+    """torch's ScalingType for a block tile, by value (its member names changed between releases)."""
+    import torch.nn.functional as F
+
+    return F.ScalingType(5 if tile[0] == tile[1] else 4)  # 4: 1x128, 5: 128x128
 
 
 def kernel_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
@@ -66,11 +75,9 @@ def kernel_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bo
     if "blockwise" in (kind_a, kind_b):
         import torch.nn.functional as F
 
-        types = {(1, 128): F.ScalingType.BlockWise1x128, (128, 1): F.ScalingType.BlockWise1x128,
-                 (128, 128): F.ScalingType.BlockWise128x128}
-        return F.scaled_mm(A, B, _kernel_scales(a, kind_a), types[a.tile], _kernel_scales(b, kind_b), types[b.tile],
-                           output_dtype=out_dtype)
-    return torch._scaled_mm(A, B, _kernel_scales(a, kind_a), _kernel_scales(b, kind_b), out_dtype=out_dtype,
+        return F.scaled_mm(A, B, _kernel_scales(a, kind_a, "a"), _scaling_type(a.tile), _kernel_scales(b, kind_b, "b"),
+                           _scaling_type(b.tile), output_dtype=out_dtype)
+    return torch._scaled_mm(A, B, _kernel_scales(a, kind_a, "a"), _kernel_scales(b, kind_b, "b"), out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
 
 
@@ -83,11 +90,12 @@ def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, kernel: boo
 def probe(device: str, a_tile: tuple[int, int], b_tile: tuple[int, int], a_dtype: torch.dtype,
           b_dtype: torch.dtype, out_dtype: torch.dtype) -> str | None:
     """None when torch has a kernel for this layout (tiles as `quantize` takes them, 0 for a
-    whole dimension) on `device` that agrees with the emulation on a 256^3 problem;
+    whole dimension) on `device` that agrees with the emulation on a 512^3 problem (four
+    128-blocks along each side, so block-wise scale strides are those of real shapes);
     otherwise the reason it is not used."""
     gen = torch.Generator().manual_seed(0)
-    a, _ = quantize(torch.randn(256, 256, generator=gen).to(device), a_dtype, a_tile)
-    b, _ = quantize(torch.randn(256, 256, generator=gen).to(device), b_dtype, b_tile)
+    a, _ = quantize(torch.randn(512, 512, generator=gen).to(device), a_dtype, a_tile)
+    b, _ = quantize(torch.randn(512, 512, generator=gen).to(device), b_dtype, b_tile)
     if "blockwise" in (layout(a, "a"), layout(b, "b")):
         import torch.nn.functional as F
 
@@ -97,7 +105,7 @@ def probe(device: str, a_tile: tuple[int, int], b_tile: tuple[int, int], a_dtype
             return f"torch {torch.__version__} has no torch.nn.functional.scaled_mm for block-wise scales"
     try:
         got = kernel_mm(a, b, out_dtype).float()
-    except (RuntimeError, NotImplementedError, ValueError, TypeError) as e:
+    except (RuntimeError, NotImplementedError, ValueError, TypeError, AttributeError) as e:
         return f"torch's scaled GEMM refused the layout ({str(e).splitlines()[0][:160]})"
     want = emulated_mm(a, b, torch.float32)
     err = float((got - want).norm() / want.norm().clamp(min=EPS))

@@ -1,0 +1,145 @@
+"""Each FP8 recipe's three GEMMs (forward, input gradient, weight gradient) at a flavor's
+layer shapes: torch's kernel against mixprec's emulation (relative error and SQNR, on the
+same FP8 operands), the emulation against a float64 GEMM of the dequantised operands, and
+TFLOP/s of the kernel and of the BF16 GEMM of the same shape.
+
+The operands are cast as the FP8 Linear casts them (mixprec.fp8.linear), from random
+activations, weights and output gradients. For block-wise scales it also tries the four
+(a, b) scale-stride layouts on the kernel and reports which ones torch accepts and agree
+with the emulation: the layout mixprec passes must be one of them.
+
+    python benchmarks/fp8_gemm_probe.py --device cuda --flavors 1B,8B [--tokens 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from mixprec.fp8 import E4M3, RECIPES, emulated_mm, kernel_mm, quantize, sqnr
+from mixprec.fp8.gemm import layout
+from mixprec.models.llama import FLAVORS, ModelArgs
+
+
+def layer_shapes(flavor: str) -> dict[str, tuple[int, int]]:
+    """Linear name -> (in_features K, out_features N) of one transformer block."""
+    args = ModelArgs(**{k: v for k, v in FLAVORS[flavor].items() if k in ModelArgs.__dataclass_fields__})
+    kv = args.dim // args.n_heads * (args.n_kv_heads or args.n_heads)
+    return {"wq": (args.dim, args.dim), "wk": (args.dim, kv), "w1": (args.dim, args.ffn_dim), "w2": (args.ffn_dim, args.dim)}
+
+
+def operands(recipe, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor):
+    """(name, a, b, out dtype) of the three GEMMs, cast as _FP8Matmul casts them."""
+    t, pow2 = recipe.tiles, recipe.power_of_2_scales
+    xq, _ = quantize(x, E4M3, t.x, power_of_2=pow2)
+    wq, _ = quantize(w, E4M3, t.w, power_of_2=pow2)
+    gq, _ = quantize(dy, recipe.grad_dtype, t.g, power_of_2=pow2)
+    wq_d = quantize(w, E4M3, t.w_dgrad, power_of_2=pow2)[0] if t.w_dgrad else wq
+    gq_w = quantize(dy, recipe.grad_dtype, t.g_wgrad, power_of_2=pow2)[0] if t.g_wgrad else gq
+    xq_w = quantize(xq.dequantize(), E4M3, t.x_wgrad, power_of_2=pow2)[0] if t.x_wgrad else xq
+    return (("forward", xq, wq.t(), torch.bfloat16), ("input gradient", gq, wq_d, torch.bfloat16),
+            ("weight gradient", gq_w.t(), xq_w, torch.float32))
+
+
+def median_ms(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def stride_study(a, b, out_dtype) -> list[str]:
+    """Which (a scale, b scale) memory orders torch's block-wise kernel accepts and gets right."""
+    import torch.nn.functional as F
+
+    from mixprec.fp8.gemm import _scaling_type
+
+    want = emulated_mm(a, b, torch.float32)
+    orders = {"row": lambda s: s.float().contiguous(), "col": lambda s: s.float().t().contiguous().t()}
+    found = []
+    for oa, fa in orders.items():
+        for ob, fb in orders.items():
+            try:
+                got = F.scaled_mm(a.data.contiguous(), b.data.t().contiguous().t(), fa(a.scale_inv),
+                                  _scaling_type(a.tile), fb(b.scale_inv), _scaling_type(b.tile),
+                                  output_dtype=out_dtype).float()
+            except (RuntimeError, ValueError, TypeError) as e:
+                found.append(f"a {oa}/b {ob}: refused ({str(e).splitlines()[0][:80]})")
+                continue
+            err = float((got - want).norm() / want.norm())
+            found.append(f"a {oa}/b {ob}: rel err {err:.2e}")
+    return found
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--flavors", default="1B,8B")
+    p.add_argument("--tokens", type=int, default=8192, help="M: sequences x tokens per step (4 x 2048)")
+    p.add_argument("--recipes", default="tensorwise,rowwise,blockwise")
+    p.add_argument("--json", help="also write the rows here")
+    args = p.parse_args()
+    dev = torch.device(args.device)
+    timed = dev.type == "cuda"
+    rows = []
+    print(f"device {torch.cuda.get_device_name(dev) if timed else 'cpu'}, torch {torch.__version__}, M = {args.tokens}")
+    print(f"{'flavor':<6}{'layer':<6}{'recipe':<11}{'gemm':<16}{'layout':<22}{'kern/emu':>10}{'SQNR dB':>9}"
+          f"{'emu/f64':>10}{'kern TF/s':>10}{'bf16 TF/s':>10}{'ratio':>7}")
+    for flavor in args.flavors.split(","):
+        for layer, (k, n) in layer_shapes(flavor).items():
+            gen = torch.Generator(device=dev).manual_seed(0)
+            x = torch.randn(args.tokens, k, device=dev, generator=gen)
+            w = torch.randn(n, k, device=dev, generator=gen) * k ** -0.5
+            dy = torch.randn(args.tokens, n, device=dev, generator=gen) * 1e-3
+            for name in args.recipes.split(","):
+                recipe = RECIPES[name]
+                for gemm, a, b, out_dtype in operands(recipe, x, w, dy):
+                    m_, k_, n_ = a.data.shape[0], a.data.shape[1], b.data.shape[1]
+                    flops = 2 * m_ * k_ * n_
+                    emu = emulated_mm(a, b, torch.float32)
+                    ref = a.dequantize().double() @ b.dequantize().double()
+                    row = {"flavor": flavor, "layer": layer, "recipe": name, "gemm": gemm,
+                           "shape": [m_, k_, n_], "layout": f"{layout(a, 'a')} x {layout(b, 'b')}",
+                           "emulation_vs_f64": float((emu.double() - ref).norm() / ref.norm())}
+                    try:
+                        got = kernel_mm(a, b, out_dtype).float()
+                        row["kernel_vs_emulation"] = float((got - emu).norm() / emu.norm())
+                        row["sqnr_db"] = sqnr(emu, got)
+                    except (RuntimeError, ValueError, TypeError) as e:
+                        row["kernel_error"] = str(e).splitlines()[0][:200]
+                    if "blockwise" in row["layout"] and timed:
+                        row["stride_study"] = stride_study(a, b, out_dtype)
+                    if timed and "kernel_error" not in row:
+                        row["kernel_ms"] = median_ms(lambda: kernel_mm(a, b, out_dtype))
+                        a16, b16 = a.dequantize().bfloat16(), b.dequantize().bfloat16()
+                        row["bf16_ms"] = median_ms(lambda: a16 @ b16)
+                        row["kernel_tflops"] = flops / row["kernel_ms"] / 1e9
+                        row["bf16_tflops"] = flops / row["bf16_ms"] / 1e9
+                    rows.append(row)
+                    fmt = lambda key, f: format(row[key], f) if key in row else "-"  # noqa: E731
+                    ratio = (f"{row['bf16_ms'] / row['kernel_ms']:.2f}" if "kernel_ms" in row else "-")
+                    print(f"{flavor:<6}{layer:<6}{name:<11}{gemm:<16}{row['layout']:<22}"
+                          f"{fmt('kernel_vs_emulation', '.1e'):>10}{fmt('sqnr_db', '.1f'):>9}"
+                          f"{row['emulation_vs_f64']:>10.1e}{fmt('kernel_tflops', '.0f'):>10}"
+                          f"{fmt('bf16_tflops', '.0f'):>10}{ratio:>7}", flush=True)
+                    if "kernel_error" in row:
+                        print("    kernel refused:", row["kernel_error"])
+                    for line in row.get("stride_study", []):
+                        print("    scales", line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
