@@ -71,5 +71,9 @@ def test_cuda_kernels_match_the_emulation(tiles):
     if tiles[0] == (1, 128) and reason is not None:
         pytest.skip(f"no block-wise kernel here: {reason}")
     assert reason is None
-    torch.testing.assert_close(kernel_mm(a, b, torch.float32), emulated_mm(a, b, torch.float32), rtol=1e-4,
-                               atol=1e-3)
+    # Hopper's FP8 tensor cores sum with fewer bits than FP32 even without fast accumulation
+    # (measured on an H100: 1e-4 relative to float64 at K = 8192, the emulation 1e-7)
+    ref = reference(a, b)
+    err = lambda out: float((out.double() - ref).norm() / ref.norm())  # noqa: E731
+    assert err(emulated_mm(a, b, torch.float32)) < 1e-6
+    assert err(kernel_mm(a, b, torch.float32)) < 1e-3

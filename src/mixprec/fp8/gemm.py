@@ -50,15 +50,17 @@ def layout(q: Quantized, side: str) -> str:
 
 def _kernel_scales(q: Quantized, kind: str, side: str) -> torch.Tensor:
     """The scale layout torch's kernels read: a 0-dim tensor for tensor-wise, (M, 1) and
-    (1, N) for row-wise. Block-wise scales are checked on a and on b's transpose: 1x128
-    tiles want them column-major there, 128x128 blocks row-major; so on b the two swap."""
+    (1, N) for row-wise. Block-wise, as torch 2.11 checks them on an H100: 1x128 tiles of a
+    as (M, K/128) column-major; 1x128 tiles of b (128 along K) as b's transpose has them,
+    (N, K/128) column-major; 128x128 blocks (K/128, N/128) column-major on b."""
     s = q.scale_inv.float()
     if kind == "tensorwise":
         return s.reshape(())
     if kind == "rowwise":  # (M, 1) or (1, N) with unit strides (a transposed view has the other's)
         return s.reshape(-1).contiguous().view(s.shape)
-    one_by_128 = 1 in q.tile
-    return s.t().contiguous().t() if one_by_128 == (side == "a") else s.contiguous()
+    if side == "b" and q.tile[1] == 1:
+        return s.contiguous().t()
+    return s.t().contiguous().t()
 
 
 def _scaling_type(tile: tuple[int, int]):
@@ -105,7 +107,7 @@ def probe(device: str, a_tile: tuple[int, int], b_tile: tuple[int, int], a_dtype
             return f"torch {torch.__version__} has no torch.nn.functional.scaled_mm for block-wise scales"
     try:
         got = kernel_mm(a, b, out_dtype).float()
-    except (RuntimeError, NotImplementedError, ValueError, TypeError, AttributeError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever the kernel raises, the emulation is used and the reason logged
         return f"torch's scaled GEMM refused the layout ({str(e).splitlines()[0][:160]})"
     want = emulated_mm(a, b, torch.float32)
     err = float((got - want).norm() / want.norm().clamp(min=EPS))
