@@ -17,10 +17,13 @@ refuses the layout or disagrees is not used, and the caller logs why.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from mixprec.fp8.scaling import EPS, Quantized, expand, quantize
+
+logger = logging.getLogger("mixprec")
 
 
 def emulated_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
@@ -83,8 +86,22 @@ def kernel_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bo
                             use_fast_accum=fast_accum)
 
 
+def _whole_tiles(a: Quantized, b: Quantized) -> bool:
+    """torch's kernels take whole tiles only (tensor- and row-wise tiles always are)."""
+    return all(size % tile == 0 for q in (a, b) for size, tile in zip(q.data.shape, q.tile))
+
+
+@functools.lru_cache(maxsize=None)
+def _log_partial_blocks(a_shape, a_tile, b_shape, b_tile) -> None:
+    logger.info("fp8: a %s x %s GEMM with %s and %s tiles is emulated: torch's block-wise kernel takes whole tiles "
+                "only", "x".join(map(str, a_shape)), b_shape[1], a_tile, b_tile)
+
+
 def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, kernel: bool,
               fast_accum: bool = False) -> torch.Tensor:
+    if kernel and not _whole_tiles(a, b):  # e.g. a Linear narrower than one 128-block
+        _log_partial_blocks(tuple(a.data.shape), a.tile, tuple(b.data.shape), b.tile)
+        kernel = False
     return kernel_mm(a, b, out_dtype, fast_accum) if kernel else emulated_mm(a, b, out_dtype)
 
 
