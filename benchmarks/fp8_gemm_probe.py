@@ -128,6 +128,15 @@ def main() -> None:
                         row["bf16_ms"] = median_ms(lambda: a16 @ b16)
                         row["kernel_tflops"] = flops / row["kernel_ms"] / 1e9
                         row["bf16_tflops"] = flops / row["bf16_ms"] / 1e9
+                        # the same GEMM on operands already in the kernel's layout (a row-, b column-major):
+                        # how much of kernel_ms is the layout copies kernel_mm makes
+                        ap = a._replace(data=a.data.contiguous())
+                        bp = b._replace(data=b.data.t().contiguous().t())
+                        row["prepared_tflops"] = flops / median_ms(lambda: kernel_mm(ap, bp, out_dtype)) / 1e9
+                        if out_dtype == torch.float32:  # and how much is writing FP32
+                            ms = median_ms(lambda: kernel_mm(ap, bp, torch.bfloat16))
+                            row["prepared_bf16_out_tflops"] = flops / ms / 1e9
+
                     rows.append(row)
                     fmt = lambda key, f: format(row[key], f) if key in row else "-"  # noqa: E731
                     ratio = (f"{row['bf16_ms'] / row['kernel_ms']:.2f}" if "kernel_ms" in row else "-")
@@ -137,6 +146,10 @@ def main() -> None:
                           f"{fmt('bf16_tflops', '.0f'):>10}{ratio:>7}", flush=True)
                     if "kernel_error" in row:
                         print("    kernel refused:", row["kernel_error"])
+                    if "prepared_tflops" in row:
+                        extra = (f", writing bfloat16 {row['prepared_bf16_out_tflops']:.0f}"
+                                 if "prepared_bf16_out_tflops" in row else "")
+                        print(f"    operands already in the kernel's layout: {row['prepared_tflops']:.0f} TFLOP/s{extra}")
                     accepted = [line for line in row.get("stride_study", []) if "accepted" in line]
                     if "stride_study" in row:
                         print("    scale orders torch accepts:", "; ".join(accepted) or "none")
