@@ -26,6 +26,10 @@ LAYOUTS = {"tensorwise": ((0, 0), (0, 0)), "rowwise": ((1, 0), (0, 1))}
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUTS.keys())
 @pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3)], ids=["e4m3xe4m3", "e5m2xe4m3"])
 def test_emulation_matches_torchs_scaled_mm_on_the_cpu(layout, dtypes):
+    reason = probe("cpu", *LAYOUTS[layout], *dtypes, torch.float32)
+    if reason is not None:  # torch 2.11's CPU _scaled_mm takes tensor-wise scales only; mixprec then emulates
+        assert layout == "rowwise" and "refused" in reason
+        pytest.skip(reason)
     a, b = operands(a_tile=LAYOUTS[layout][0], b_tile=LAYOUTS[layout][1], a_dtype=dtypes[0], b_dtype=dtypes[1])
     kernel = kernel_mm(a, b, torch.float32)
     emulated = emulated_mm(a, b, torch.float32)
@@ -58,7 +62,9 @@ def test_blockwise_scales_are_applied_per_tile():
 
 def test_the_cpu_probe_finds_torchs_tensorwise_and_rowwise_kernels_and_no_blockwise_one():
     assert probe("cpu", (0, 0), (0, 0), E4M3, E4M3, torch.bfloat16) is None
-    assert probe("cpu", (1, 0), (0, 1), E5M2, E4M3, torch.float32) is None
+    rowwise = probe("cpu", (1, 0), (0, 1), E5M2, E4M3, torch.float32)
+    # torch 2.11's CPU kernel refuses row-wise scales (an internal assert), 2.13's takes them
+    assert rowwise is None or ("refused" in rowwise and torch.__version__ < "2.13")
     assert "no block-wise" in probe("cpu", (1, 128), (128, 128), E4M3, E4M3, torch.bfloat16)
 
 
