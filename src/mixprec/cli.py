@@ -173,22 +173,20 @@ def _memory_advice(config, error: BaseException) -> str:
 
     from mixprec.analysis.memory import Setup, plan
     from mixprec.config import build_policy
-    from mixprec.models.llama import model_args, resolve_attention
-    from mixprec.models.loss import loss_chunk
+    from mixprec.train.build import model_shape
 
     name = type(error).__name__
     try:
         policy = build_policy(config.precision, config.training, config.loss_scale, config.fp8)
         policy_name = policy.name
-        m, t = config.model, config.training
-        args = model_args(m.flavor, 256 if config.data.tokenizer == "byte" else config.data.bpe_vocab_size)
+        t = config.training
         device_type = "cuda" if t.device.startswith("cuda") or (t.device == "auto" and torch.cuda.is_available()) \
             else "cpu"
-        # the trainer's own choices of attention and loss
+        vocab = 256 if config.data.tokenizer == "byte" else config.data.bpe_vocab_size
+        args = model_shape(config, vocab, device_type)  # the trainer's own choices of attention and loss
         setup = Setup(args, policy.spec, t.local_batch_size, t.seq_len, checkpointing=config.activation_checkpoint.mode,
-                      dp_shard=max(1, config.parallelism.data_parallel_shard_degree),
-                      attention=resolve_attention(m.attention, device_type),
-                      loss="chunked" if loss_chunk(m.loss, args.vocab_size, t.local_batch_size * t.seq_len) else "full")
+                      dp_shard=max(1, config.parallelism.data_parallel_shard_degree), attention=args.attention,
+                      loss="chunked" if args.loss_chunk else "full")
         b = plan(setup)["bytes"]
         need = (f"the plan for {config.model.flavor} in {policy_name} is {b['peak'] / 2**30:.1f} GiB per device "
                 f"(parameters {b['parameters'] / 2**30:.1f}, optimizer states {b['optimizer_states'] / 2**30:.1f}, "

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -43,3 +45,29 @@ def test_foreign_files_are_user_errors(tmp_path):
     (tmp_path / "step-5.pt").write_text("not a checkpoint")
     with pytest.raises(UserError, match="corrupt"):
         ckpt.load()
+
+
+def test_a_checkpoint_written_before_the_precision_redesign_resumes(tmp_path):
+    """tests/fixtures/before-redesign/step-3.pt was written by commit 2e9a727 (before the
+    precision spec, the builder and TrainingState) with these arguments and --training.steps 3
+    --checkpoint.interval 3 --checkpoint.keep_latest_k 0, on an AVX2 CPU."""
+    import shutil
+
+    from conftest import run_train
+
+    fixture = Path(__file__).parent.parent / "fixtures" / "before-redesign"
+    corpus = fixture / "corpus.txt"
+    flags = ("--precision.preset", "fp16-mixed", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0")
+    (tmp_path / "old" / "checkpoint").mkdir(parents=True)
+    shutil.copy(fixture / "step-3.pt", tmp_path / "old" / "checkpoint")
+    resumed = run_train(tmp_path / "old", corpus, *flags)
+    # this tree's own checkpoint of the same three steps, resumed the same way (the schedule
+    # continues from the saved one, as any resume with more training.steps does)
+    run_train(tmp_path / "new", corpus, *flags, "--training.steps", "3")
+    fresh = run_train(tmp_path / "new", corpus, *flags)
+    assert [r["step"] for r in resumed] == [4, 5, 6] and [r["step"] for r in fresh[3:]] == [4, 5, 6]
+    for old, new in zip(resumed, fresh[3:]):
+        # bit-identical on the CPU that wrote the fixture (same_numbers.py); within float
+        # rounding where another CPU computed this tree's first three steps
+        assert old["loss"] == pytest.approx(new["loss"], rel=1e-3)
+        assert old["loss_scale"] == new["loss_scale"] and old["lr"] == pytest.approx(new["lr"], rel=1e-9)

@@ -118,8 +118,7 @@ def run_audit(config) -> dict:
             # their dtypes but fuses them out of a dispatch mode's sight
             compile=dataclasses.replace(config.compile, enable=False))
         notes = ["audited eager: compile.enable is ignored here"] if config.compile.enable else []
-        trainer = Trainer(config)
-        trainer.accum = 2  # two micro-batches: accumulation is a stage of its own
+        trainer = Trainer(config, accum=2)  # two micro-batches: accumulation is a stage of its own
         policy, model = trainer.policy, trainer.raw_model
         tracker = FP8Tracker()  # which format each Linear's forward GEMMs ran in, FP8 or not
         observer = _Observer(emulate=policy.emulate_matmul, fp8=tracker)

@@ -1,0 +1,185 @@
+"""Config to the parts of a run: one builder for the trainer, the audit and the
+out-of-memory advice (which plans the model the trainer would build).
+
+    parts = build(config)                 # device, policy, data, model, optimizer, scheduler, ...
+    parts = build(config, accum=2)        # the audit: two micro-batches whatever the config says
+    args = model_shape(config, vocab_size, device_type)   # the model's shape, nothing built
+
+Checks that can fail on bad input run before anything is written or built.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from mixprec.config import Config, build_policy
+from mixprec.data.corpus import load_corpus
+from mixprec.data.loader import TrainLoader, val_batches
+from mixprec.data.tokenizer import build_tokenizer
+from mixprec.distributed.parallel import ParallelDims, init_distributed, resolve_device
+from mixprec.distributed.tensor_parallel import check_tensor_parallel
+from mixprec.dtypes import dtype_name
+from mixprec.errors import UserError
+from mixprec.models.llama import ModelArgs, build_model, model_args, resolve_attention
+from mixprec.models.loss import loss_chunk
+from mixprec.optim import AdamW
+from mixprec.precision import Policy
+from mixprec.train.parallelize import parallelize
+from mixprec.train.run_folder import check_writable
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Parts:
+    config: Config
+    folder: Path
+    device: torch.device
+    policy: Policy
+    rank: int
+    dims: ParallelDims
+    accum: int  # micro-batches per optimizer step
+    tokenizer: object
+    loader: TrainLoader
+    rows: slice  # this rank's rows of each global micro-batch
+    val: list
+    args: ModelArgs
+    raw_model: torch.nn.Module  # the Llama module itself
+    model: torch.nn.Module  # what the loop calls: raw_model, or its DDP wrapper
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    meta: dict  # what a checkpoint must match to be resumed
+
+
+def build_optimizer(model: torch.nn.Module, cfg, fused: bool = True, foreach: bool | None = None,
+                    moments_dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not on norm weights); with moments in a
+    narrower dtype than FP32, mixprec's AdamW (same update, narrower state)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if moments_dtype != torch.float32:
+        logger.info("optimizer: AdamW with %s moments (one parameter at a time, FP32 arithmetic)",
+                    dtype_name(moments_dtype))
+        return AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, moments_dtype=moments_dtype)
+    # The fused kernel updates all tensors in one pass on CPU and CUDA.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None,
+                             foreach=foreach)
+
+
+def lr_lambda(cfg):
+    """Linear warm-up to 1, then cosine decay to min_lr_factor at the last step."""
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return cfg.min_lr_factor + (1 - cfg.min_lr_factor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def lr_lambda(cfg):
+    """Linear warm-up to 1, then cosine decay to min_lr_factor at the last step."""
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return cfg.min_lr_factor + (1 - cfg.min_lr_factor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def model_shape(config: Config, vocab_size: int, device_type: str, log: bool = False) -> ModelArgs:
+    """The model the trainer builds: the flavor with [model]'s attention, heads, tying and
+    loss choices resolved for this device and micro-batch."""
+    mcfg, tcfg = config.model, config.training
+    overrides = {"attention": resolve_attention(mcfg.attention, device_type)}
+    if log and mcfg.attention == "auto":
+        logger.info("model.attention auto: %s on %s", overrides["attention"], device_type)
+    if mcfg.n_kv_heads:
+        overrides["n_kv_heads"] = mcfg.n_kv_heads
+    if mcfg.tie_embeddings != "flavor":
+        overrides["tie_embeddings"] = mcfg.tie_embeddings == "true"
+    args = model_args(mcfg.flavor, vocab_size, **overrides)
+    tokens, vocab = tcfg.local_batch_size * tcfg.seq_len, args.vocab_size
+    args = replace(args, loss_chunk=loss_chunk(mcfg.loss, vocab, tokens))
+    if log and args.loss_chunk:
+        logger.info("model.loss %s: output layer and loss in chunks of %d tokens (%.0f MiB of FP32 logits; a "
+                    "micro-batch's full logits would be %.0f MiB)", mcfg.loss, args.loss_chunk,
+                    args.loss_chunk * vocab * 4 / 2**20, tokens * vocab * 4 / 2**20)
+    if tcfg.seq_len > args.max_seq_len:
+        raise UserError(f"training.seq_len {tcfg.seq_len} exceeds the {mcfg.flavor} flavor's "
+                        f"max_seq_len {args.max_seq_len}")
+    return args
+
+
+def build(config: Config, *, accum: int | None = None) -> Parts:
+    """Everything a run trains with, in the order whose random draws every checkpoint and
+    test relies on. accum: micro-batches per step instead of the config's batch sizes'."""
+    tcfg = config.training
+    device = resolve_device(tcfg.device)
+    policy = build_policy(config.precision, tcfg, config.loss_scale, config.fp8)
+    if config.stability.enable and not config.stability.snapshot_interval and not config.checkpoint.enable:
+        raise UserError("stability.snapshot_interval 0 rewinds to the last checkpoint, but checkpoint.enable is "
+                        "false; accepted: a snapshot_interval > 0, or checkpoint.enable true")
+    folder = Path(config.job.dump_folder)
+    check_writable(folder, "job.dump_folder")
+    if config.checkpoint.enable:
+        check_writable(folder / config.checkpoint.folder, "checkpoint.folder")
+    torch.manual_seed(tcfg.seed)
+    pcfg = config.parallelism
+    rank, world = init_distributed(device)
+    dims = ParallelDims.resolve(pcfg.data_parallel_replicate_degree, pcfg.data_parallel_shard_degree,
+                                pcfg.tensor_parallel_degree, world)
+    dp, lbs = dims.dp_degree, tcfg.local_batch_size
+    global_bs = lbs * dp if tcfg.global_batch_size == -1 else tcfg.global_batch_size
+    if global_bs % (lbs * dp):
+        raise UserError(f"training.global_batch_size {global_bs} is not a multiple of local_batch_size {lbs} x "
+                        f"{dp} data-parallel ranks")
+    accum = accum or global_bs // (lbs * dp)
+
+    t0 = time.perf_counter()  # each setup phase logs its duration: a log without a terminal shows progress
+    corpus = load_corpus(config.data.source, config.data.val_fraction)
+    tokenizer = build_tokenizer(config.data.tokenizer, corpus.train, config.data.bpe_vocab_size,
+                                folder / "tokenizer.json")
+    train_tokens, val_tokens = tokenizer.encode(corpus.train), tokenizer.encode(corpus.val)
+    logger.info("data: %s: %d training and %d validation tokens (%s tokenizer, vocabulary %d) in %.1f s",
+                corpus.name, len(train_tokens), len(val_tokens), config.data.tokenizer, tokenizer.vocab_size,
+                time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    # Every rank draws the same global micro-batch and keeps its own rows.
+    loader = TrainLoader(train_tokens, tcfg.seq_len, lbs * dp, tcfg.seed, device)
+    dp_rank = dims.dp_rank(rank)
+    rows = slice(dp_rank * lbs, (dp_rank + 1) * lbs)
+    val = val_batches(val_tokens, tcfg.seq_len, lbs * dp, tcfg.eval_batches, device)
+
+    args = model_shape(config, tokenizer.vocab_size, device.type, log=True)
+    if dims.tp_enabled:
+        check_tensor_parallel(args, dims.tp)
+    model = raw_model = build_model(args, device=device, storage_dtype=policy.storage_dtype, seed=tcfg.seed)
+    parallelize(model, dims, policy, device, pcfg=pcfg, ac_mode=config.activation_checkpoint.mode,
+                compile_components=config.compile.components if config.compile.enable else None)
+    # The fused kernel needs plain tensors; under tensor parallel the parameters mix
+    # DTensors of two meshes (or with plain tensors), which one foreach call cannot take.
+    sharded = dims.fsdp_enabled or dims.tp_enabled
+    optimizer = build_optimizer(model, tcfg, fused=not sharded, foreach=False if dims.tp_enabled else None,
+                                moments_dtype=policy.optimizer_moments_dtype)
+    model, optimizer = policy.setup(model, optimizer)
+    if dims.ddp_enabled:
+        logger.info("parallelism: DDP over %d processes", world)
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tcfg))
+    logger.info("model: %s flavor, %.2fM parameters, %s, built in %.1f s", config.model.flavor,
+                raw_model.num_params() / 1e6, policy, time.perf_counter() - t0)
+    meta = {**{k: v for k, v in asdict(args).items() if k not in ModelArgs.RUNTIME_FIELDS},
+            "tokenizer": config.data.tokenizer}
+    return Parts(config, folder, device, policy, rank, dims, accum, tokenizer, loader, rows, val, args, raw_model,
+                 model, optimizer, scheduler, meta)
