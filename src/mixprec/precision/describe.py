@@ -108,3 +108,21 @@ def warn_known_bad(policy) -> None:
             "%s: float16 weights, gradients and optimizer states%s: gradients below 2^-24 flush to zero, "
             "updates below 2^-11 of a weight are lost and values above 65504 overflow; fp16-mixed or "
             "fp16-master avoid this", policy.name, "" if policy.loss_scale else " without loss scaling")
+
+
+def summary(policy) -> dict:
+    """The run's precision figures, for summary.json."""
+    c = policy.counts
+    return {
+        "precision": policy.requested, "precision_final": policy.name, "param_dtype": dtype_name(policy.param_dtype),
+        "matmul_dtype": policy.matmul_dtype, "storage_dtype": dtype_name(policy.storage_dtype),
+        "reduce_dtype": dtype_name(policy.reduce_dtype), "autocast": policy.uses_autocast,
+        "master_weights": policy.master_weights, "update": policy.update, "steps": c["steps"],
+        "skipped_steps": c["skipped"], "nonfinite_steps": c["nonfinite"],
+        "loss_scale": policy.scaling.value if policy.scaling is not None else None,
+        "overflow_count": c["overflows"], "overflow_rate": c["overflows"] / c["steps"] if c["steps"] else 0.0,
+        "fallback_triggered": policy._fallback_step is not None, "fallback_step": policy._fallback_step,
+        "fp8_recipe": policy.fp8.name if policy.fp8 is not None else None,
+        "fp8_layers": policy.formats.fp8_layers if policy.formats is not None else 0,
+        "precision_overrides": [str(o) for o in policy.spec.overrides],
+    }

@@ -21,9 +21,8 @@ from dataclasses import replace
 
 import torch
 
-from mixprec.dtypes import dtype_name, parse_dtype
+from mixprec.dtypes import dtype_name
 from mixprec.errors import UserError
-from mixprec.fp8.recipe import FP8Recipe
 from mixprec.optim.updates import BF16Updates
 from mixprec.precision import describe as _describe
 from mixprec.precision.conversion import ModuleFormats
@@ -32,7 +31,7 @@ from mixprec.precision.grad_norm import grad_norm
 from mixprec.precision.layout import Layout, resolve
 from mixprec.precision.loss_scaling import LossScaling
 from mixprec.precision.master import MasterWeights, cast_parameters
-from mixprec.precision.presets import BF16, FP32, PRESETS, name_of, resolve_preset_name
+from mixprec.precision.presets import BF16, FP32, PRESETS, name_of, spec_of_preset
 from mixprec.precision.scaling_config import LossScaleConfig
 from mixprec.precision.spec import PrecisionSpec, Update
 from mixprec.precision.step import StepResult
@@ -81,25 +80,7 @@ class Policy:
         the preset: an error naming both otherwise), `fp8_recipe` (a recipe on a preset without
         one) with `fp8_options` (its tunable fields), and `overrides` (per-module rules).
         `labels` names each field as the user wrote it (for messages)."""
-        labels = labels or {}
-        preset_name = resolve_preset_name(name, labels.get("preset", "preset"))
-        spec = PRESETS[preset_name]
-        for key in ("storage_dtype", "param_dtype", "reduce_dtype"):
-            if key not in settings:
-                continue
-            label, dtype = labels.get(key, key), parse_dtype(settings.pop(key), labels.get(key, key))
-            if key != "reduce_dtype" and dtype != getattr(spec, key):
-                raise UserError(f"{labels.get('preset', 'preset')} = {name!r} contradicts {label} = "
-                                f"{dtype_name(dtype)!r}: {preset_name} has {key} {dtype_name(getattr(spec, key))}; "
-                                "drop one of the two")
-            spec = replace(spec, **{key: dtype})
-        if spec.fp8 and fp8_recipe and fp8_recipe != spec.fp8.name:
-            raise UserError(f"{labels.get('preset', 'preset')} = {name!r} contradicts fp8.recipe = {fp8_recipe!r}: "
-                            f"{preset_name} has the {spec.fp8.name} recipe; drop one of the two")
-        recipe = spec.fp8 or (FP8Recipe.from_name(fp8_recipe) if fp8_recipe else None)
-        if recipe is not None:
-            recipe = recipe.with_options(**(fp8_options or {}))
-        spec = replace(spec, fp8=recipe, overrides=spec.overrides + tuple(overrides))
+        spec = spec_of_preset(name, labels or {}, fp8_recipe, fp8_options, overrides, settings)  # pops dtypes
         return cls(spec, **settings)
 
     # ---- what the policy promises -------------------------------------------------
@@ -299,20 +280,7 @@ class Policy:
     # ---- reporting and checkpointing ------------------------------------------------
     def summary(self) -> dict:
         """The run's precision figures, for summary.json."""
-        c = self.counts
-        return {
-            "precision": self.requested, "precision_final": self.name, "param_dtype": dtype_name(self.param_dtype),
-            "matmul_dtype": self.matmul_dtype, "storage_dtype": dtype_name(self.storage_dtype),
-            "reduce_dtype": dtype_name(self.reduce_dtype), "autocast": self.uses_autocast,
-            "master_weights": self.master_weights, "update": self.update, "steps": c["steps"],
-            "skipped_steps": c["skipped"], "nonfinite_steps": c["nonfinite"],
-            "loss_scale": self.scaling.value if self.scaling is not None else None,
-            "overflow_count": c["overflows"], "overflow_rate": c["overflows"] / c["steps"] if c["steps"] else 0.0,
-            "fallback_triggered": self._fallback_step is not None, "fallback_step": self._fallback_step,
-            "fp8_recipe": self.fp8.name if self.fp8 is not None else None,
-            "fp8_layers": self.formats.fp8_layers if self.formats is not None else 0,
-            "precision_overrides": [str(o) for o in self.spec.overrides],
-        }
+        return _describe.summary(self)
 
     def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The model's weights at full precision: master copies where the mode has them."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from mixprec.dtypes import dtype_name
+from dataclasses import replace
+
+from mixprec.dtypes import dtype_name, parse_dtype
 from mixprec.errors import UserError
 from mixprec.fp8.recipe import RECIPES, FP8Recipe
 from mixprec.precision.spec import PrecisionSpec, Update
@@ -116,3 +118,27 @@ def name_of(spec: PrecisionSpec) -> str:
 for _recipe in RECIPES.values():
     register_preset(f"fp8-{_recipe.name}", fp8_preset(_recipe))
 FP8_BASES = ("fp32", "bf16-mixed", "bf16-master", "bf16-true")  # modes an FP8 recipe may build on
+
+
+def spec_of_preset(name: str, labels: dict[str, str], fp8_recipe: str, fp8_options: dict | None, overrides,
+                   settings: dict) -> PrecisionSpec:
+    """The spec of preset `name` (or an alias) with Policy.from_preset's keywords applied;
+    the dtype keywords are taken out of `settings`."""
+    preset_name = resolve_preset_name(name, labels.get("preset", "preset"))
+    spec = PRESETS[preset_name]
+    for key in ("storage_dtype", "param_dtype", "reduce_dtype"):
+        if key not in settings:
+            continue
+        label, dtype = labels.get(key, key), parse_dtype(settings.pop(key), labels.get(key, key))
+        if key != "reduce_dtype" and dtype != getattr(spec, key):
+            raise UserError(f"{labels.get('preset', 'preset')} = {name!r} contradicts {label} = "
+                            f"{dtype_name(dtype)!r}: {preset_name} has {key} {dtype_name(getattr(spec, key))}; "
+                            "drop one of the two")
+        spec = replace(spec, **{key: dtype})
+    if spec.fp8 and fp8_recipe and fp8_recipe != spec.fp8.name:
+        raise UserError(f"{labels.get('preset', 'preset')} = {name!r} contradicts fp8.recipe = {fp8_recipe!r}: "
+                        f"{preset_name} has the {spec.fp8.name} recipe; drop one of the two")
+    recipe = spec.fp8 or (FP8Recipe.from_name(fp8_recipe) if fp8_recipe else None)
+    if recipe is not None:
+        recipe = recipe.with_options(**(fp8_options or {}))
+    return replace(spec, fp8=recipe, overrides=spec.overrides + tuple(overrides))
