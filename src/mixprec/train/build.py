@@ -85,18 +85,6 @@ def lr_lambda(cfg):
     return factor
 
 
-def lr_lambda(cfg):
-    """Linear warm-up to 1, then cosine decay to min_lr_factor at the last step."""
-
-    def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / (cfg.warmup_steps + 1)
-        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-        return cfg.min_lr_factor + (1 - cfg.min_lr_factor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
 def model_shape(config: Config, vocab_size: int, device_type: str, log: bool = False) -> ModelArgs:
     """The model the trainer builds: the flavor with [model]'s attention, heads, tying and
     loss choices resolved for this device and micro-batch."""
