@@ -50,3 +50,12 @@ class LossScaling:
         before = self.scaler.get_scale()
         self.scaler.update(max(self.config.min_scale, before * self.config.backoff_factor))
         return before, self.scaler.get_scale()
+
+    def state_dict(self) -> dict:
+        return {"consecutive": self.consecutive, "scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, monitor: dict, scaler: dict | None) -> None:
+        self.consecutive = int(monitor.get("consecutive", 0))
+        self.monitor.load_state_dict(monitor)
+        if scaler:
+            self.scaler.load_state_dict(scaler)

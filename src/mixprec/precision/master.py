@@ -85,3 +85,15 @@ class MasterWeights:
         for (_, m), t in zip(self.pairs, tensors):
             m.copy_(t)
         self.master_to_model()
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The model's state with each parameter's FP32 master in its place."""
+        state = model.state_dict()
+        state.update({name: m.detach() for name, m in self.named_masters(model).items()})
+        return state
+
+    @torch.no_grad()
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        model.load_state_dict(state)  # rounds into the model's dtypes
+        for name, m in self.named_masters(model).items():
+            m.copy_(state[name])

@@ -22,23 +22,23 @@ from dataclasses import replace
 import torch
 
 from mixprec.dtypes import dtype_name
-from mixprec.errors import UserError
 from mixprec.optim.updates import BF16Updates
 from mixprec.precision import describe as _describe
 from mixprec.precision.conversion import ModuleFormats
-from mixprec.precision.emulation import Emulation, has_fast_matmul
+from mixprec.precision.emulation import Emulation
+from mixprec.precision.fallback import fall_back, fallback_target
 from mixprec.precision.grad_norm import grad_norm
 from mixprec.precision.layout import Layout, resolve
 from mixprec.precision.loss_scaling import LossScaling
 from mixprec.precision.master import MasterWeights, cast_parameters
-from mixprec.precision.presets import BF16, FP32, PRESETS, name_of, spec_of_preset
+from mixprec.precision.presets import FP32, name_of, spec_of_preset
 from mixprec.precision.scaling_config import LossScaleConfig
 from mixprec.precision.spec import PrecisionSpec, Update
-from mixprec.precision.step import StepResult
+from mixprec.precision.step import StepCounts, StepResult
 from mixprec.precision.tf32 import set_tf32, tf32_active
 
 logger = logging.getLogger(__name__)
-__all__ = ["Policy", "StepResult", "has_fast_matmul"]
+__all__ = ["Policy", "StepResult"]
 
 
 class Policy:
@@ -67,9 +67,9 @@ class Policy:
         self.layout: Layout | None = None
         self.emulation = Emulation(emulate_matmul)
         self.formats = self.scaling = self.masters = self.updates = None
-        self._model = self._optimizer = None
-        self.counts = {"steps": 0, "skipped": 0, "nonfinite": 0, "overflows": 0}
-        self._fallback_step: int | None = None
+        self.model = self.optimizer = None  # what setup was given: a fallback recasts them
+        self.counts = StepCounts()
+        self.fallback_step: int | None = None
         _describe.warn_known_bad(self)
 
     @classmethod
@@ -109,11 +109,7 @@ class Policy:
         casts to fully_shard and never autocasts on top of them (that would cast twice)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        wider = [str(o) for o in self.spec.overrides if o.compute == FP32 and self.param_dtype != FP32]
-        if wider:
-            raise UserError(f"precision.override {wider[0]} under fully_shard: the block's parameters are "
-                            f"all-gathered in {dtype_name(self.param_dtype)}, so the layer cannot compute in float32; "
-                            "accepted: bfloat16 or FP8 overrides, or data_parallel_shard_degree 1")
+        self.spec.check_shardable()
         self.sharded = True
         if self.layout is not None and self.spec.master_weights:
             # The sharded FP32 parameters are the master weights: no second copy is needed,
@@ -166,7 +162,7 @@ class Policy:
         if (self.master_weights or self.update) and optimizer is None:
             raise ValueError(f"{self.name} changes how the optimizer updates the weights: pass it to Policy.setup")
         layout = self.prepare_model(model)
-        self._model, self._optimizer = model, optimizer
+        self.model, self.optimizer = model, optimizer
         _describe.warn_optimizer(self, optimizer)
         fp32_modules = {fqn for fqn, m in layout.modules.items() if m.storage == FP32}
         cast_parameters(model, self.storage_dtype, keep_fp32=lambda fqn, m: fqn in fp32_modules)
@@ -175,24 +171,11 @@ class Policy:
         if self.update:
             self.updates = BF16Updates(optimizer, self.update, seed=self.update_seed)  # logs its path
         if self.loss_scale is not None:
-            self.scaling = LossScaling(self.loss_scale, next(model.parameters()).device, self._fallback_target())
+            self.scaling = LossScaling(self.loss_scale, next(model.parameters()).device, fallback_target(self))
         _describe.log_path(self)
         set_tf32(self.device_type, self.tf32)
         self.emulation.choose(self.device_type, self.spec.low_precision_dtypes)
         return model, optimizer
-
-    def _fallback_target(self) -> str | None:
-        target = self.loss_scale.fallback_to
-        if target == "auto":
-            target = "bf16-mixed" if has_fast_matmul(self.device_type, BF16) else "fp32"
-        if target and self.sharded:
-            # fully_shard fixes its MixedPrecisionPolicy when it wraps the model: a switch
-            # of precision mid-run would leave it all-gathering the old dtype.
-            logger.warning("precision: no automatic fallback under fully_shard: overflowing steps are skipped "
-                           "and the loss scale halves down to %g; to change precision, resume the last "
-                           "checkpoint with another precision.preset", self.loss_scale.min_scale)
-            return None
-        return target
 
     def autocast(self, device_type: str | None = None):
         """Context for the forward pass and the loss."""
@@ -211,7 +194,7 @@ class Policy:
         """Unscale, clip to `max_norm` (when given) on the true gradients, step unless a
         gradient overflowed, update the loss scale, clear the gradients. A skipped step
         changes no parameter, optimizer state or step count."""
-        self._optimizer = optimizer
+        self.optimizer = optimizer
         if self.masters is not None:
             self.masters.grads_to_master()
         overflow = self.scaling.unscale(optimizer) if self.scaling is not None else False
@@ -237,19 +220,10 @@ class Policy:
         optimizer.zero_grad(set_to_none=True)
         if self.formats is not None:
             self.formats.after_step()
-        c = self.counts
-        c["steps"] += 1
-        c["skipped"] += not applied
-        c["overflows"] += overflow
-        if nonfinite:
-            c["nonfinite"] += 1
-            if c["nonfinite"] <= 10 or c["nonfinite"] % 100 == 0:
-                logger.warning("[NONFINITE] step %d: gradient norm %s: step skipped (weights, optimizer state and "
-                               "learning-rate schedule untouched; %d such steps so far)", c["steps"], norm_value,
-                               c["nonfinite"])
-        fallback = self.scaling.update(c["steps"], overflow) if self.scaling is not None else None
+        self.counts.record(applied, overflow, nonfinite, norm_value)
+        fallback = self.scaling.update(self.counts.steps, overflow) if self.scaling is not None else None
         if fallback:
-            self._fall_back(self.scaling.fallback_to, fallback)
+            fall_back(self, self.scaling.fallback_to, fallback)
         return StepResult(applied, overflow, nonfinite, clipped, norm_value,
                           self.scaling.value if self.scaling is not None else None, self.name, fallback)
 
@@ -258,25 +232,6 @@ class Policy:
         or None without a scaler."""
         return self.scaling.back_off() if self.scaling is not None else None
 
-    def _fall_back(self, target: str, reason: str | None) -> None:
-        """Swap the spec for `target`'s, keeping the FP32 weights and optimizer state: the
-        master-weights and loss-scaling parts go."""
-        old = self.name
-        if self.masters is not None:
-            self.masters.release()
-            self.masters = None
-        cast_parameters(self._model, FP32)
-        for state in self._optimizer.state.values() if self._optimizer is not None else []:
-            for key, t in state.items():  # FP16 states of a model without masters
-                if torch.is_tensor(t) and t.is_floating_point() and key != "step":
-                    state[key] = t.float()
-        self.spec = replace(PRESETS[target], reduce_dtype=self.reduce_dtype, overrides=self.spec.overrides)
-        self.scaling, self.loss_scale = None, None
-        self.name, self._fallback_step = target, self.counts["steps"]
-        if reason is not None:
-            logger.warning("[FALLBACK] step %d: %s -> %s %s", self.counts["steps"], old, self.name, reason)
-        self.emulation.choose(self.device_type, self.spec.low_precision_dtypes)
-
     # ---- reporting and checkpointing ------------------------------------------------
     def summary(self) -> dict:
         """The run's precision figures, for summary.json."""
@@ -284,25 +239,21 @@ class Policy:
 
     def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The model's weights at full precision: master copies where the mode has them."""
-        state = model.state_dict()
-        if self.masters is not None:
-            state.update({name: m.detach() for name, m in self.masters.named_masters(model).items()})
-        return state
+        return self.masters.model_state_dict(model) if self.masters is not None else model.state_dict()
 
     def load_model_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-        model.load_state_dict(state)  # rounds into the model's dtypes
         if self.masters is not None:
-            with torch.no_grad():
-                for name, m in self.masters.named_masters(model).items():
-                    m.copy_(state[name])
+            self.masters.load_model_state_dict(model, state)
+        else:
+            model.load_state_dict(state)
 
     def state_dict(self) -> dict:
-        c = self.counts
+        c, scaling = self.counts, self.scaling.state_dict() if self.scaling is not None else {}
         return {
-            "precision": self.requested, "precision_final": self.name, "steps": c["steps"],
-            "skipped": c["skipped"], "nonfinite": c["nonfinite"], "fallback_step": self._fallback_step,
-            "monitor": {"overflows": c["overflows"], "consecutive": self.scaling.consecutive if self.scaling else 0},
-            "scaler": self.scaling.scaler.state_dict() if self.scaling is not None else None,
+            "precision": self.requested, "precision_final": self.name, "steps": c.steps,
+            "skipped": c.skipped, "nonfinite": c.nonfinite, "fallback_step": self.fallback_step,
+            "monitor": {"overflows": c.overflows, "consecutive": scaling.get("consecutive", 0)},
+            "scaler": scaling.get("scaler"),
             "fp8": self.formats.state_dict() if self.formats is not None else None,
             "updates": self.updates.state_dict() if self.updates is not None else None,
         }
@@ -312,19 +263,16 @@ class Policy:
         Call after setup and before loading the model's and optimizer's state."""
         if state.get("precision") != self.requested:
             logger.warning("precision: resuming a %s checkpoint under %s", state.get("precision"), self.requested)
-        elif state.get("fallback_step") is not None and self._fallback_step is None:
-            self._fall_back(state["precision_final"], None)
+        elif state.get("fallback_step") is not None and self.fallback_step is None:
+            fall_back(self, state["precision_final"], None)
             logger.info("precision: the checkpoint had fallen back to %s at step %d; resuming in %s",
                         state["precision_final"], state["fallback_step"], self.name)
-            self._fallback_step = state["fallback_step"]
+            self.fallback_step = state["fallback_step"]
         monitor = state.get("monitor", {})
-        self.counts = {"steps": int(state["steps"]), "skipped": int(state["skipped"]),
-                       "nonfinite": int(state.get("nonfinite", 0)), "overflows": int(monitor.get("overflows", 0))}
+        self.counts = StepCounts(int(state["steps"]), int(state["skipped"]), int(state.get("nonfinite", 0)),
+                                 int(monitor.get("overflows", 0)))
         if self.scaling is not None:
-            self.scaling.consecutive = int(monitor.get("consecutive", 0))
-            self.scaling.monitor.load_state_dict(monitor)
-            if state.get("scaler"):
-                self.scaling.scaler.load_state_dict(state["scaler"])
+            self.scaling.load_state_dict(monitor, state.get("scaler"))
         if self.formats is not None and state.get("fp8"):
             self.formats.load_state_dict(state["fp8"])
         if self.updates is not None and state.get("updates") and state["updates"]["method"] == self.update:

@@ -156,6 +156,15 @@ class PrecisionSpec:
         if fmt == BF16 and self.loss_scaling:
             raise UserError(f"{where}: bfloat16 in a float16 mode; accepted: float32 or float16")
 
+    def check_shardable(self) -> None:
+        """Under fully_shard a block's parameters are all-gathered in param_dtype, so no layer
+        of it can compute in float32 (a per-module fully_shard could; not done)."""
+        wider = [str(o) for o in self.overrides if o.compute == FP32 and self.param_dtype != FP32]
+        if wider:
+            raise UserError(f"precision.override {wider[0]} under fully_shard: the block's parameters are "
+                            f"all-gathered in {dtype_name(self.param_dtype)}, so the layer cannot compute in float32; "
+                            "accepted: bfloat16 or FP8 overrides, or data_parallel_shard_degree 1")
+
     # ---- what the spec says, role by role ------------------------------------------------
     @property
     def moments_dtype(self) -> torch.dtype:

@@ -1,7 +1,8 @@
 """Config to the parts of a run: one builder for the trainer, the audit and the
 out-of-memory advice (which plans the model the trainer would build).
 
-    parts = build(config)                 # device, policy, data, model, optimizer, scheduler, ...
+    parts = build(config)                 # device, policy, data, model, optimizer, scheduler,
+                                          # training state, stability guard
     parts = build(config, accum=2)        # the audit: two micro-batches whatever the config says
     args = model_shape(config, vocab_size, device_type)   # the model's shape, nothing built
 
@@ -30,8 +31,11 @@ from mixprec.models.llama import ModelArgs, build_model, model_args, resolve_att
 from mixprec.models.loss import loss_chunk
 from mixprec.optim import AdamW
 from mixprec.precision import Policy
+from mixprec.stability.guard import StabilityGuard
+from mixprec.train.checkpoint import CheckpointManager
 from mixprec.train.parallelize import parallelize
 from mixprec.train.run_folder import check_writable
+from mixprec.train.state import TrainingState
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,8 @@ class Parts:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     meta: dict  # what a checkpoint must match to be resumed
+    state: TrainingState | None = None  # save, resume, snapshot and rewind over these parts
+    guard: StabilityGuard | None = None  # the stability guard, where [stability] enables it
 
 
 def build_optimizer(model: torch.nn.Module, cfg, fused: bool = True, foreach: bool | None = None,
@@ -169,5 +175,13 @@ def build(config: Config, *, accum: int | None = None) -> Parts:
                 raw_model.num_params() / 1e6, policy, time.perf_counter() - t0)
     meta = {**{k: v for k, v in asdict(args).items() if k not in ModelArgs.RUNTIME_FIELDS},
             "tokenizer": config.data.tokenizer}
-    return Parts(config, folder, device, policy, rank, dims, accum, tokenizer, loader, rows, val, args, raw_model,
-                 model, optimizer, scheduler, meta)
+    parts = Parts(config, folder, device, policy, rank, dims, accum, tokenizer, loader, rows, val, args, raw_model,
+                  model, optimizer, scheduler, meta)
+    ccfg, scfg = config.checkpoint, config.stability
+    checkpoints = CheckpointManager(folder / ccfg.folder, ccfg.keep_latest_k) if ccfg.enable else None
+    parts.state = TrainingState(parts, checkpoints, first_checkpoint_step=ccfg.interval)
+    if scfg.enable:
+        parts.guard = parts.state.guard = StabilityGuard(
+            scfg, raw_model, capture=parts.state.snapshot, restore=parts.state.rewind_to, policy=policy,
+            optimizer=optimizer, rank=rank, world_size=dims.world_size)
+    return parts

@@ -19,12 +19,9 @@ import torch
 from mixprec.config import Config, to_toml
 from mixprec.errors import TrainingUnstable
 from mixprec.precision import Policy, StepResult
-from mixprec.stability.guard import StabilityGuard
 from mixprec.train.build import build
-from mixprec.train.checkpoint import CheckpointManager
 from mixprec.train.metrics import MetricsLogger, peak_flops, peak_memory_bytes
 from mixprec.train.report import progress_bar, report_step, write_summary
-from mixprec.train.state import TrainingState
 
 logger = logging.getLogger(__name__)
 
@@ -41,24 +38,17 @@ def evaluate(model, policy: Policy, batches) -> float:
 
 
 class Trainer:
-    """The loop over mixprec.train.build's parts (trainer.policy, .model, .optimizer, ...
-    are the parts' own) and a TrainingState (trainer.step and the checkpoint counters)."""
+    """The loop over mixprec.train.build's parts: trainer.policy, .model, .optimizer, .state
+    (a TrainingState: trainer.step and what checkpoints hold), .guard, ... are the parts' own."""
 
     def __init__(self, config: Config, *, accum: int | None = None):
         """Everything that can fail on bad input is checked here, before anything is written.
         accum: micro-batches per step instead of the config's (the audit takes two)."""
         self.config = config
         self.parts = build(config, accum=accum)
-        ccfg, scfg = config.checkpoint, config.stability
-        checkpoints = CheckpointManager(self.folder / ccfg.folder, ccfg.keep_latest_k) if ccfg.enable else None
-        self.state = TrainingState(self.parts, checkpoints, first_checkpoint_step=ccfg.interval)
         self.metrics, self._batches = None, []
-        self.guard = StabilityGuard(scfg, self.raw_model, capture=self.state.snapshot, restore=self.state.rewind_to,
-                                    policy=self.policy, optimizer=self.optimizer, rank=self.rank,
-                                    world_size=self.dims.world_size) if scfg.enable else None
-        self.state.guard = self.guard
         t0 = time.perf_counter()
-        if self.state.resume(ccfg.load_step):
+        if self.state.resume(config.checkpoint.load_step):
             logger.info("checkpoint: restored in %.1f s", time.perf_counter() - t0)
 
     def __getattr__(self, name: str):
