@@ -119,3 +119,19 @@ def test_policy_state_keeps_its_checkpoint_layout():
     assert set(policy.state_dict()) == {"precision", "precision_final", "steps", "skipped", "nonfinite",
                                         "fallback_step", "monitor", "scaler", "fp8", "updates"}
     assert set(policy.state_dict()["monitor"]) == {"overflows", "consecutive"}
+
+
+def test_a_new_fp8_recipe_is_one_registration(tmp_path, text_file):
+    # row-wise scales with e5m2 gradients: a recipe no preset has; its preset, [fp8] recipe and
+    # per-module override name follow from the registry alone
+    from mixprec.fp8.recipe import E5M2, FP8Recipe, Granularity, register_recipe
+
+    register_recipe(FP8Recipe("rowwise-e5m2", Granularity.ROWWISE, grad_dtype=E5M2, power_of_2_scales=True))
+    records = run_train(tmp_path / "preset", text_file, "--precision.preset", "fp8-rowwise-e5m2")
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    summary = json.loads((tmp_path / "preset" / "summary.json").read_text())
+    assert summary["fp8_recipe"] == "rowwise-e5m2" and summary["fp8_layers"] == 14
+    run_train(tmp_path / "table", text_file, "--precision.preset", "bf16-mixed", "--fp8.recipe", "rowwise-e5m2")
+    assert json.loads((tmp_path / "table" / "summary.json").read_text())["fp8_recipe"] == "rowwise-e5m2"
+    run_train(tmp_path / "override", text_file, "--precision.override", "*.feed_forward.*=fp8-rowwise-e5m2")
+    assert json.loads((tmp_path / "override" / "summary.json").read_text())["fp8_layers"] == 6
