@@ -21,6 +21,8 @@ _WHERE = {
     # model
     "Llama": "mixprec.models.llama", "ModelArgs": "mixprec.models.llama", "model_args": "mixprec.models.llama",
     "build_model": "mixprec.models.llama",
+    # the audit of one observed step, for any model
+    "audit": "mixprec.analysis.audit", "format_audit": "mixprec.analysis.audit",
     # config
     "Config": "mixprec.config", "load_config": "mixprec.config", "build_policy": "mixprec.config",
     # errors

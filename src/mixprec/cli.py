@@ -198,12 +198,12 @@ def _memory_advice(config, error: BaseException) -> str:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from mixprec.analysis.audit import format_report, run_audit
+    from mixprec.analysis.audit import format_audit, run_audit
 
     config = load_config(args.config, {k: v for k, v in vars(args).items() if "." in k})
     report = run_audit(config)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps(report, indent=2) if args.json else format_report(report))
+        print(json.dumps(report, indent=2) if args.json else format_audit(report))
     return 0 if report["ok"] else 1
 
 

@@ -6,7 +6,7 @@ What is observed, and how:
   (the local shard of a DTensor);
 - compute: every aten op is seen by a TorchDispatchMode, which sorts them into classes
   (matmul operands and outputs in the forward, matmul outputs in the backward,
-  the norm's rsqrt, softmax, log-softmax input, the loss) and the collectives FSDP2
+  the norm's rsqrt or layer_norm, softmax, log-softmax input, the loss) and the collectives FSDP2
   issues (all-gather and reduce-scatter buffers);
 - accumulation: the gradients after the first micro-batch of two.
 A stage the policy makes no promise about is reported, not judged.
@@ -56,8 +56,10 @@ class _Observer(EmulatedMatmul):
                 self.seen["compute parameters (matmul operands)"] |= {t.dtype for t in tensors[-2:]}
                 self.seen["matmul output"].add(out.dtype)
             return out
-        if func is aten.rsqrt.default and not self.backward:
-            self.seen["norm (rsqrt)"].add(out.dtype)
+        if func is aten.rsqrt.default and not self.backward:  # RMSNorm, written out
+            self.seen["norm"].add(out.dtype)
+        elif func is aten.native_layer_norm.default and not self.backward:
+            self.seen["norm"].add(out[0].dtype)
         elif func is aten._softmax.default and not self.backward:
             self.seen["softmax"].add(out.dtype)
         elif name.startswith("_scaled_dot_product") and not self.backward:
@@ -87,7 +89,7 @@ def promises(policy) -> dict[str, set[torch.dtype] | None]:
         "stored parameters": stored,
         "compute parameters (matmul operands)": computes,
         "matmul output": computes,
-        "norm (rsqrt)": {FP32},
+        "norm": {FP32},
         "softmax": {FP32},
         "logits (log-softmax input)": {FP32},
         "loss": {FP32},
@@ -119,70 +121,117 @@ def run_audit(config) -> dict:
             compile=dataclasses.replace(config.compile, enable=False))
         notes = ["audited eager: compile.enable is ignored here"] if config.compile.enable else []
         trainer = Trainer(config, accum=2)  # two micro-batches: accumulation is a stage of its own
-        policy, model = trainer.policy, trainer.raw_model
-        tracker = FP8Tracker()  # which format each Linear's forward GEMMs ran in, FP8 or not
-        observer = _Observer(emulate=policy.emulate_matmul, fp8=tracker)
-        policy.emulation.active = False  # the observer emulates instead, after recording
-        # Ops between the end of a forward and the start of the next are the backward's.
-        hooks = [model.register_forward_pre_hook(lambda *_: setattr(observer, "backward", False)),
-                 model.register_forward_hook(lambda *_: setattr(observer, "backward", True))]
-        hooks += tracker.hooks(model)
+        report = observe_step(trainer.raw_model, trainer.policy, trainer.optimizer,
+                              lambda after_backward: trainer.train_step(before_step=after_backward),
+                              micro_batches=trainer.accum, world_size=trainer.dims.world_size)
+        report["notes"][:0] = notes
+        return report
 
-        def grads() -> set[torch.dtype]:
-            return {_local(p.grad).dtype for p in model.parameters() if p.grad is not None}
 
-        def after_backward(micro: int) -> None:
-            # micro-batch 0: accumulated locally; micro-batch 1: reduced across ranks
-            observer.seen["accumulated gradients (micro-batch 1 of 2)" if micro == 0 else "reduced gradients"] |= grads()
+def audit(model: torch.nn.Module, policy, optimizer: torch.optim.Optimizer, batches, loss_fn=None,
+          max_norm: float | None = 1.0) -> dict:
+    """Observe one optimizer step of any model, set up by `policy.setup(model, optimizer)`,
+    over `batches` (two or more micro-batches: accumulation is a stage of its own), and
+    check every stage and every Linear against what the policy promised. `loss_fn(model,
+    batch)` gives the loss (default: `model(*batch)` when a batch is a tuple, else
+    `model(**batch).loss`, as a Hugging Face model returns it). Returns the report that
+    `mixprec audit --json` prints; report["ok"] is the verdict.
 
-        stored = {_local(p).dtype for p in model.parameters()}
+        report = mixprec.audit(model, policy, optimizer, [batch0, batch1])
+        assert report["ok"], mixprec.format_audit(report)
+    """
+    batches = list(batches)
+    if len(batches) < 2:
+        raise ValueError("mixprec.audit needs two or more micro-batches: gradient accumulation is a stage it checks")
+    if loss_fn is None:
+        def loss_fn(model, batch):
+            return model(*batch) if isinstance(batch, (tuple, list)) else model(**batch).loss
+
+    def step(after_backward) -> None:
+        for micro, batch in enumerate(batches):
+            with policy.autocast():
+                loss = loss_fn(model, batch) / len(batches)
+            policy.backward(loss)
+            after_backward(micro)
+        policy.step(optimizer, max_norm)
+
+    return observe_step(model, policy, optimizer, step, micro_batches=len(batches))
+
+
+def observe_step(model: torch.nn.Module, policy, optimizer: torch.optim.Optimizer, step, *, micro_batches: int,
+                 world_size: int = 1) -> dict:
+    """Run `step(after_backward)`, which takes one optimizer step and calls
+    `after_backward(micro)` after each micro-batch's backward, under the observer; the
+    report of every stage against the policy's promises."""
+    notes = []
+    tracker = FP8Tracker()  # which format each Linear's forward GEMMs ran in, FP8 or not
+    observer = _Observer(emulate=policy.emulate_matmul, fp8=tracker)
+    policy.emulation.active = False  # the observer emulates instead, after recording
+    # Ops between the end of a forward and the start of the next are the backward's.
+    hooks = [model.register_forward_pre_hook(lambda *_: setattr(observer, "backward", False)),
+             model.register_forward_hook(lambda *_: setattr(observer, "backward", True))]
+    hooks += tracker.hooks(model)
+
+    def grads() -> set[torch.dtype]:
+        return {_local(p.grad).dtype for p in model.parameters() if p.grad is not None}
+
+    def after_backward(micro: int) -> None:
+        # the first micro-batch: accumulated locally; the last: reduced across ranks
+        if micro == 0:
+            observer.seen["accumulated gradients (micro-batch 1 of 2)"] |= grads()
+        if micro == micro_batches - 1:
+            observer.seen["reduced gradients"] |= grads()
+
+    stored = {_local(p).dtype for p in model.parameters()}
+    try:
         with observer:
-            trainer.train_step(before_step=after_backward)
-        tf32_during_step = policy.tf32_active
+            step(after_backward)
+    finally:
         for h in hooks:
             h.remove()
         policy.emulation.active = observer.emulate
-        seen = observer.seen
-        seen["stored parameters"] = stored
-        states = [(k, _local(t).dtype) for s in trainer.optimizer.state.values() for k, t in s.items()
-                  if torch.is_tensor(t) and k != "step"]
-        seen["optimizer states"] = {dtype for k, dtype in states if k != COMPENSATION}
-        seen["Kahan compensation"] = {dtype for k, dtype in states if k == COMPENSATION}
-        if policy.masters is not None:
-            seen["master weights"] = {m.dtype for m in policy.masters.named_masters(model).values()}
-        elif policy.master_weights and policy.sharded:
-            seen["master weights"] = stored  # the sharded parameters are the masters
-        expected = promises(policy)
-        if seen.get("fused attention output (SDPA)"):
-            # the softmax runs inside the fused kernel (FP32 accumulators), out of the dispatcher's sight
-            expected["softmax"] = None
-            expected["fused attention output (SDPA)"] = {policy.param_dtype}
-        rows = []
-        for stage, promise in expected.items():
-            observed = seen.get(stage, set())  # torch dtypes; named only for the report
-            ok = promise is None or observed <= promise
-            if promise is not None and not observed and not stage.endswith("traffic"):
-                ok = False  # a promised stage that never happened is a broken promise too
-            rows.append({"stage": stage, "promised": sorted(map(dtype_name, promise)) if promise else None,
-                         "observed": sorted(map(dtype_name, observed)), "ok": ok})
-        if policy.param_dtype == FP32:
-            # FP32 matmuls as TF32 or not: torch's process-wide setting during the step,
-            # against precision.tf32 (which only acts on CUDA)
-            promised = policy.tf32 and policy.device_type == "cuda"
-            rows.append({"stage": "float32 matmuls", "promised": [_fp32_matmul_name(promised)],
-                         "observed": [_fp32_matmul_name(tf32_during_step)], "ok": tf32_during_step == promised})
-        module_rows, module_notes = per_module_rows(tracker, policy.layout)
-        rows += module_rows
-        notes += module_notes
-        if policy.layout.fp8():
-            fp8, fp8_notes = fp8_rows(tracker, policy, micro_batches=trainer.accum)
-            rows += fp8
-            notes += fp8_notes
-        path = ("fully_shard (FSDP2's MixedPrecisionPolicy)" if policy.sharded
-                else "torch.autocast" if policy.uses_autocast else "none: parameters are already in the compute dtype")
-        return {"precision": policy.name, "path": path, "world_size": trainer.dims.world_size,
-                "emulated_matmuls": observer.emulate, "stages": rows, "notes": notes,
-                "ok": all(r["ok"] for r in rows)}
+    tf32_during_step = policy.tf32_active
+    seen = observer.seen
+    seen["stored parameters"] = stored
+    states = [(k, _local(t).dtype) for s in optimizer.state.values() for k, t in s.items()
+              if torch.is_tensor(t) and k != "step"]
+    seen["optimizer states"] = {dtype for k, dtype in states if k != COMPENSATION}
+    seen["Kahan compensation"] = {dtype for k, dtype in states if k == COMPENSATION}
+    if policy.masters is not None:
+        seen["master weights"] = {m.dtype for m in policy.masters.named_masters(model).values()}
+    elif policy.master_weights and policy.sharded:
+        seen["master weights"] = stored  # the sharded parameters are the masters
+    expected = promises(policy)
+    if seen.get("fused attention output (SDPA)"):
+        # the softmax runs inside the fused kernel (FP32 accumulators), out of the dispatcher's sight
+        expected["softmax"] = None
+        expected["fused attention output (SDPA)"] = {policy.param_dtype}
+    rows = []
+    for stage, promise in expected.items():
+        observed = seen.get(stage, set())  # torch dtypes; named only for the report
+        ok = promise is None or observed <= promise
+        if promise is not None and not observed and not stage.endswith("traffic"):
+            ok = False  # a promised stage that never happened is a broken promise too
+        rows.append({"stage": stage, "promised": sorted(map(dtype_name, promise)) if promise else None,
+                     "observed": sorted(map(dtype_name, observed)), "ok": ok})
+    if policy.param_dtype == FP32:
+        # FP32 matmuls as TF32 or not: torch's process-wide setting during the step,
+        # against precision.tf32 (which only acts on CUDA)
+        promised = policy.tf32 and policy.device_type == "cuda"
+        rows.append({"stage": "float32 matmuls", "promised": [_fp32_matmul_name(promised)],
+                     "observed": [_fp32_matmul_name(tf32_during_step)], "ok": tf32_during_step == promised})
+    module_rows, module_notes = per_module_rows(tracker, policy.layout)
+    rows += module_rows
+    notes += module_notes
+    if policy.layout.fp8():
+        fp8, fp8_notes = fp8_rows(tracker, policy, micro_batches=micro_batches)
+        rows += fp8
+        notes += fp8_notes
+    path = ("fully_shard (FSDP2's MixedPrecisionPolicy)" if policy.sharded
+            else "torch.autocast" if policy.uses_autocast else "none: parameters are already in the compute dtype")
+    return {"precision": policy.name, "path": path, "world_size": world_size,
+            "emulated_matmuls": observer.emulate, "stages": rows, "notes": notes,
+            "ok": all(r["ok"] for r in rows)}
 
 
 def per_module_rows(tracker: FP8Tracker, layout) -> tuple[list[dict], list[str]]:
@@ -207,7 +256,7 @@ def _fp32_matmul_name(tf32: bool) -> str:
     return "tfloat32" if tf32 else "float32"
 
 
-def format_report(report: dict) -> str:
+def format_audit(report: dict) -> str:
     lines = [f"precision {report['precision']}, {report['world_size']} process(es); mixed precision handled by "
              f"{report['path']}"]
     width = max(len(r["stage"]) for r in report["stages"])

@@ -1,0 +1,99 @@
+"""mixprec.audit on a model mixprec did not build: a GPT-2-like module written here
+(LayerNorm, fused QKV, PyTorch's SDPA, GELU MLP, an output head), in a user's own loop."""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import mixprec
+
+VOCAB, DIM = 64, 32
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+        self.fc, self.out = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, 2, DIM // 2).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, DIM))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, DIM), nn.Embedding(16, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.ln_f, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, x, y):
+        h = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
+        for block in self.blocks:
+            h = block(h)
+        return F.cross_entropy(self.head(self.ln_f(h)).float().flatten(0, 1), y.flatten())
+
+
+def batches(n=2):
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        tokens = torch.randint(0, VOCAB, (4, 17), generator=gen)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def setup(preset):
+    torch.manual_seed(0)
+    policy = mixprec.Policy.from_preset(preset)
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = policy.setup(model, optimizer)
+    return policy, model, optimizer
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "bf16-kahan", "fp8-tensorwise"])
+def test_the_audit_passes_a_users_own_model(preset):
+    policy, model, optimizer = setup(preset)
+    report = mixprec.audit(model, policy, optimizer, batches())
+    stages = {r["stage"]: r["observed"] for r in report["stages"]}
+    bad = {r["stage"] for r in report["stages"] if not r["ok"]}
+    if policy.storage_dtype == torch.bfloat16:
+        # bf16-true and bf16-kahan keep every weight in bfloat16: nn.LayerNorm then computes
+        # in bfloat16 (mixprec's own RMSNorm upcasts), and the audit says so
+        assert bad == {"norm"} and stages["norm"] == ["bfloat16"], mixprec.format_audit(report)
+    else:
+        assert report["ok"] and stages["norm"] == ["float32"], mixprec.format_audit(report)  # autocast upcasts
+    linears = stages["Linear layers by compute (per module)"]
+    if preset == "fp8-tensorwise":  # the head is the output projection: left out, whatever its name
+        assert linears == ["1 bfloat16", "8 float8"]
+    else:
+        assert sum(int(n.split()[0]) for n in linears) == 9
+
+
+def test_the_audit_fails_a_users_model_that_leaves_autocast():
+    policy, model, optimizer = setup("bf16-mixed")
+    inner = model.blocks[1].fc.forward
+
+    def fp32_fc(x):  # a layer that quietly computes in float32 under bf16-mixed
+        with torch.autocast("cpu", enabled=False):
+            return inner(x.float())
+
+    model.blocks[1].fc.forward = fp32_fc
+    report = mixprec.audit(model, policy, optimizer, batches())
+    assert not report["ok"]
+    bad = {r["stage"] for r in report["stages"] if not r["ok"]}
+    assert "compute parameters (matmul operands)" in bad
+    assert any("blocks.1.fc" in note and "float32" in note for note in report["notes"])
+
+
+def test_the_audit_needs_two_micro_batches():
+    policy, model, optimizer = setup("bf16-mixed")
+    with pytest.raises(ValueError, match="two or more micro-batches"):
+        mixprec.audit(model, policy, optimizer, batches(1))
