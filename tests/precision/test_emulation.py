@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import torch
 
@@ -35,3 +37,29 @@ def test_products_are_exact_in_fp32():
     b = torch.randn(10000).to(BF16)
     exact = a.double() * b.double()
     assert torch.equal((a.float() * b.float()).double(), exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_fused_attention_is_emulated_as_float32_on_the_rounded_inputs(dtype):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, g = (torch.randn(2, 4, 64, 16, generator=gen).to(dtype) for _ in range(4))
+
+    def run(cast, mode):
+        leaves = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
+        with mode:
+            out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True)
+            out.backward(g.to(cast))
+        return [out.detach(), *(t.grad for t in leaves)]
+
+    emulated = run(dtype, EmulatedMatmul())
+    native = run(dtype, contextlib.nullcontext())
+    # the forward is float32 attention on the rounded inputs, rounded once
+    exact = run(torch.float32, contextlib.nullcontext())[0].to(dtype)
+    assert emulated[0].dtype == dtype and torch.equal(emulated[0], exact)
+    # the backward reads the rounded output, as the native kernel does: within the format's
+    # rounding of float64, and no further from it than the native kernel
+    reference = run(torch.float64, contextlib.nullcontext())
+    for got, mine, ref in zip(emulated, native, reference):
+        assert got.dtype == dtype
+        err = lambda t: float((t.double() - ref).norm() / ref.norm())  # noqa: E731
+        assert err(got) < 1e-2 and err(got) <= 1.2 * err(mine)

@@ -25,6 +25,13 @@ logger = logging.getLogger("mixprec.precision.policy")
 
 aten = torch.ops.aten
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+# PyTorch's fused CPU attention (what F.scaled_dot_product_attention runs on a CPU): its
+# bfloat16/float16 kernels use the same slow low-precision GEMMs. Run in float32 on the
+# rounded inputs, the result rounded back: (output, logsumexp) forward, the three gradients
+# backward. A fused GPU kernel also rounds the softmax probabilities to the low dtype before
+# P @ V; this does not, so attention is slightly more exact here than there.
+_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default: 1,  # outputs rounded back: the first
+              aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 3}
 LOW = (torch.bfloat16, torch.float16)
 
 
@@ -52,13 +59,18 @@ def _up(x):
 
 
 class EmulatedMatmul(TorchDispatchMode):
-    """Under this mode, mm/addmm/bmm/baddbmm on BF16 or FP16 tensors run in FP32 and
-    return the input dtype. Enter it around the forward and the backward pass."""
+    """Under this mode, mm/addmm/bmm/baddbmm and the CPU's fused attention on BF16 or FP16
+    tensors run in FP32 and return the input dtype. Enter it around the forward and the
+    backward pass."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _MATMULS and (dtype := _low_dtype(args)) is not None:
             return func(*map(_up, args), **kwargs).to(dtype)
+        if func in _ATTENTION and (dtype := _low_dtype(args)) is not None:
+            out = func(*map(_up, args), **{k: _up(v) for k, v in kwargs.items()})
+            rounded = _ATTENTION[func]
+            return tuple(t.to(dtype) if i < rounded else t for i, t in enumerate(out))
         return func(*args, **kwargs)
 
 
