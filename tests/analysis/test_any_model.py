@@ -97,3 +97,29 @@ def test_the_audit_needs_two_micro_batches():
     policy, model, optimizer = setup("bf16-mixed")
     with pytest.raises(ValueError, match="two or more micro-batches"):
         mixprec.audit(model, policy, optimizer, batches(1))
+
+
+def tiny_gpt2():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=DIM, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp8-tensorwise"])
+def test_a_transformers_gpt2_is_audited_and_its_conv1d_layers_are_named(preset, caplog):
+    model = tiny_gpt2()
+    policy = mixprec.Policy.from_preset(preset)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with caplog.at_level("INFO", logger="mixprec"):
+        model, optimizer = policy.setup(model, optimizer)
+    hf_batches = [{"input_ids": x, "labels": x} for x, _ in batches()]
+    report = mixprec.audit(model, policy, optimizer, hf_batches)
+    assert report["ok"], mixprec.format_audit(report)
+    rows = dict(policy.layout.left_out())
+    if preset == "fp8-tensorwise":  # GPT-2's projections are Conv1D, its head is tied to the embedding
+        assert rows["transformer.h.0.attn.c_attn"].startswith("a Conv1D, not an nn.Linear")
+        assert "lm_head" in rows and "output projection" in rows["lm_head"]
+        assert "transformer.h.1.mlp.c_proj stays in bfloat16: a Conv1D, not an nn.Linear" in caplog.text
+    else:
+        assert rows == {}

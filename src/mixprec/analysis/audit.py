@@ -28,6 +28,8 @@ from mixprec.precision.spec import Update, format_name
 
 aten = torch.ops.aten
 FP32 = torch.float32
+_BATCHED = {aten.bmm.default, aten.baddbmm.default}
+_OPTIONAL = {"attention matmuls (bmm)"}  # absent where attention is one fused kernel
 
 
 class _Observer(EmulatedMatmul):
@@ -49,6 +51,9 @@ class _Observer(EmulatedMatmul):
             out = func(*args, **kwargs)
         if self.fp8 is not None and self.fp8.observe(func, args, out, self.backward):
             return out  # an FP8 GEMM: its own stages, not the plain matmuls'
+        if func in _BATCHED:  # attention's score and value products, forward and backward
+            self.seen["attention matmuls (bmm)"].add(out.dtype)
+            return out
         if func in _MATMULS:
             if self.backward:
                 self.seen["local gradients (backward matmuls)"].add(out.dtype)
@@ -60,7 +65,7 @@ class _Observer(EmulatedMatmul):
             self.seen["norm"].add(out.dtype)
         elif func is aten.native_layer_norm.default and not self.backward:
             self.seen["norm"].add(out[0].dtype)
-        elif func is aten._softmax.default and not self.backward:
+        elif func in (aten._softmax.default, aten._safe_softmax.default) and not self.backward:
             self.seen["softmax"].add(out.dtype)
         elif name.startswith("_scaled_dot_product") and not self.backward:
             self.seen["fused attention output (SDPA)"].add(out[0].dtype)
@@ -94,6 +99,8 @@ def promises(policy) -> dict[str, set[torch.dtype] | None]:
         "logits (log-softmax input)": {FP32},
         "loss": {FP32},
         "local gradients (backward matmuls)": computes,
+        # torch's math attention (SDPA with a mask on a CPU) runs these in float32: wider, never narrower
+        "attention matmuls (bmm)": computes | {FP32},
         # a gradient takes its parameter's dtype; under FSDP they stay inside fully_shard
         "accumulated gradients (micro-batch 1 of 2)": None if policy.sharded else stored,
         "reduced gradients": stored,
@@ -210,7 +217,7 @@ def observe_step(model: torch.nn.Module, policy, optimizer: torch.optim.Optimize
     for stage, promise in expected.items():
         observed = seen.get(stage, set())  # torch dtypes; named only for the report
         ok = promise is None or observed <= promise
-        if promise is not None and not observed and not stage.endswith("traffic"):
+        if promise is not None and not observed and stage not in _OPTIONAL and not stage.endswith("traffic"):
             ok = False  # a promised stage that never happened is a broken promise too
         rows.append({"stage": stage, "promised": sorted(map(dtype_name, promise)) if promise else None,
                      "observed": sorted(map(dtype_name, observed)), "ok": ok})

@@ -55,10 +55,12 @@ class Layout:
                 if isinstance(m.compute, torch.dtype) and m.compute != self.spec.param_dtype}
 
     def left_out(self) -> dict[str, str]:
-        """Linear layers not in FP8 although the base mode has a recipe, with why."""
+        """Linear layers (and other matmul modules) not in FP8 although the base mode has a
+        recipe, with why."""
         if self.spec.fp8 is None:
             return {}
-        return {fqn: m.why for fqn, m in self.linears().items() if not isinstance(m.compute, FP8Recipe)}
+        return {fqn: m.why for fqn, m in self.modules.items()
+                if m.kind in ("linear", "matmul") and not isinstance(m.compute, FP8Recipe)}
 
     def table(self) -> list[tuple[str, str, str, str]]:
         """(module, storage, compute, why) rows, for printing."""
@@ -69,6 +71,8 @@ class Layout:
 def _kind(module: nn.Module, fqn: str) -> str:
     if isinstance(module, nn.Linear):
         return "linear"
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
+        return "matmul"  # transformers' GPT-2 projection: x @ W + b, W stored (in, out)
     if isinstance(module, nn.Embedding):
         return "embedding"
     return "norm" if is_norm(fqn, module) else "other"
@@ -89,6 +93,10 @@ def resolve(spec: PrecisionSpec, model: nn.Module, *, exclude=(), module_filter_
         storage = spec.storage_dtype
         if spec.master_weights:
             storage = FP32 if sharded or kind == "norm" else storage  # Apex O2 keeps norms FP32
+        if kind == "matmul":
+            rows[fqn] = ModulePrecision(kind, storage, spec.param_dtype, f"a {type(module).__name__}, not an nn.Linear: "
+                                        "FP8 and per-module overrides convert nn.Linear layers only")
+            continue
         if kind != "linear":
             rows[fqn] = ModulePrecision(kind, storage, None, "no matmul of its own")
             continue
