@@ -79,13 +79,13 @@ def main() -> None:
     args = p.parse_args()
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}")
-    print(f"{'attention':<10}{'preset':<12}{'ms/step':>9}{'vs fp32':>9}{'loss (last 5)':>15}")
+    print(f"{'attention':<13}{'preset':<12}{'ms/step':>9}{'vs fp32':>9}{'loss (last 5)':>15}")
     for attention in args.attention.split(","):
         base = None
         for preset in args.presets.split(","):
             r = run(preset, attention, args.steps)
             base = base or r["step_s"]
-            print(f"{attention:<10}{preset:<12}{r['step_s'] * 1e3:>9.0f}{r['step_s'] / base:>9.2f}{r['loss']:>15.4f}",
+            print(f"{attention:<13}{preset:<12}{r['step_s'] * 1e3:>9.0f}{r['step_s'] / base:>9.2f}{r['loss']:>15.4f}",
                   flush=True)
 
 
