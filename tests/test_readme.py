@@ -38,3 +38,13 @@ def test_stability_example_runs():
     exec(compile(code, "README.md", "exec"), scope)
     assert scope["step"] == 30 and scope["guard"].summary()["incidents"] == 0
     assert scope["guard"]._snapshot[0] == 30  # the last snapshot is the latest multiple of 10
+
+
+def test_your_own_model_example_runs():
+    import pytest
+
+    pytest.importorskip("transformers")
+    code = re.search(r"## Your own model\n.*?```python\n(.*?)```", README.read_text(), re.S).group(1)
+    scope = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert scope["report"]["ok"] and scope["policy"].name == "bf16-mixed"
