@@ -6,6 +6,7 @@ The loop is the README's: Policy.setup, autocast, backward, step. Each row is th
 `--steps` steps after 3 warm-up steps, 8 x 128 tokens. Run it alone on the machine.
 
     python benchmarks/any_model.py [--presets fp32,bf16-mixed,fp16-mixed] [--attention sdpa,sdpa-native,eager]
+    python benchmarks/any_model.py --memory --presets fp32,bf16-mixed,bf16-true,fp16-master,fp8-tensorwise
 """
 
 from __future__ import annotations
@@ -71,12 +72,62 @@ def _run(preset: str, attention: str, steps: int) -> dict:
     return {"step_s": statistics.median(times), "loss": statistics.mean(losses[-5:])}
 
 
+def measured_peak(build, preset, batch):
+    """MemTracker's peak of a real steady step of the library loop (matmul emulation off:
+    the planner plans the program, not the CPU's emulation of it)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    policy = mixprec.Policy.from_preset(preset, emulate_matmul=False)
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    model, optimizer = policy.setup(model, optimizer)
+
+    def step():
+        with policy.autocast():
+            loss = model(*batch) if isinstance(batch, tuple) else model(**batch).loss
+        policy.backward(loss)
+        policy.step(optimizer)
+
+    step()
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        step()
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=256, n_embd=256, n_layer=4, n_head=4))
+
+
+def memory_table(presets: list[str]) -> None:
+    """mixprec.plan_memory against MemTracker's measured peak of a real step, per architecture."""
+    batch = next(batches(1))
+    print(f"{'model':<8}{'preset':<16}{'planned MiB':>12}{'measured MiB':>13}{'planned/measured':>17}")
+    for name, build in (("llama", lambda: tiny_llama("sdpa")), ("gpt2", tiny_gpt2)):
+        for preset in presets:
+            planned = mixprec.plan_memory(build, preset, batch)["peak_bytes"]
+            measured = measured_peak(build, preset, batch)
+            print(f"{name:<8}{preset:<16}{planned / 2**20:>12.1f}{measured / 2**20:>13.1f}{planned / measured:>17.3f}",
+                  flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", default="fp32,bf16-mixed,fp16-mixed")
     p.add_argument("--attention", default="sdpa,sdpa-native,eager")
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--memory", action="store_true", help="planned against measured peak memory instead of time")
     args = p.parse_args()
+    if args.memory:
+        import logging
+
+        logging.getLogger("mixprec").setLevel(logging.ERROR)  # the measured runs' emulation-off warnings
+        memory_table(args.presets.split(","))
+        return
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}")
     print(f"{'attention':<13}{'preset':<12}{'ms/step':>9}{'vs fp32':>9}{'loss (last 5)':>15}")

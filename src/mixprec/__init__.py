@@ -23,6 +23,7 @@ _WHERE = {
     "build_model": "mixprec.models.llama",
     # the audit of one observed step, for any model
     "audit": "mixprec.analysis.audit", "format_audit": "mixprec.analysis.audit",
+    "plan_memory": "mixprec.analysis.plan_model",
     # config
     "Config": "mixprec.config", "load_config": "mixprec.config", "build_policy": "mixprec.config",
     # errors

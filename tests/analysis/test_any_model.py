@@ -1,12 +1,18 @@
 """mixprec.audit on a model mixprec did not build: a GPT-2-like module written here
 (LayerNorm, fused QKV, PyTorch's SDPA, GELU MLP, an output head), in a user's own loop."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 import mixprec
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+from any_model import measured_peak  # noqa: E402
 
 VOCAB, DIM = 64, 32
 
@@ -123,3 +129,56 @@ def test_a_transformers_gpt2_is_audited_and_its_conv1d_layers_are_named(preset, 
         assert "transformer.h.1.mlp.c_proj stays in bfloat16: a Conv1D, not an nn.Linear" in caplog.text
     else:
         assert rows == {}
+
+
+def tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("arch", ["own", "gpt2", "llama"])
+@pytest.mark.parametrize("preset", ["fp32", "bf16-mixed", "bf16-true", "fp16-master", "fp8-tensorwise"])
+def test_planned_memory_of_a_users_model_within_2_percent_of_measured(arch, preset):
+    build = {"own": TinyGPT, "gpt2": tiny_gpt2, "llama": tiny_llama}[arch]
+    x, y = batches(1)[0]
+    batch = (x, y) if arch == "own" else {"input_ids": x, "labels": x}
+    planned = mixprec.plan_memory(build, preset, batch)
+    measured = measured_peak(build, preset, batch)
+    assert abs(planned["peak_bytes"] / measured - 1) < 0.02, (planned, measured)  # measured: 0.1% or better
+    assert planned["by_kind"]["param"] > 0 and planned["by_kind"]["act"] > 0
+
+
+def test_a_nan_in_a_transformers_decoder_module_is_located_and_rewound():
+    from mixprec.stability import StabilityConfig, StabilityGuard
+    from mixprec.stability.drills import _poison
+
+    module = "model.layers.1.mlp.down_proj"
+    torch.manual_seed(0)
+    policy = mixprec.Policy.from_preset("bf16-mixed")
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = policy.setup(model, optimizer)
+    guard = StabilityGuard.for_loop(model, optimizer, policy=policy,
+                                    config=StabilityConfig(window=8, snapshot_interval=4))
+    gen, step, poisoned = torch.Generator().manual_seed(0), 0, False
+    while step < 10:
+        x = torch.randint(0, VOCAB, (2, 17), generator=gen)
+        handle = None
+        if step + 1 == 7 and not poisoned:
+            poisoned, handle = True, model.get_submodule(module).register_forward_hook(_poison)
+
+        def forward():
+            with policy.autocast():
+                return model(input_ids=x, labels=x).loss
+
+        loss = forward()
+        policy.backward(loss)
+        result = policy.step(optimizer, max_norm=1.0)
+        step = guard.after_step(step + 1, loss.item(), result, rerun=[(forward, policy.backward)])
+        if handle is not None:
+            handle.remove()
+    (incident,) = guard.incidents
+    assert incident["finding"]["module"] == module and incident["finding"]["phase"] == "forward"
+    assert incident["rewound_to"] == 4 and all(torch.isfinite(p).all() for p in model.parameters())
