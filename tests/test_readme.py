@@ -44,7 +44,9 @@ def test_your_own_model_example_runs():
     import pytest
 
     pytest.importorskip("transformers")
-    code = re.search(r"## Your own model\n.*?```python\n(.*?)```", README.read_text(), re.S).group(1)
+    section = README.read_text().split("## Your own model\n", 1)[1].split("\n## ", 1)[0]
     scope = {}
-    exec(compile(code, "README.md", "exec"), scope)
+    for code in re.findall(r"```python\n(.*?)```", section, re.S):  # the audit, then the plan
+        exec(compile(code, "README.md", "exec"), scope)
     assert scope["report"]["ok"] and scope["policy"].name == "bf16-mixed"
+    assert scope["plan"]["precision"] == "fp16-master" and scope["plan"]["peak_bytes"] > 0
