@@ -38,6 +38,8 @@ class Model:
     """eager (explicit FP32 softmax, observable by the audit), sdpa (PyTorch's fused scaled_dot_product_attention), or auto: sdpa on CUDA, eager on a CPU (where the fused BF16 kernel is slower)."""
     loss: str = "auto"
     """full (the micro-batch's FP32 logits at once), chunked (output projection and loss a chunk of tokens at a time, gradients computed in the same pass: the full logits never exist), or auto: chunked when a micro-batch's FP32 logits exceed 256 MiB."""
+    hf_config: str = ""
+    """A Hugging Face causal LM's config.json (or its folder) to train instead of mixprec's Llama: randomly initialised, nothing downloaded (needs mixprec[hf]); one process or DDP, no activation checkpointing, compile or chunked loss yet. Empty: the flavor."""
 
     def __post_init__(self):
         _check(self.n_kv_heads >= 0, "model.n_kv_heads", self.n_kv_heads, "0 (flavor's) or a divisor of n_heads")

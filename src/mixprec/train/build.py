@@ -95,6 +95,8 @@ def model_shape(config: Config, vocab_size: int, device_type: str, log: bool = F
     """The model the trainer builds: the flavor with [model]'s attention, heads, tying and
     loss choices resolved for this device and micro-batch."""
     mcfg, tcfg = config.model, config.training
+    if mcfg.hf_config:
+        raise UserError("model_shape describes mixprec's own Llama, not model.hf_config")
     overrides = {"attention": resolve_attention(mcfg.attention, device_type)}
     if log and mcfg.attention == "auto":
         logger.info("model.attention auto: %s on %s", overrides["attention"], device_type)
@@ -113,6 +115,36 @@ def model_shape(config: Config, vocab_size: int, device_type: str, log: bool = F
         raise UserError(f"training.seq_len {tcfg.seq_len} exceeds the {mcfg.flavor} flavor's "
                         f"max_seq_len {args.max_seq_len}")
     return args
+
+
+def hf_model(config: Config, vocab_size: int, dims: ParallelDims, device: torch.device):
+    """(its config, the model, checkpoint meta) for model.hf_config, or one line saying what
+    this first version does not do with such a model."""
+    from mixprec.models.hf import HFCausalLM, load_hf_config, max_positions, meta_of
+
+    hf = load_hf_config(config.model.hf_config)
+    refused = [(dims.fsdp_enabled or dims.tp_enabled, "FSDP2 or tensor parallel",
+                "one process, or DDP (parallelism.data_parallel_replicate_degree)"),
+               (config.activation_checkpoint.mode != "none", "activation_checkpoint.mode "
+                + config.activation_checkpoint.mode, "activation_checkpoint.mode none"),
+               (config.compile.enable, "compile.enable", "compile.enable false"),
+               (config.model.loss == "chunked", "model.loss chunked", "model.loss auto or full")]
+    for bad, what, accepted in refused:
+        if bad:
+            raise UserError(f"model.hf_config with {what}: not supported for Hugging Face models yet; accepted: "
+                            f"{accepted}")
+    if vocab_size > hf.vocab_size:
+        raise UserError(f"model.hf_config: the {config.data.tokenizer} tokenizer has {vocab_size} token ids but the "
+                        f"config's vocab_size is {hf.vocab_size}; accepted: a config with vocab_size >= {vocab_size}, "
+                        "or a smaller data.bpe_vocab_size")
+    positions = max_positions(hf)
+    if positions is not None and config.training.seq_len > positions:
+        raise UserError(f"training.seq_len {config.training.seq_len} exceeds the config's {positions} positions")
+    torch.manual_seed(config.training.seed)
+    model = HFCausalLM(hf).to(device)
+    logger.info("model: %s from %s (random init), %d decoder layers", type(model.hf).__name__,
+                config.model.hf_config, len(model.layers))
+    return hf, model, {"hf_config": meta_of(hf), "tokenizer": config.data.tokenizer}
 
 
 def build(config: Config, *, accum: int | None = None) -> Parts:
@@ -155,10 +187,16 @@ def build(config: Config, *, accum: int | None = None) -> Parts:
     rows = slice(dp_rank * lbs, (dp_rank + 1) * lbs)
     val = val_batches(val_tokens, tcfg.seq_len, lbs * dp, tcfg.eval_batches, device)
 
-    args = model_shape(config, tokenizer.vocab_size, device.type, log=True)
-    if dims.tp_enabled:
-        check_tensor_parallel(args, dims.tp)
-    model = raw_model = build_model(args, device=device, storage_dtype=policy.storage_dtype, seed=tcfg.seed)
+    if config.model.hf_config:
+        args, model, meta = hf_model(config, tokenizer.vocab_size, dims, device)
+        raw_model = model
+    else:
+        args = model_shape(config, tokenizer.vocab_size, device.type, log=True)
+        if dims.tp_enabled:
+            check_tensor_parallel(args, dims.tp)
+        model = raw_model = build_model(args, device=device, storage_dtype=policy.storage_dtype, seed=tcfg.seed)
+        meta = {**{k: v for k, v in asdict(args).items() if k not in ModelArgs.RUNTIME_FIELDS},
+                "tokenizer": config.data.tokenizer}
     parallelize(model, dims, policy, device, pcfg=pcfg, ac_mode=config.activation_checkpoint.mode,
                 compile_components=config.compile.components if config.compile.enable else None)
     # The fused kernel needs plain tensors; under tensor parallel the parameters mix
@@ -171,10 +209,9 @@ def build(config: Config, *, accum: int | None = None) -> Parts:
         logger.info("parallelism: DDP over %d processes", world)
         model = torch.nn.parallel.DistributedDataParallel(model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tcfg))
-    logger.info("model: %s flavor, %.2fM parameters, %s, built in %.1f s", config.model.flavor,
-                raw_model.num_params() / 1e6, policy, time.perf_counter() - t0)
-    meta = {**{k: v for k, v in asdict(args).items() if k not in ModelArgs.RUNTIME_FIELDS},
-            "tokenizer": config.data.tokenizer}
+    name = config.model.hf_config or f"{config.model.flavor} flavor"
+    logger.info("model: %s, %.2fM parameters, %s, built in %.1f s", name, raw_model.num_params() / 1e6, policy,
+                time.perf_counter() - t0)
     parts = Parts(config, folder, device, policy, rank, dims, accum, tokenizer, loader, rows, val, args, raw_model,
                   model, optimizer, scheduler, meta)
     ccfg, scfg = config.checkpoint, config.stability

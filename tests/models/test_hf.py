@@ -1,0 +1,74 @@
+"""The command line on a Hugging Face causal LM from a local config.json (transformers
+installed, tiny configs written here, nothing downloaded)."""
+
+import json
+
+import pytest
+
+from conftest import run_train, tiny_args
+from mixprec.cli import main
+
+transformers = pytest.importorskip("transformers")
+
+
+def write(tmp_path, config) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(config.to_json_string())
+    return str(path)
+
+
+def llama(tmp_path, vocab=256):
+    return write(tmp_path, transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=176,
+                                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                    max_position_embeddings=128))
+
+
+def gpt2(tmp_path):
+    return write(tmp_path, transformers.GPT2Config(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=2))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_train_resume_and_audit_a_transformers_config(tmp_path, text_file, capsys, arch):
+    config = {"llama": llama, "gpt2": gpt2}[arch](tmp_path)
+    flags = ("--model.hf_config", config, "--precision.preset", "bf16-mixed", "--checkpoint.interval", "3",
+             "--checkpoint.keep_latest_k", "0")
+    full = run_train(tmp_path / "run", text_file, *flags)
+    assert len(full) == 6 and full[-1]["loss"] < full[0]["loss"]
+    (tmp_path / "run" / "checkpoint" / "step-6.pt").unlink()
+    resumed = run_train(tmp_path / "run", text_file, *flags)
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full]  # resumed at step 3, bit for bit
+    capsys.readouterr()
+    args = tiny_args(tmp_path / "unused", text_file, "--model.hf_config", config, "--precision.preset", "fp16-mixed")
+    args[0] = "audit"
+    assert main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"]
+
+
+def test_bad_hf_configs_are_one_line_and_exit_2(tmp_path, text_file, capsys):
+    def refused(config, *extra):
+        assert main(tiny_args(tmp_path / "r", text_file, "--model.hf_config", str(config), *extra)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        return err[-1]
+
+    assert "no file" in refused(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    assert "is not JSON" in refused(tmp_path / "bad.json")
+    (tmp_path / "untyped.json").write_text(json.dumps({"hidden_size": 64}))
+    assert "has no model_type" in refused(tmp_path / "untyped.json")
+    vit = tmp_path / "vit"
+    vit.mkdir()
+    write(vit, transformers.ViTConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2))
+    assert "'vit' is not a causal language model" in refused(vit)
+    small = tmp_path / "small"
+    small.mkdir()
+    assert "tokenizer has 256 token ids but the config's vocab_size is 100" in refused(llama(small, vocab=100))
+    assert "activation_checkpoint.mode full: not supported" in refused(llama(tmp_path), "--activation_checkpoint.mode",
+                                                                      "full")
+    assert not (tmp_path / "r" / "checkpoint").exists()  # nothing was written
+
+
+def test_compare_two_presets_on_a_transformers_config(tmp_path, text_file):
+    args = tiny_args(tmp_path / "cmp", text_file, "--model.hf_config", llama(tmp_path))
+    assert main(["compare", "--presets", "fp32,bf16-mixed", *args[1:]]) == 0
+    report = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert [p["passed"] for p in report["presets"]] == [True, True]
