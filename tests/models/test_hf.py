@@ -72,3 +72,23 @@ def test_compare_two_presets_on_a_transformers_config(tmp_path, text_file):
     assert main(["compare", "--presets", "fp32,bf16-mixed", *args[1:]]) == 0
     report = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     assert [p["passed"] for p in report["presets"]] == [True, True]
+
+
+def test_fsdp2_on_two_ranks_matches_one_process_in_fp32(tmp_path, text_file):
+    import os
+    import subprocess
+    import sys
+
+    config = llama(tmp_path)
+    flags = ("--model.hf_config", config, "--precision.preset", "fp32", "--checkpoint.enable", "false")
+    single = run_train(tmp_path / "one", text_file, *flags)
+    args = tiny_args(tmp_path / "two", text_file, *flags, "--training.local_batch_size", "2",
+                     "--parallelism.data_parallel_shard_degree", "2")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "mixprec", *args], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sharded = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert len(sharded) == len(single)
+    for a, b in zip(sharded, single):
+        assert abs(a["loss"] - b["loss"]) / b["loss"] < 1e-5

@@ -123,8 +123,7 @@ def hf_model(config: Config, vocab_size: int, dims: ParallelDims, device: torch.
     from mixprec.models.hf import HFCausalLM, load_hf_config, max_positions, meta_of
 
     hf = load_hf_config(config.model.hf_config)
-    refused = [(dims.fsdp_enabled or dims.tp_enabled, "FSDP2 or tensor parallel",
-                "one process, or DDP (parallelism.data_parallel_replicate_degree)"),
+    refused = [(dims.tp_enabled, "tensor parallel", "parallelism.tensor_parallel_degree 1 (FSDP2 and DDP work)"),
                (config.activation_checkpoint.mode != "none", "activation_checkpoint.mode "
                 + config.activation_checkpoint.mode, "activation_checkpoint.mode none"),
                (config.compile.enable, "compile.enable", "compile.enable false"),
