@@ -39,7 +39,7 @@ class Model:
     loss: str = "auto"
     """full (the micro-batch's FP32 logits at once), chunked (output projection and loss a chunk of tokens at a time, gradients computed in the same pass: the full logits never exist), or auto: chunked when a micro-batch's FP32 logits exceed 256 MiB."""
     hf_config: str = ""
-    """A Hugging Face causal LM's config.json (or its folder) to train instead of mixprec's Llama: randomly initialised, nothing downloaded (needs mixprec[hf]); FSDP2 shards each decoder layer; no tensor parallel, activation checkpointing, compile or chunked loss yet. Empty: the flavor."""
+    """A Hugging Face causal LM's config.json (or its folder) to train instead of mixprec's Llama: randomly initialised, nothing downloaded (needs mixprec[hf]); FSDP2, activation checkpointing and compile act on each decoder layer; no tensor parallel or chunked loss yet. Empty: the flavor."""
 
     def __post_init__(self):
         _check(self.n_kv_heads >= 0, "model.n_kv_heads", self.n_kv_heads, "0 (flavor's) or a divisor of n_heads")

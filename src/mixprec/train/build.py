@@ -124,9 +124,6 @@ def hf_model(config: Config, vocab_size: int, dims: ParallelDims, device: torch.
 
     hf = load_hf_config(config.model.hf_config)
     refused = [(dims.tp_enabled, "tensor parallel", "parallelism.tensor_parallel_degree 1 (FSDP2 and DDP work)"),
-               (config.activation_checkpoint.mode != "none", "activation_checkpoint.mode "
-                + config.activation_checkpoint.mode, "activation_checkpoint.mode none"),
-               (config.compile.enable, "compile.enable", "compile.enable false"),
                (config.model.loss == "chunked", "model.loss chunked", "model.loss auto or full")]
     for bad, what, accepted in refused:
         if bad:

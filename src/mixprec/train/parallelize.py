@@ -8,9 +8,11 @@ that), so checkpoints move freely between runs with and without any of them.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from mixprec.distributed.fsdp import apply_fsdp
@@ -38,11 +40,26 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> list[int]:
     (torch.utils.checkpoint, non-reentrant). Returns the marked block indices."""
     chosen = checkpointed_blocks(len(model.layers), mode)
     for i, block in enumerate(model.layers):
-        block.checkpointed = i in chosen
+        if hasattr(block, "checkpointed"):  # mixprec's own blocks checkpoint themselves
+            block.checkpointed = i in chosen
+        elif i in chosen:  # another model's layer (a Hugging Face decoder layer): its forward, wrapped
+            _checkpoint_forward(block)
     if chosen:
         logger.info("activation checkpointing: %s, %d of %d blocks recompute their forward in backward",
                     mode, len(chosen), len(model.layers))
     return chosen
+
+
+def _checkpoint_forward(block: nn.Module) -> None:
+    """Run `block`'s forward under non-reentrant torch.utils.checkpoint; its parameters and
+    their names stay as they are (a checkpoint wrapper module would rename them)."""
+    forward = block.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    block.forward = checkpointed
 
 
 def apply_compile(model: nn.Module, components: tuple[str, ...], policy: Policy, device_type: str) -> None:
@@ -58,6 +75,10 @@ def apply_compile(model: nn.Module, components: tuple[str, ...], policy: Policy,
     if "model" in components:
         for block in model.layers:
             block.forward = torch.compile(block.forward)
+    if "loss" in components and not hasattr(model, "output"):
+        components = tuple(c for c in components if c != "loss")
+        logger.info("compile: the loss component is mixprec's own output layer; this model's head and loss run "
+                    "eager (compile.components model compiles its decoder layers)")
     if "loss" in components:
         model.output.forward = torch.compile(model.output.forward)
     logger.info("compile: torch.compile (Inductor) applied to %s", " and ".join(
