@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     memory = sub.add_parser("memory", help="plan per-device memory and per-step communication",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     memory.add_argument("--flavor", default="small", help="debug, small, 1B, 8B, 70B (Llama 3 shapes)")
+    memory.add_argument("--hf-config", default="", metavar="PATH",
+                        help="a Hugging Face causal LM's config.json (or folder) instead of a flavor: planned by "
+                             "running one step on fake tensors (one device; --preset, --batch, --seq-len apply)")
     memory.add_argument("--vocab-size", type=int, default=256, help="for flavors without their own vocabulary")
     memory.add_argument("--preset", default="bf16-mixed", help="precision mode")
     memory.add_argument("--override", default="", metavar="RULES",
@@ -229,6 +232,9 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from mixprec.models.llama import model_args
     from mixprec.precision.presets import resolve_preset_name
 
+    if args.hf_config:
+        return _memory_hf(args)
+
     setup = Setup(model_args(args.flavor, args.vocab_size), resolve_preset_name(args.preset, "--preset"),
                   overrides=tuple(r for r in args.override.split(",") if r.strip()), batch=args.batch, seq_len=args.seq_len, optimizer=args.optimizer, checkpointing=args.checkpointing,
                   dp_shard=args.dp_shard, dp_replicate=args.dp_replicate, tp=args.tp,
@@ -247,6 +253,35 @@ def cmd_memory(args: argparse.Namespace) -> int:
     comm = result["communication_bytes"]
     print("communication per step: " + ", ".join(f"{k.replace('_', '-')} {v / 2**30:.3f} GiB" for k, v in comm.items())
           + f"; {result['communication_seconds'] * 1e3:.1f} ms at {args.bandwidth_gbps:g} GB/s")
+    return 0
+
+
+def _memory_hf(args: argparse.Namespace) -> int:
+    """mixprec memory --hf-config: the model's step run on fake tensors (mixprec.plan_memory)."""
+    import torch
+
+    from mixprec.analysis.plan_model import plan_memory
+    from mixprec.models.hf import HFCausalLM, load_hf_config
+    from mixprec.precision.presets import resolve_preset_name
+
+    for flag, value, default in (("--dp-shard", args.dp_shard, 1), ("--dp-replicate", args.dp_replicate, 1),
+                                 ("--tp", args.tp, 1), ("--checkpointing", args.checkpointing, "none"),
+                                 ("--override", args.override, ""), ("--optimizer", args.optimizer, "adamw")):
+        if value != default:
+            raise UserError(f"mixprec memory --hf-config with {flag} {value}: not planned yet (one device, AdamW, no "
+                            f"checkpointing); accepted: leave {flag} out")
+    preset = resolve_preset_name(args.preset, "--preset")
+    config = load_hf_config(args.hf_config)
+    tokens = torch.zeros(args.batch, args.seq_len, dtype=torch.long)
+    result = plan_memory(lambda: HFCausalLM(config), preset, (tokens, tokens))
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{type(config).__name__.removesuffix('Config')} from {args.hf_config} ({result['parameters'] / 1e6:.1f}M "
+          f"parameters), {preset}, batch {args.batch} x {args.seq_len}, one device; peak "
+          f"{result['peak_bytes'] / 2**30:.3f} GiB:")
+    for kind, value in result["by_kind"].items():
+        print(f"  {kind:<10} {value / 2**30:10.3f} GiB")
     return 0
 
 

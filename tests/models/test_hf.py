@@ -24,7 +24,22 @@ def llama(tmp_path, vocab=256):
 
 
 def gpt2(tmp_path):
-    return write(tmp_path, transformers.GPT2Config(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=2))
+    # GPT-2's default dropout (0.1) draws each rank's masks from its own generator: two ranks
+    # then compute another function than one process (measured: losses 0.16% apart), so off
+    return write(tmp_path, transformers.GPT2Config(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=2,
+                                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def qwen2(tmp_path):
+    return write(tmp_path, transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=176,
+                                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                    max_position_embeddings=128))
+
+
+CONFIGS = {"llama": llama, "gpt2": gpt2, "qwen2": qwen2}
+# a module deep in each architecture's second decoder layer, by its name in the trainer's model
+MLP_OUT = {"llama": "hf.model.layers.1.mlp.down_proj", "gpt2": "hf.transformer.h.1.mlp.c_proj",
+           "qwen2": "hf.model.layers.1.mlp.down_proj"}
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -73,12 +88,13 @@ def test_compare_two_presets_on_a_transformers_config(tmp_path, text_file):
     assert [p["passed"] for p in report["presets"]] == [True, True]
 
 
-def test_fsdp2_on_two_ranks_matches_one_process_in_fp32(tmp_path, text_file):
+@pytest.mark.parametrize("arch", CONFIGS)
+def test_fsdp2_on_two_ranks_matches_one_process_in_fp32(tmp_path, text_file, arch):
     import os
     import subprocess
     import sys
 
-    config = llama(tmp_path)
+    config = CONFIGS[arch](tmp_path)
     flags = ("--model.hf_config", config, "--precision.preset", "fp32", "--checkpoint.enable", "false")
     single = run_train(tmp_path / "one", text_file, *flags)
     args = tiny_args(tmp_path / "two", text_file, *flags, "--training.local_batch_size", "2",
@@ -103,3 +119,35 @@ def test_activation_checkpointing_and_compile_per_decoder_layer(tmp_path, text_f
                          "selective")
     for a, b in zip(compiled, plain):
         assert abs(a["loss"] - b["loss"]) / b["loss"] < 1e-4  # Inductor reorders sums
+
+
+@pytest.mark.parametrize("arch", CONFIGS)
+def test_a_nan_drill_in_a_decoder_module_is_located_and_rewound(tmp_path, text_file, arch):
+    module = MLP_OUT[arch]
+    assert main(tiny_args(tmp_path / "run", text_file, "--model.hf_config", CONFIGS[arch](tmp_path),
+                          "--training.steps", "12", "--stability.window", "8", "--stability.threshold", "25",
+                          "--stability.snapshot_interval", "4", "--stability.inject", f"nan@10:{module}")) == 0
+    (incident,) = json.loads((tmp_path / "run" / "summary.json").read_text())["stability"]["incident_log"]
+    assert incident["finding"]["module"] == module and incident["rewound_to"] == 8
+
+
+def test_mixprec_memory_plans_a_transformers_config(tmp_path, capsys):
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from mixprec.models.hf import HFCausalLM, load_hf_config
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    from any_model import measured_peak
+
+    config = llama(tmp_path)
+    assert main(["memory", "--hf-config", config, "--preset", "bf16-mixed", "--batch", "2", "--seq-len", "32",
+                 "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["peak_bytes"]
+    tokens = torch.zeros(2, 32, dtype=torch.long)
+    measured = measured_peak(lambda: HFCausalLM(load_hf_config(config)), "bf16-mixed", (tokens, tokens))
+    assert abs(planned / measured - 1) < 0.02
+    assert main(["memory", "--hf-config", config, "--dp-shard", "2"]) == 2
+    assert "--dp-shard 2: not planned yet" in capsys.readouterr().err
