@@ -72,15 +72,17 @@ def _run(preset: str, attention: str, steps: int) -> dict:
     return {"step_s": statistics.median(times), "loss": statistics.mean(losses[-5:])}
 
 
-def measured_peak(build, preset, batch):
-    """MemTracker's peak of a real steady step of the library loop (matmul emulation off:
-    the planner plans the program, not the CPU's emulation of it)."""
+def _measured_step(build, preset, batch, mesh=None):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     torch.manual_seed(0)
     policy = mixprec.Policy.from_preset(preset, emulate_matmul=False)
     model = build()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    if mesh is not None:  # the trainer's FSDP2 layout for any model, as plan_memory applies it
+        from mixprec.analysis.plan_model import _shard
+
+        _shard(model, policy, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=mesh is None)
     model, optimizer = policy.setup(model, optimizer)
 
     def step():
@@ -95,6 +97,40 @@ def measured_peak(build, preset, batch):
     with tracker:
         step()
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def _rank(rank: int, world: int, init: str, build, preset, batch, out) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        peak = _measured_step(build, preset, batch, init_device_mesh("cpu", (world,)))
+        if rank == 0:
+            Path(out).write_text(str(peak))
+    finally:
+        dist.destroy_process_group()
+
+
+def measured_peak(build, preset, batch, dp_shard: int = 1):
+    """MemTracker's peak of a real steady step of the library loop (matmul emulation off:
+    the planner plans the program, not the CPU's emulation of it); with dp_shard, rank 0's
+    under FSDP2 on that many gloo processes. `build` must be picklable for dp_shard > 1."""
+    if dp_shard == 1:
+        return _measured_step(build, preset, batch)
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out, init = Path(tmp) / "peak", f"file://{tmp}/store"
+        torch_threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # two ranks on two cores
+        try:
+            mp.spawn(_rank, args=(dp_shard, init, build, preset, batch, str(out)), nprocs=dp_shard)
+        finally:
+            torch.set_num_threads(torch_threads)
+        return int(out.read_text())
 
 
 def tiny_gpt2():

@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--flavor", default="small", help="debug, small, 1B, 8B, 70B (Llama 3 shapes)")
     memory.add_argument("--hf-config", default="", metavar="PATH",
                         help="a Hugging Face causal LM's config.json (or folder) instead of a flavor: planned by "
-                             "running one step on fake tensors (one device; --preset, --batch, --seq-len apply)")
+                             "running one step on fake tensors (--preset, --batch, --seq-len, --dp-shard apply)")
     memory.add_argument("--vocab-size", type=int, default=256, help="for flavors without their own vocabulary")
     memory.add_argument("--preset", default="bf16-mixed", help="precision mode")
     memory.add_argument("--override", default="", metavar="RULES",
@@ -264,21 +264,21 @@ def _memory_hf(args: argparse.Namespace) -> int:
     from mixprec.models.hf import HFCausalLM, load_hf_config
     from mixprec.precision.presets import resolve_preset_name
 
-    for flag, value, default in (("--dp-shard", args.dp_shard, 1), ("--dp-replicate", args.dp_replicate, 1),
+    for flag, value, default in (("--dp-replicate", args.dp_replicate, 1),
                                  ("--tp", args.tp, 1), ("--checkpointing", args.checkpointing, "none"),
                                  ("--override", args.override, ""), ("--optimizer", args.optimizer, "adamw")):
         if value != default:
-            raise UserError(f"mixprec memory --hf-config with {flag} {value}: not planned yet (one device, AdamW, no "
-                            f"checkpointing); accepted: leave {flag} out")
+            raise UserError(f"mixprec memory --hf-config with {flag} {value}: not planned yet (FSDP2 by --dp-shard, "
+                            f"AdamW, no checkpointing); accepted: leave {flag} out")
     preset = resolve_preset_name(args.preset, "--preset")
     config = load_hf_config(args.hf_config)
     tokens = torch.zeros(args.batch, args.seq_len, dtype=torch.long)
-    result = plan_memory(lambda: HFCausalLM(config), preset, (tokens, tokens))
+    result = plan_memory(lambda: HFCausalLM(config), preset, (tokens, tokens), dp_shard=args.dp_shard)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print(f"{type(config).__name__.removesuffix('Config')} from {args.hf_config} ({result['parameters'] / 1e6:.1f}M "
-          f"parameters), {preset}, batch {args.batch} x {args.seq_len}, one device; peak "
+          f"parameters), {preset}, batch {args.batch} x {args.seq_len}, dp_shard {args.dp_shard}; per device, peak "
           f"{result['peak_bytes'] / 2**30:.3f} GiB:")
     for kind, value in result["by_kind"].items():
         print(f"  {kind:<10} {value / 2**30:10.3f} GiB")

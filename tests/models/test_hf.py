@@ -149,5 +149,29 @@ def test_mixprec_memory_plans_a_transformers_config(tmp_path, capsys):
     tokens = torch.zeros(2, 32, dtype=torch.long)
     measured = measured_peak(lambda: HFCausalLM(load_hf_config(config)), "bf16-mixed", (tokens, tokens))
     assert abs(planned / measured - 1) < 0.02
-    assert main(["memory", "--hf-config", config, "--dp-shard", "2"]) == 2
-    assert "--dp-shard 2: not planned yet" in capsys.readouterr().err
+    assert main(["memory", "--hf-config", config, "--tp", "2"]) == 2
+    assert "--tp 2: not planned yet" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16-mixed"])
+def test_planned_memory_under_fsdp2_within_10_percent_of_two_gloo_ranks(tmp_path, capsys, preset):
+    import functools
+    import sys
+    from pathlib import Path
+
+    from mixprec.models.hf import HFCausalLM, load_hf_config
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    from any_model import measured_peak
+
+    config = llama(tmp_path)
+    assert main(["memory", "--hf-config", config, "--preset", preset, "--batch", "4", "--seq-len", "16",
+                 "--dp-shard", "2", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["peak_bytes"]
+    import torch
+
+    tokens = torch.zeros(4, 16, dtype=torch.long)
+    build = functools.partial(HFCausalLM, load_hf_config(config))  # picklable: each rank builds its own
+    measured = measured_peak(build, preset, (tokens, tokens), dp_shard=2)
+    # measured: fp32 1.000, bf16-mixed 0.94 (the real step on gloo holds ~90 KB more, not yet attributed)
+    assert abs(planned / measured - 1) < 0.10

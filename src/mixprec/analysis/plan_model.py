@@ -9,10 +9,11 @@ second one. Every tensor the real step would allocate is allocated here, with it
 dtype, so the peak is the step's own, up to the allocator's rounding (on a tiny Hugging Face
 Llama the fake peak equalled the real step's byte for byte). Nothing of the model needs to
 fit in memory, which is the point. What it does not model: the loss scaler (one number), the
-gradient clipping's norm (one number per tensor group), the matmul emulation of CPUs
-without BF16 hardware (a CPU artifact; planned is the program a GPU runs), and sharding
-(FSDP2 and tensor parallel need process groups; `mixprec memory` plans them for
-mixprec's own model).
+matmul emulation of CPUs
+without BF16 hardware (a CPU artifact; planned is the program a GPU runs), and tensor
+parallel (a user's model has no TP plan; `mixprec memory --tp` plans mixprec's own). FSDP2
+(dp_shard > 1) is planned for rank 0 on a fake process group: fully_shard shards for real,
+its collectives move no data.
 """
 
 from __future__ import annotations
@@ -31,12 +32,15 @@ def _loss(model, batch):
     return model(*batch) if isinstance(batch, (tuple, list)) else model(**batch).loss
 
 
-def plan_memory(build_model, policy, batch, *, optimizer=None, loss_fn=None) -> dict:
+def plan_memory(build_model, policy, batch, *, optimizer=None, loss_fn=None, dp_shard: int = 1) -> dict:
     """Plan one training step of the model `build_model()` returns under `policy` (a Policy
     or a preset name) on `batch` (a tuple for `model(*batch)`, or a dict for a Hugging Face
     `model(**batch).loss`; real tensors, only their shapes are used). optimizer(params):
     the optimizer (default AdamW, with the policy's moments dtype). loss_fn(model, batch):
-    the loss (default as mixprec.audit). Returns bytes per kind and the peak."""
+    the loss (default as mixprec.audit). dp_shard: FSDP2 over that many ranks (each of the
+    model's decoder layers, its longest nn.ModuleList, a unit, then the root; on a fake
+    process group), planned for one rank with `batch` as its micro-batch. Returns bytes
+    per kind and the peak, per device."""
     from mixprec.optim import AdamW
     from mixprec.precision import Policy
 
@@ -52,7 +56,8 @@ def plan_memory(build_model, policy, batch, *, optimizer=None, loss_fn=None) -> 
         # no loss scaler: its scale is one number read on the host, which a fake tensor has not
         planned = Policy(dataclasses.replace(policy.spec, loss_scaling=False), emulate_matmul=False,
                          tf32=policy.tf32, fp8_exclude=policy.fp8_exclude, fp8_emulate=policy.fp8_emulate)
-        return _plan(build_model, planned, policy.name, batch, optimizer, loss_fn or _loss)
+        with _fake_ranks(dp_shard) as mesh:
+            return _plan(build_model, planned, policy.name, batch, optimizer, loss_fn or _loss, mesh)
 
 
 @contextlib.contextmanager
@@ -66,30 +71,73 @@ def _quiet():
         log.setLevel(level)
 
 
-def _plan(build_model, planned, name: str, batch, optimizer, loss_fn) -> dict:
+@contextlib.contextmanager
+def _fake_ranks(world: int):
+    """A fake process group of `world` ranks (this process is rank 0; collectives move no
+    data) and its mesh, for fully_shard to shard with; None for one rank."""
+    if world == 1:
+        yield None
+        return
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # PyTorch's own estimators use it
+
+    if dist.is_initialized():
+        raise UserError("plan_memory with dp_shard runs its own fake process group: call it outside a distributed "
+                        "job (or with dp_shard 1)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _shard(model: torch.nn.Module, planned, mesh) -> None:
+    """mixprec's FSDP2 layout for any model: each decoder layer a unit, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    from mixprec.models.hf import decoder_layers
+    from mixprec.precision.master import cast_parameters
+
+    planned.prepare_model(model)  # FP8 conversion first, as the trainer's parallelize does
+    mp_policy = planned.fsdp_mixed_precision()
+    cast_parameters(model, planned.storage_dtype)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+
+
+def _plan(build_model, planned, name: str, batch, optimizer, loss_fn, mesh=None) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from mixprec.fp8.gemm import probe
     from mixprec.fp8.recipe import FP8Recipe
+    from mixprec.precision.grad_norm import grad_norm
 
     for recipe in {f for f in planned.spec.compute_formats if isinstance(f, FP8Recipe)}:
         for _, (a_tile, b_tile), dtypes in recipe.gemms(planned.param_dtype):
             probe("cpu", a_tile, b_tile, *dtypes)  # on real tensors now; cached for the fake model's conversion
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
         model = build_model()
+        if mesh is not None:
+            _shard(model, planned, mesh)
         opt = optimizer(model.parameters())
         model, opt = planned.setup(model, opt)
         fake = torch.utils._pytree.tree_map_only(torch.Tensor, mode.from_tensor, batch)
 
         def step() -> None:
             # Policy.step's memory without its host sync (a fake tensor has no value): the
-            # masters' FP32 gradients, the update, the masters copied back
+            # masters' FP32 gradients, the global norm and the clipping, the update, the
+            # masters copied back
             with planned.autocast():
                 loss = loss_fn(model, fake)
             planned.backward(loss)
             if planned.masters is not None:
                 planned.masters.grads_to_master()
+            norm, groups = grad_norm([p for g in opt.param_groups for p in g["params"] if p.grad is not None])
+            for group in groups:
+                torch.nn.utils.clip_grads_with_norm_(group, 1.0, norm)
             (planned.updates or opt).step()
             if planned.masters is not None:
                 planned.masters.master_to_model()

@@ -59,11 +59,11 @@ def load_hf_config(path: str):
     return config
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The longest nn.ModuleList of the model: its decoder layers (model.layers, transformer.h, ...)."""
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     if not lists:
-        raise UserError(f"model.hf_config: {type(model).__name__} has no list of decoder layers")
+        raise UserError(f"{type(model).__name__} has no nn.ModuleList of layers (its decoder layers) to shard or wrap")
     return max(lists, key=len)
 
 
@@ -72,7 +72,7 @@ class HFCausalLM(nn.Module):
         super().__init__()
         self.hf = _transformers().AutoModelForCausalLM.from_config(config)
         self.config = config
-        self.layers = _decoder_layers(self.hf)
+        self.layers = decoder_layers(self.hf)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         logits = self.hf(input_ids=tokens).logits
