@@ -19,16 +19,22 @@ from pathlib import Path
 import torch
 
 import mixprec
+import mixprec.optim
 
 
-def tiny_llama(attention: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_llama(attention: str = "sdpa", arch: str = "llama"):
+    """A tiny model of `arch` (llama, qwen2, gpt2): hidden 256, 4 layers, vocabulary 256."""
+    import transformers
 
-    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         attn_implementation=attention)
     torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    if arch == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=256, n_positions=256, n_embd=256, n_layer=4, n_head=4, attn_implementation=attention))
+    config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                                 "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]
+    return model_class(config_class(vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                    attn_implementation=attention))
 
 
 def batches(n: int, batch: int = 8, seq: int = 128):
@@ -40,7 +46,7 @@ def batches(n: int, batch: int = 8, seq: int = 128):
         yield {"input_ids": x[:, :-1], "labels": x[:, :-1]}
 
 
-def run(preset: str, attention: str, steps: int) -> dict:
+def run(preset: str, attention: str, steps: int, arch: str = "llama") -> dict:
     """attention: a transformers attn_implementation, or sdpa-native: SDPA with its bfloat16
     and float16 CPU kernels left out of the matmul emulation (as before mixprec covered them)."""
     from mixprec.precision import emulation
@@ -49,14 +55,14 @@ def run(preset: str, attention: str, steps: int) -> dict:
     if attention == "sdpa-native":
         emulation._ATTENTION.clear()
     try:
-        return _run(preset, attention.removesuffix("-native"), steps)
+        return _run(preset, attention.removesuffix("-native"), steps, arch)
     finally:
         emulation._ATTENTION.update(saved)
 
 
-def _run(preset: str, attention: str, steps: int) -> dict:
+def _run(preset: str, attention: str, steps: int, arch: str) -> dict:
     policy = mixprec.Policy.from_preset(preset)
-    model = tiny_llama(attention)
+    model = tiny_llama(attention, arch)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = policy.setup(model, optimizer)
     times, losses = [], []
@@ -82,7 +88,9 @@ def _measured_step(build, preset, batch, mesh=None):
         from mixprec.analysis.plan_model import _shard
 
         _shard(model, policy, mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=mesh is None)
+    moments = policy.optimizer_moments_dtype  # fp8-blockwise: bfloat16 moments, as plan_memory's default
+    optimizer = (mixprec.optim.AdamW(model.parameters(), lr=1e-3, moments_dtype=moments) if moments != torch.float32
+                 else torch.optim.AdamW(model.parameters(), lr=1e-3, fused=mesh is None))
     model, optimizer = policy.setup(model, optimizer)
 
     def step():
@@ -143,7 +151,7 @@ def memory_table(presets: list[str]) -> None:
     """mixprec.plan_memory against MemTracker's measured peak of a real step, per architecture."""
     batch = next(batches(1))
     print(f"{'model':<8}{'preset':<16}{'planned MiB':>12}{'measured MiB':>13}{'planned/measured':>17}")
-    for name, build in (("llama", lambda: tiny_llama("sdpa")), ("gpt2", tiny_gpt2)):
+    for name, build in (("llama", tiny_llama), ("gpt2", tiny_gpt2)):
         for preset in presets:
             planned = mixprec.plan_memory(build, preset, batch)["peak_bytes"]
             measured = measured_peak(build, preset, batch)
@@ -156,6 +164,7 @@ def main() -> None:
     p.add_argument("--presets", default="fp32,bf16-mixed,fp16-mixed")
     p.add_argument("--attention", default="sdpa,sdpa-native,eager")
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--models", default="llama", help="llama, qwen2, gpt2 (comma-separated)")
     p.add_argument("--memory", action="store_true", help="planned against measured peak memory instead of time")
     args = p.parse_args()
     if args.memory:
@@ -166,14 +175,16 @@ def main() -> None:
         return
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}")
-    print(f"{'attention':<13}{'preset':<12}{'ms/step':>9}{'vs fp32':>9}{'loss (last 5)':>15}")
-    for attention in args.attention.split(","):
-        base = None
-        for preset in args.presets.split(","):
-            r = run(preset, attention, args.steps)
-            base = base or r["step_s"]
-            print(f"{attention:<13}{preset:<12}{r['step_s'] * 1e3:>9.0f}{r['step_s'] / base:>9.2f}{r['loss']:>15.4f}",
-                  flush=True)
+    print(f"{'model':<7}{'attention':<13}{'preset':<16}{'ms/step':>9}{'vs fp32':>9}{'loss (last 5)':>15}"
+          f"{'vs fp32':>9}")
+    for arch in args.models.split(","):
+        for attention in args.attention.split(","):
+            base = None
+            for preset in args.presets.split(","):
+                r = run(preset, attention, args.steps, arch)
+                base = base or r
+                print(f"{arch:<7}{attention:<13}{preset:<16}{r['step_s'] * 1e3:>9.0f}{r['step_s'] / base['step_s']:>9.2f}"
+                      f"{r['loss']:>15.4f}{r['loss'] / base['loss'] - 1:>+9.2%}", flush=True)
 
 
 if __name__ == "__main__":

@@ -124,6 +124,8 @@ def _plan(build_model, planned, name: str, batch, optimizer, loss_fn, mesh=None)
             _shard(model, planned, mesh)
         opt = optimizer(model.parameters())
         model, opt = planned.setup(model, opt)
+        if planned.updates is not None:  # Inductor's kernels do not run on fake tensors: the eager ones
+            planned.updates.compile = False
         fake = torch.utils._pytree.tree_map_only(torch.Tensor, mode.from_tensor, batch)
 
         def step() -> None:

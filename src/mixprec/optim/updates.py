@@ -55,6 +55,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "device_mesh") else t.detach()
 
 
+def _nonzero(grad: torch.Tensor) -> bool:
+    """Whether a gradient has a nonzero element; a fake tensor's (mixprec.plan_memory) counts as one."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    grad = _local(grad)
+    return is_fake(grad) or bool(grad.any())
+
+
 class BF16Updates:
     """Kahan-compensated or stochastically rounded updates of the optimizer's bfloat16
     (or, for kahan, any low-precision) parameters; FP32 parameters step as they are.
@@ -147,7 +155,7 @@ class BF16Updates:
         state = optimizer.state
         # DCP's state-dict helpers fill an empty optimizer state by a step with zero gradients
         # at lr 0 (before loading the saved state over it): not a step of the run, not counted
-        self._counted = bool(state) or any(bool(_local(p.grad).any()) for g in optimizer.param_groups
+        self._counted = bool(state) or any(_nonzero(p.grad) for g in optimizer.param_groups
                                            for p in g["params"] if p.grad is not None)
         for group in optimizer.param_groups:
             params = group["params"]

@@ -96,9 +96,10 @@ class Emulation:
             native = has_fast_matmul(device_type, dtype)
             if self.requested is None and self.active and not native:
                 logger.info(
-                    "%s matmuls are emulated: float32 GEMMs on %s operands, %s results (the same numbers up to "
-                    "summation order), because this %s has no native %s GEMM; precision.emulate_matmul = false "
-                    "uses the native kernel", *[dtype_name(dtype)] * 3, device_type, dtype_name(dtype))
+                    "%s matmuls and fused CPU attention (SDPA) are emulated: float32 GEMMs on %s operands, %s "
+                    "results (the same numbers up to summation order), because this %s has no native %s GEMM; "
+                    "precision.emulate_matmul = false uses the native kernels", *[dtype_name(dtype)] * 3,
+                    device_type, dtype_name(dtype))
             elif self.requested is False and not native:
                 logger.warning("%s matmuls on this %s have no native kernel and are not emulated: expect them "
                                "5-100x slower than float32", dtype_name(dtype), device_type)
