@@ -2,6 +2,7 @@
 installed, tiny configs written here, nothing downloaded)."""
 
 import json
+import sys
 
 import pytest
 
@@ -175,3 +176,12 @@ def test_planned_memory_under_fsdp2_within_10_percent_of_two_gloo_ranks(tmp_path
     measured = measured_peak(build, preset, (tokens, tokens), dp_shard=2)
     # measured: fp32 1.000, bf16-mixed 0.94 (the real step on gloo holds ~90 KB more, not yet attributed)
     assert abs(planned / measured - 1) < 0.10
+
+
+def test_without_transformers_the_config_is_refused_in_one_line(tmp_path, text_file, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama"}))
+    assert main(tiny_args(tmp_path / "r", text_file, "--model.hf_config", str(config))) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "needs the transformers package; accepted: pip install 'mixprec[hf]'" in line
