@@ -93,18 +93,11 @@ def _fake_ranks(world: int):
 
 
 def _shard(model: torch.nn.Module, planned, mesh) -> None:
-    """mixprec's FSDP2 layout for any model: each decoder layer a unit, then the root."""
-    from torch.distributed.fsdp import fully_shard
+    """The trainer's FSDP2 layout (mixprec.distributed.fsdp), after FP8 conversion as parallelize does."""
+    from mixprec.distributed.fsdp import apply_fsdp
 
-    from mixprec.models.hf import decoder_layers
-    from mixprec.precision.master import cast_parameters
-
-    planned.prepare_model(model)  # FP8 conversion first, as the trainer's parallelize does
-    mp_policy = planned.fsdp_mixed_precision()
-    cast_parameters(model, planned.storage_dtype)
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    planned.prepare_model(model)
+    apply_fsdp(model, mesh, planned)
 
 
 def _plan(build_model, planned, name: str, batch, optimizer, loss_fn, mesh=None) -> dict:

@@ -19,8 +19,8 @@ from mixprec.precision.master import cast_parameters
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, policy: Policy, *, reshard_after_forward: str = "default",
                cpu_offload: bool = False) -> nn.Module:
     """Shard the token embeddings, each transformer block, the final norm together with
-    the output layer, and the root (TorchTitan's layout), under `policy`; a model with only
-    `layers` (a Hugging Face model's decoder layers), each layer and the root. A 2-D mesh
+    the output layer, and the root (TorchTitan's layout), under `policy`; any other model,
+    each of its decoder layers (`layers`, else its longest nn.ModuleList) and the root. A 2-D mesh
     (replicate, shard) gives HSDP. reshard_after_forward: default (every unit but the
     root, whose parameters the backward needs first), always, never."""
     mp_policy = policy.fsdp_mixed_precision()  # first: it may change the storage dtype (master weights)
@@ -30,7 +30,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, policy: Policy, *, reshard_af
                   offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     if hasattr(model, "tok_embeddings"):  # mixprec's Llama; another model's embeddings and head stay in the root
         fully_shard(model.tok_embeddings, **kwargs)
-    for block in model.layers:
+    from mixprec.models.hf import decoder_layers
+
+    for block in getattr(model, "layers", None) or decoder_layers(model):
         fully_shard(block, **kwargs)
     if hasattr(model, "output"):
         fully_shard([model.norm, model.output], **kwargs)
