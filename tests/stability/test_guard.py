@@ -28,10 +28,10 @@ class Loop:
         self.lrs, self.first, self.last = [], {}, {}  # the lr each optimizer step used; weights after each step
         self.opt.register_step_pre_hook(lambda o, a, k: self.lrs.append(o.param_groups[0]["lr"]))
 
-    def run(self, steps: int, poison=(), blowup=(), max_norm: float = 1.0) -> int:
-        """Train `steps` steps; a NaN goes into W2's output the first time each step in `poison`
+    def run(self, steps: int, poison=(), blowup=(), max_norm: float = 1.0, start: int = 0) -> int:
+        """Train from step `start` to `steps`; a NaN goes into W2's output the first time each step in `poison`
         runs, and the gradients are multiplied by 1000 the first time each step in `blowup` runs."""
-        step, poison, blowup = 0, set(poison), set(blowup)
+        step, poison, blowup = start, set(poison), set(blowup)
         while step < steps:
             x, y = torch.randint(0, 256, (2, 2, 32), generator=self.gen).unbind(0)
             handle = None
@@ -60,26 +60,59 @@ class Loop:
         return step
 
 
+def test_a_skipped_nonfinite_step_with_a_finite_state_costs_only_its_batch():
+    loop = Loop("bf16-mixed", snapshot_interval=5)
+    loop.run(10, poison={7})
+    (incident,) = loop.guard.incidents
+    assert incident["finding"]["module"] == W2 and incident["action"].startswith("skipped")
+    assert loop.guard.rewinds == 0 and loop.guard.skipped == [] and "rewound_to" not in incident
+    assert incident["nonfinite_parameters"] == incident["nonfinite_optimizer_state"] == 0
+    # the weights after step 7 are those after step 6: its update was never applied, and nothing went back
+    assert all(torch.equal(a, b) for a, b in zip(loop.last[6], loop.last[7]))
+    # no back-off: every step that was applied used the schedule's learning rate
+    schedule = [1.0e-3 / (1 + s) for s in range(10)]
+    assert loop.lrs == pytest.approx(schedule[:9])
+    assert loop.policy.summary()["nonfinite_steps"] == 1
+
+
 @pytest.mark.parametrize("preset", ["bf16-mixed", "fp16-mixed"])
-def test_an_incident_rewinds_to_the_snapshot_and_backs_off(preset):
+def test_a_repeated_nonfinite_step_rewinds_to_the_snapshot_and_backs_off(preset):
     loop = Loop(preset, snapshot_interval=5, backoff_steps=3)
     scale_before = loop.policy.summary()["loss_scale"]
-    loop.run(12, poison={7})
-    (incident,) = loop.guard.incidents
-    assert incident["finding"]["module"] == W2 and incident["finding"]["phase"] == "forward"
-    assert incident["rewound_to"] == 5 and loop.guard.skipped == [[6, 7]]
+    loop.run(12, poison={6, 7})
+    first, second = loop.guard.incidents
+    assert first["action"].startswith("skipped") and "rewound_to" not in first
+    assert second["finding"]["module"] == W2 and second["finding"]["phase"] == "forward"
+    assert "2 non-finite steps within 8 steps: rewound" in second["action"]
+    assert second["rewound_to"] == 5 and loop.guard.skipped == [[6, 7]]
     # the weights went back to the step-5 snapshot exactly; the steps after it differ (other data, lower lr)
     assert all(torch.equal(a, b) for a, b in zip(loop.first[5], loop.last[5]))
     assert not all(torch.equal(a, b) for a, b in zip(loop.first[6], loop.last[6]))
-    # the lrs the optimizer used: steps 1-6 (step 7 was skipped: NaN), then 6, 7, 8 backed off
+    # the lrs the optimizer used: steps 1-5 (6 and 7 were skipped: NaN), then 6, 7, 8 backed off
     # x0.5 and back up linearly over 3 steps, then the schedule
     schedule = [1.0e-3 / (1 + s) for s in range(13)]
-    assert loop.lrs[:6] == pytest.approx(schedule[:6])
-    assert loop.lrs[6:9] == pytest.approx([f * lr for f, lr in zip((1 / 2, 2 / 3, 5 / 6), schedule[5:8])])
-    assert loop.lrs[9:] == pytest.approx(schedule[8:12])
+    assert loop.lrs[:5] == pytest.approx(schedule[:5])
+    assert loop.lrs[5:8] == pytest.approx([f * lr for f, lr in zip((1 / 2, 2 / 3, 5 / 6), schedule[5:8])])
+    assert loop.lrs[8:] == pytest.approx(schedule[8:12])
     assert loop.opt.param_groups[0]["lr"] == pytest.approx(schedule[12])  # the back-off never sticks
+    # the rewind put the snapshot's counters back, but the two non-finite steps happened: they stay counted
+    summary = loop.policy.summary()
+    counted = "overflow_count" if scale_before is not None else "nonfinite_steps"  # fp16: the scaler's overflows
+    assert summary[counted] == 2 and summary["skipped_steps"] == 2 and summary["steps"] == 14
     if scale_before is not None:  # fp16: the scale went back to the snapshot's, then one back-off
-        assert "loss scale" in incident["action"] and loop.policy.summary()["loss_scale"] < scale_before
+        assert "loss scale" in second["action"] and summary["loss_scale"] < scale_before
+
+
+def test_a_nonfinite_parameter_rewinds_at_once():
+    loop = Loop("bf16-mixed", snapshot_interval=4)
+    loop.run(5)
+    with torch.no_grad():
+        loop.model.get_submodule(W2).weight[0, 0] = float("nan")  # as a corrupted update would leave it
+    loop.run(6, start=5)  # step 6 trains on the NaN weight
+    (incident,) = loop.guard.incidents
+    assert incident["nonfinite_parameters"] == 1 and incident["rewound_to"] == 4
+    assert incident["action"].startswith("1 parameter and 0 optimizer-state tensors are non-finite: rewound")
+    assert all(bool(torch.isfinite(p).all()) for p in loop.model.parameters())
 
 
 @pytest.mark.parametrize("max_norm", [1.0, 0.0])
@@ -110,7 +143,7 @@ def test_the_rewound_state_equals_the_snapshot_bit_for_bit():
 def test_it_gives_up_after_max_rewinds():
     loop = Loop("bf16-mixed", snapshot_interval=2, max_rewinds=1)
     with pytest.raises(TrainingUnstable, match="still unstable after 1 rewinds"):
-        loop.run(8, poison={3, 4})  # step 3: rewind to 2; steps 3 and 4 again: step 4 gives up
+        loop.run(8, poison={3, 4, 5})  # 3: skipped; 4: a repeat, rewind to 2; 3 and 4 again; 5: gives up
     assert [i["action"].split(" (")[0] for i in loop.guard.incidents][-1].startswith("gave up")
 
 

@@ -1,10 +1,17 @@
 """The stability guard: one call per step checks health; on an incident it locates the
-first non-finite value, diagnoses, and recovers by rewinding to the last good state.
+first non-finite value, diagnoses, and recovers at the cost of the damage.
 
-Recovery follows what PaLM and BigScience did by hand: go back to a state from before
-the incident, do not replay the batches that led there (the data stream keeps moving
-forward while the model goes back), train on with a lowered learning rate for a while,
-and, in fp16 modes, a lowered loss scale. After `max_rewinds` it gives up with one line.
+A non-finite step that was skipped (the policy never applies one) while every parameter
+and optimizer state stayed finite costs its batch and nothing more: the guard locates,
+diagnoses, logs and goes on (as OLMo-core skips such a step). It rewinds only when the
+state was harmed (a spike that was applied, a non-finite parameter or optimizer state)
+or the fault repeats (a second non-finite step within `window` steps). A rewind follows
+what PaLM and BigScience did by hand: go back to a state from before the incident, do
+not replay the batches that led there (the data stream keeps moving forward while the
+model goes back), train on with a lowered learning rate for a while, and, in fp16 modes,
+a lowered loss scale. After `max_rewinds` it gives up with one line. The policy's
+counters of what the steps did (skipped, non-finite, overflows) are not rewound: those
+events happened.
 
 The guard does not know how to save a training state; it is handed two functions:
 `capture()` returns a snapshot of everything that should go back (model, optimizer,
@@ -36,7 +43,7 @@ logger = logging.getLogger("mixprec.stability")
 class StabilityGuard:
     def __init__(self, config: StabilityConfig, model: torch.nn.Module, *, capture, restore, policy=None,
                  optimizer: torch.optim.Optimizer | None = None, rank: int = 0, world_size: int = 1):
-        self.config, self.model, self.policy = config, model, policy
+        self.config, self.model, self.policy, self.optimizer = config, model, policy, optimizer
         self.capture, self.restore = capture, restore
         self.rank, self.world_size = rank, world_size
         self.monitor = HealthMonitor(config.window, config.threshold, config.min_history)
@@ -123,7 +130,7 @@ class StabilityGuard:
                 self._take(step)
             self.drills.arm(step + 1)
             return step
-        return self._incident(step, loss, grad_norm, health, rerun)
+        return self._incident(step, loss, grad_norm, health, rerun, applied)
 
     @property
     def lr_factor(self) -> float:
@@ -134,7 +141,7 @@ class StabilityGuard:
         return 1.0 - (1.0 - self.config.lr_backoff) * self.backoff_left / self.config.backoff_steps
 
     # ---- an incident ------------------------------------------------------------------
-    def _incident(self, step, loss, grad_norm, health, rerun) -> int:
+    def _incident(self, step, loss, grad_norm, health, rerun, applied: bool) -> int:
         logger.warning("[STABILITY] step %d: %s", step, health.reason)
         finding = self._locate(rerun) if health.kind == "nonfinite" and rerun else None
         self.drills.disarm(step)
@@ -142,11 +149,13 @@ class StabilityGuard:
             logger.warning("[STABILITY] step %d: first non-finite value in %s", step, finding)
         elif health.kind == "nonfinite" and rerun:
             logger.warning("[STABILITY] step %d: the locator's re-run of this step stayed finite", step)
+        bad_params, bad_moments = self._nonfinite_state()
         record = {"step": step, "kind": health.kind, "reason": health.reason, "loss": _num(loss),
                   "grad_norm": _num(grad_norm), "finding": finding.to_dict() if finding else None,
-                  "nonfinite_parameters": self._nonfinite_parameters()}
+                  "nonfinite_parameters": bad_params, "nonfinite_optimizer_state": bad_moments}
         recent = sum(1 for i in self.incidents if i["kind"] == "nonfinite" and i["step"] > step - self.config.window)
         recent += health.kind == "nonfinite"
+        harm = self._harm(health.kind, applied, bad_params, bad_moments, recent)
 
         def explain(action: str) -> None:
             text = diagnose(health.kind, health.reason, loss, grad_norm, list(self.monitor.norms), recent,
@@ -159,6 +168,12 @@ class StabilityGuard:
             explain("none (stability.max_rewinds 0: detect and report only)")
             self.drills.arm(step + 1)
             return step
+        if harm is None:
+            explain("skipped: the step was not applied and every parameter and optimizer state is finite, so "
+                    f"only its batch is lost (no rewind; another non-finite step within {self.config.window} steps "
+                    "rewinds)")
+            self.drills.arm(step + 1)
+            return step
         if self.rewinds >= self.config.max_rewinds:
             explain(f"gave up after {self.rewinds} rewinds (stability.max_rewinds {self.config.max_rewinds})")
             raise TrainingUnstable(f"step {step}: {health.reason}; still unstable after {self.rewinds} rewinds "
@@ -169,7 +184,7 @@ class StabilityGuard:
         self.skipped.append([target + 1, step])
         self.backoff_left = self.config.backoff_steps if self.config.lr_backoff < 1 else 0
         scale = self.policy.back_off_loss_scale() if self.policy is not None else None
-        action = (f"rewound to step {target} ({'memory snapshot' if self.config.snapshot_interval else 'checkpoint'}), "
+        action = (f"{harm}: rewound to step {target} ({'memory snapshot' if self.config.snapshot_interval else 'checkpoint'}), "
                   f"the data of steps {target + 1}-{step} is not replayed")
         if self.backoff_left:
             action += f", learning rate x{self.config.lr_backoff:g} back up to x1 over {self.backoff_left} steps"
@@ -196,20 +211,38 @@ class StabilityGuard:
                 found.max_abs_input = math.nan
         return found
 
-    def _nonfinite_parameters(self) -> int:
-        """Parameter tensors holding a NaN or an infinity (this rank's shards), summed over ranks."""
-        local = [getattr(p, "_local_tensor", p) for p in self.model.parameters()]
-        count = torch.tensor(float(sum(not bool(torch.isfinite(t).all()) for t in local if t.numel())))
+    def _harm(self, kind: str, applied: bool, bad_params: int, bad_moments: int, recent: int) -> str | None:
+        """Why this incident needs the state to go back, or None when losing its batch is all it cost."""
+        if kind != "nonfinite":
+            return f"the {kind.replace('_', ' ')} step was applied" if applied else None
+        if bad_params or bad_moments:
+            return f"{bad_params} parameter and {bad_moments} optimizer-state tensors are non-finite"
+        if applied:
+            return "the non-finite step was applied"
+        if recent > 1:
+            return f"{recent} non-finite steps within {self.config.window} steps"
+        return None
+
+    def _nonfinite_state(self) -> tuple[int, int]:
+        """Parameter and optimizer-state tensors holding a NaN or an infinity (this rank's
+        shards), each summed over ranks."""
+        local = lambda t: getattr(t, "_local_tensor", t)  # noqa: E731
+        params = [local(p) for p in self.model.parameters()]
+        moments = [local(t) for s in (self.optimizer.state.values() if self.optimizer is not None else ())
+                   for t in s.values() if torch.is_tensor(t) and t.is_floating_point() and t.dim()]
+        count = torch.tensor([float(sum(not bool(torch.isfinite(t).all()) for t in group if t.numel()))
+                              for group in (params, moments)])
         if self.world_size > 1:
-            count = count.to(local[0].device)
+            count = count.to(params[0].device)
             torch.distributed.all_reduce(count)
-        return int(count.item())
+        return int(count[0].item()), int(count[1].item())
 
     # ---- snapshots ----------------------------------------------------------------------
     def _take(self, step: int) -> None:
         self._snapshot = (step, self.capture(), self.monitor.state_dict())
 
     def _rewind(self) -> int:
+        counts = self.policy.counts if self.policy is not None else None  # events that happened stay counted
         if self.config.snapshot_interval:
             step, state, monitor = self._snapshot
             self.restore(state)
@@ -217,6 +250,8 @@ class StabilityGuard:
             step, monitor = self.restore(None)
         if monitor:
             self.monitor.load_state_dict(monitor, spikes=False)
+        if counts is not None:
+            self.policy.counts = counts
         return step
 
     # ---- learning-rate back-off (optimizer step hooks: any optimizer, any scheduler) ----------
