@@ -1,5 +1,5 @@
 """`mixprec` command line: `mixprec train [--config FILE.toml] [--section.key value ...]`,
-and the audit, formats, memory, analyze, compare and demo commands."""
+and the audit, plan, formats, memory, analyze, compare and demo commands."""
 
 from __future__ import annotations
 
@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                    own=lambda g: g.add_argument("--presets", default="fp32,bf16-mixed,bf16-true",
                                                 help="comma-separated presets; the first is the baseline"),
                    own_usage="[--presets P1,P2,...] ")
+    _config_parser(sub, "plan", "choose a compute format per Linear layer by measuring each on real training steps",
+                   "Run [plan] steps training steps of the config, measure each Linear layer's three GEMMs in each "
+                   "candidate format on the real activations and gradients (SQNR against FP32, values flushed or "
+                   "saturated, and, for objective speed, GEMM time), choose a format per layer and write the plan "
+                   "file (plan.out) that precision.plan takes.")
     formats = sub.add_parser("formats", help="limits of FP32, TF32, FP16, BF16, FP8 E4M3 and E5M2")
     formats.add_argument("--json", action="store_true", help="print JSON")
     memory = sub.add_parser("memory", help="plan per-device memory and per-step communication",
@@ -220,6 +225,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0 if report["passed"] else 1
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from mixprec.plan.run import format_plan, run_plan
+
+    config = load_config(args.config, {k: v for k, v in vars(args).items() if "." in k})
+    print(format_plan(run_plan(config)))
+    return 0
+
+
 def cmd_formats(args: argparse.Namespace) -> int:
     from mixprec.analysis.formats import FORMATS, format_table
 
@@ -312,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     _setup_logging("stderr" if getattr(args, "json", False) else "stdout")  # --json: stdout is the JSON
-    commands = {"train": cmd_train, "compare": cmd_compare, "audit": cmd_audit, "formats": cmd_formats, "memory": cmd_memory,
+    commands = {"train": cmd_train, "compare": cmd_compare, "audit": cmd_audit, "plan": cmd_plan, "formats": cmd_formats, "memory": cmd_memory,
                 "analyze": cmd_analyze, "demo": cmd_demo}
     try:
         code = commands[args.command](args)

@@ -6,6 +6,7 @@ Each field's docstring is its documentation in `mixprec train --help` and the RE
 
 import ast
 import inspect
+import logging
 import math
 import tomllib
 import typing
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from mixprec.errors import UserError
 from mixprec.errors import check_value as _check
+from mixprec.plan.config import PlanConfig
 from mixprec.precision.scaling_config import LossScaleConfig
 from mixprec.stability.config import StabilityConfig
 
@@ -144,6 +146,8 @@ class Precision:
     """bfloat16/float16 matmuls as float32 GEMMs on the rounded operands: true, false, or auto (when the device has no native kernel)."""
     override: tuple[str, ...] = ()
     """Per-module compute, ordered rules PATTERN=FORMAT (fnmatch on module names; the first match decides): FORMAT float32 or bfloat16 (bf16 modes: "keep this layer in high precision") or an FP8 recipe (fp8-rowwise, ...). In TOML also [[precision.override]] tables with modules and compute keys."""
+    plan: str = ""
+    """A plan file written by `mixprec plan`: each layer it names computes in the format it chose (rules after precision.override's, so the user's own rules win). Empty: none."""
     tf32: bool = False
     """float32 matmuls on CUDA as TF32 (10-bit mantissa inputs, float32 accumulation; torch.set_float32_matmul_precision("high")). Off: true float32, as in Lightning's 32-true."""
 
@@ -289,7 +293,8 @@ class ActivationCheckpoint:
 TABLES = {"job": Job, "model": Model, "data": Data, "training": Training,
           "precision": Precision, "fp8": FP8, "loss_scale": LossScaleConfig, "parallelism": Parallelism,
           "activation_checkpoint": ActivationCheckpoint, "compile": Compile,
-          "checkpoint": Checkpoint, "metrics": Metrics, "stability": StabilityConfig, "compare": Compare}
+          "checkpoint": Checkpoint, "metrics": Metrics, "stability": StabilityConfig, "compare": Compare,
+          "plan": PlanConfig}
 
 
 @dataclass(frozen=True)
@@ -308,6 +313,7 @@ class Config:
     metrics: Metrics
     stability: StabilityConfig
     compare: Compare
+    plan: PlanConfig
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -410,8 +416,17 @@ def build_policy(precision: Precision, training: Training,
             labels[field], given[field] = pairs[0]
     from mixprec.precision.spec import Override
 
+    overrides = tuple(Override.parse(r) for r in precision.override)
+    if precision.plan:
+        from mixprec.precision.plan_file import read_plan
+
+        plan = read_plan(precision.plan)
+        if plan.base and plan.base != (precision.preset or "bf16-mixed"):
+            logging.getLogger("mixprec").warning("precision.plan %s was measured under %s; this run's base mode is %s",
+                                                 precision.plan, plan.base, precision.preset or "from the dtype keys")
+        overrides += plan.overrides()
     fp8_args = dict(fp8_recipe=fp8.recipe, fp8_options=fp8.options, fp8_exclude=fp8.filter_fqns,
-                    fp8_emulate=fp8.emulate, overrides=tuple(Override.parse(r) for r in precision.override))
+                    fp8_emulate=fp8.emulate, overrides=overrides)
     if precision.preset:
         return Policy.from_preset(precision.preset, labels=labels, emulate_matmul=precision.emulate,
                                   loss_scale=loss_scale, tf32=precision.tf32, update_seed=training.seed, **fp8_args,

@@ -20,7 +20,8 @@ from collections import defaultdict
 
 import torch
 
-from mixprec.analysis.audit_fp8 import FP8Tracker, fp8_rows
+from mixprec.analysis.audit_fp8 import FP8Tracker, fp8_rows, promised_granularity
+from mixprec.fp8.recipe import E4M3
 from mixprec.optim.updates import COMPENSATION
 from mixprec.precision.dtypes import dtype_name
 from mixprec.precision.emulation import _MATMULS, EmulatedMatmul
@@ -227,7 +228,7 @@ def observe_step(model: torch.nn.Module, policy, optimizer: torch.optim.Optimize
         promised = policy.tf32 and policy.device_type == "cuda"
         rows.append({"stage": "float32 matmuls", "promised": [_fp32_matmul_name(promised)],
                      "observed": [_fp32_matmul_name(tf32_during_step)], "ok": tf32_during_step == promised})
-    module_rows, module_notes = per_module_rows(tracker, policy.layout)
+    module_rows, module_notes = per_module_rows(tracker, policy.layout, micro_batches)
     rows += module_rows
     notes += module_notes
     if policy.layout.fp8():
@@ -241,22 +242,51 @@ def observe_step(model: torch.nn.Module, policy, optimizer: torch.optim.Optimize
             "ok": all(r["ok"] for r in rows)}
 
 
-def per_module_rows(tracker: FP8Tracker, layout) -> tuple[list[dict], list[str]]:
-    """Each Linear's forward GEMMs against its row of the layout: one row counting the
-    layers per compute format, a note naming each layer that broke its promise."""
-    promised, observed, notes = {}, {}, []
+def per_module_rows(tracker: FP8Tracker, layout, micro_batches: int) -> tuple[list[dict], list[str]]:
+    """Each Linear's GEMMs against its row of the layout: one row counting the layers per
+    compute format in forward (an FP8 layer by its input's scale granularity), one for the
+    FP8 layers' backward GEMMs; a note naming each layer that broke its promise."""
+    promised, observed, notes, backward_ok = {}, {}, [], True
     for fqn, m in layout.linears().items():
-        want = "float8" if not isinstance(m.compute, torch.dtype) else format_name(m.compute)
-        got = tracker.forward.get(fqn, set())
+        got = set(tracker.forward.get(fqn, set()))
+        if isinstance(m.compute, torch.dtype):
+            want = format_name(m.compute)
+        else:
+            rows = tracker.rows.get(fqn, 2)
+            want = f"float8 {promised_granularity(m.compute, rows, tracker.in_features.get(fqn, 0))}"
+            if "float8" in got:
+                got = (got - {"float8"}) | {f"float8 {g}" for g in tracker.scaling.get(fqn, {"(scales not seen)"})}
+            gemms = tracker.backward_by_module.get(fqn, set())
+            dtypes = {d for _, pair in gemms for d in pair}
+            wanted = {E4M3, m.compute.grad_dtype}
+            if len(gemms) != 2 * micro_batches or dtypes != wanted:
+                backward_ok = False
+                notes.append(f"module {fqn}: promised {format_name(m.compute)} ({m.why}); its backward ran "
+                             f"{len(gemms)} FP8 GEMMs on {', '.join(sorted(map(dtype_name, dtypes))) or 'nothing'}, "
+                             f"not {2 * micro_batches} on {', '.join(sorted(map(dtype_name, wanted)))}")
         promised[want] = promised.get(want, 0) + 1
         for name in got:
             observed[name] = observed.get(name, 0) + 1
         if got and got != {want}:
-            notes.append(f"module {fqn}: promised {format_name(m.compute)} ({m.why}), its forward GEMMs ran in "
+            notes.append(f"module {fqn}: promised {want} ({m.why}), its forward GEMMs ran in "
                          f"{', '.join(sorted(got))}")
     count = lambda d: [f"{n} {k}" for k, n in sorted(d.items())]  # noqa: E731
-    return [{"stage": "Linear layers by compute (per module)", "promised": count(promised),
-             "observed": count(observed), "ok": not notes}], notes
+    rows = [{"stage": "Linear layers by compute (per module)", "promised": count(promised),
+             "observed": count(observed), "ok": not [n for n in notes if "forward GEMMs" in n]}]
+    fp8_layers = [fqn for fqn, m in layout.linears().items() if not isinstance(m.compute, torch.dtype)]
+    if fp8_layers:
+        rows.append({"stage": "FP8 backward GEMMs (per module)",
+                     "promised": [f"{2 * micro_batches} per layer"], "ok": backward_ok,
+                     "observed": [f"{n} layers with {k}" for k, n in sorted(
+                         _counts(len(tracker.backward_by_module.get(f, ())) for f in fp8_layers).items())]})
+    return rows, notes
+
+
+def _counts(values) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
 
 
 def _fp32_matmul_name(tf32: bool) -> str:

@@ -3,9 +3,11 @@
 An FP8 GEMM is seen at the dispatcher as torch's scaled GEMM on FP8 operands, or, where
 it is emulated, as an FP32 matmul whose two operands are FP8 tensors widened to FP32
 (followed through slices and transposes). Forward GEMMs are attributed to the Linear
-whose forward is running; backward ones are counted (two per FP8 layer and micro-batch:
-the input gradient and the weight gradient), an emulated GEMM once however many
-128-wide partial products it issues.
+whose forward is running, with the granularity of its input's scales (the shape of the
+first per-tile amax its cast takes: one for the tensor, one per row, or one per
+1x128 tile); backward ones to the Linear whose backward began last (a full backward
+pre-hook), two per FP8 layer and micro-batch (the input gradient and the weight
+gradient), an emulated GEMM once however many 128-wide partial products it issues.
 """
 
 from __future__ import annotations
@@ -26,14 +28,32 @@ _VIEWS = {aten.slice.Tensor, aten.t.default, aten.transpose.int, aten.view.defau
           aten.expand.default, aten.alias.default, aten.permute.default, aten.narrow.default}
 
 
+def granularity(tr: int, tc: int, rows: int, cols: int) -> str:
+    """How a (rows, cols) input cast in (tr, tc) tiles is scaled, by name. A 1x128 tile of
+    a 128-wide input is a row: that cast is row-wise, whatever recipe asked for it."""
+    if tr >= rows and tc >= cols:
+        return "tensorwise"
+    return "rowwise" if tr == 1 and tc >= cols else f"{tr}x{tc} tiles"
+
+
+def promised_granularity(recipe, rows: int, cols: int) -> str:
+    tr, tc = recipe.tiles.x
+    return granularity(tr or rows, tc or cols, rows, cols)
+
+
 class FP8Tracker:
     def __init__(self):
         # FP32 tensor -> (itself, its FP8 source dtype, the serial number of the widening it comes from)
         self._widened: dict[int, tuple[weakref.ref, torch.dtype, int]] = {}
         self._serials = itertools.count()
         self._backward_pairs: set[tuple] = set()
-        self.module: str | None = None  # the Linear whose forward is running
+        self.module: str | None = None  # the Linear whose forward (or, in backward, whose backward) is running
         self.forward: dict[str, set[str]] = defaultdict(set)  # Linear -> "float8" or a plain GEMM's dtype
+        self.scaling: dict[str, set[str]] = defaultdict(set)  # Linear -> its input cast's granularity
+        self.backward_by_module: dict[str, set[tuple]] = defaultdict(set)  # Linear -> its backward FP8 GEMMs
+        self._amax_seen: set[str] = set()
+        self.in_features: dict[str, int] = {}
+        self.rows: dict[str, int] = {}  # the rows (tokens) of each Linear's last FP8 input cast
         self.operands = {"forward": set(), "backward": set()}
         self.outputs: set[torch.dtype] = set()
 
@@ -55,6 +75,14 @@ class FP8Tracker:
     def observe(self, func, args, out, backward: bool) -> bool:
         """Record `func`; True when it was an FP8 GEMM (the caller keeps it out of the plain matmul stages)."""
         first = args[0] if args else None
+        if (func is aten.amax.default and not backward and self.module is not None and first.dim() == 4
+                and self.module not in self._amax_seen):
+            # the input's cast comes first in an FP8 Linear's forward: its amax runs over a
+            # (rows / tr, tr, cols / tc, tc) view of the input, one max per (tr, tc) tile
+            self._amax_seen.add(self.module)
+            rows, (tr, tc) = first.shape[0] * first.shape[1], (first.shape[1], first.shape[3])
+            self.rows[self.module] = rows
+            self.scaling[self.module].add(granularity(tr, tc, rows, self.in_features[self.module]))
         if func is aten._to_copy.default and isinstance(first, torch.Tensor) and first.dtype in FP8_DTYPES:
             self._track(out, (first.dtype, next(self._serials)))  # an FP8 tensor widened for the emulated GEMM
         elif func in _VIEWS and (src := self._source(first)) is not None and out.dtype not in FP8_DTYPES:
@@ -69,10 +97,17 @@ class FP8Tracker:
             return False
         self.operands["backward" if backward else "forward"].update(dtype for dtype, _ in sources)
         if backward:
-            self._backward_pairs.add(tuple(serial for _, serial in sources))
+            pair = tuple(serial for _, serial in sources)
+            self._backward_pairs.add(pair)
+            if self.module is not None:
+                self.backward_by_module[self.module].add((pair, tuple(dtype for dtype, _ in sources)))
         elif self.module is not None:
             self.forward[self.module].add("float8")
         return True
+
+    def _enter(self, name: str) -> None:
+        self.module = name
+        self._amax_seen.discard(name)
 
     def hooks(self, model: torch.nn.Module) -> list:
         """Forward hooks on every Linear that tell the tracker whose forward is running."""
@@ -81,7 +116,10 @@ class FP8Tracker:
         handles = []
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear):
-                handles.append(module.register_forward_pre_hook(lambda m, a, name=name: setattr(self, "module", name)))
+                self.in_features[name] = module.in_features
+                handles.append(module.register_forward_pre_hook(lambda m, a, name=name: self._enter(name)))
+                handles.append(module.register_full_backward_pre_hook(
+                    lambda m, g, name=name: setattr(self, "module", name)))
 
                 def done(m, a, out):
                     if isinstance(m, FP8Linear):
@@ -99,7 +137,7 @@ def fp8_rows(tracker: FP8Tracker, policy, micro_batches: int) -> tuple[list[dict
     planned = set(layout.fp8())
     in_fp8 = {name for name, kinds in tracker.forward.items() if "float8" in kinds}
     mixed = {name for name in in_fp8 if tracker.forward[name] != {"float8"}}
-    notes = [f"fp8: {conversion.describe()}"]
+    notes = [f"fp8: {c.describe()}" for c in policy.formats.conversions]
     for name in sorted(planned - in_fp8):
         notes.append(f"fp8: {name} was planned for FP8 but its forward GEMM ran in "
                      f"{', '.join(sorted(tracker.forward.get(name, {'nothing'})))}")

@@ -124,5 +124,8 @@ def summary(policy) -> dict:
         "fallback_triggered": policy.fallback_step is not None, "fallback_step": policy.fallback_step,
         "fp8_recipe": policy.fp8.name if policy.fp8 is not None else None,
         "fp8_layers": policy.formats.fp8_layers if policy.formats is not None else 0,
-        "precision_overrides": [str(o) for o in policy.spec.overrides],
+        "precision_overrides": [str(o) for o in policy.spec.overrides if not o.source],
+        "precision_plan": next((o.source.removeprefix("precision.plan ") for o in policy.spec.overrides if o.source),
+                               None),
+        "gemm_flops_by_format": policy.layout.flops_by_format() if policy.layout is not None else {},
     }

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from mixprec.dtypes import dtype_name
+from mixprec.errors import UserError
 from mixprec.fp8.convert import output_projections, why_not
 from mixprec.fp8.recipe import FP8Recipe
 from mixprec.precision.master import is_norm
@@ -27,6 +28,7 @@ class ModulePrecision:
     storage: torch.dtype  # its own parameters
     compute: Format | None  # its matmuls; None for a module without a matmul of its own
     why: str  # where the compute format comes from
+    features: int = 0  # a Linear's in x out features: its GEMM FLOPs per token, up to a factor 6
 
     @property
     def compute_name(self) -> str:
@@ -61,6 +63,16 @@ class Layout:
             return {}
         return {fqn: m.why for fqn, m in self.modules.items()
                 if m.kind in ("linear", "matmul") and not isinstance(m.compute, FP8Recipe)}
+
+    def flops_by_format(self, exclude=()) -> dict[str, float]:
+        """Each compute format's share of the Linear layers' GEMM FLOPs (all three GEMMs of a
+        layer scale with in x out features, per token alike), less the `exclude` FQNs."""
+        flops = {}
+        for fqn, m in self.linears().items():
+            if fqn not in exclude:
+                flops[m.compute_name] = flops.get(m.compute_name, 0) + m.features
+        total = sum(flops.values())
+        return {k: v / total for k, v in sorted(flops.items())} if total else {}
 
     def table(self) -> list[tuple[str, str, str, str]]:
         """(module, storage, compute, why) rows, for printing."""
@@ -111,10 +123,22 @@ def resolve(spec: PrecisionSpec, model: nn.Module, *, exclude=(), module_filter_
             if isinstance(rule.compute, FP8Recipe):
                 reason = why_not(fqn, module)
                 if reason is not None and any(s in reason for s in _STRUCTURAL):
-                    why = f"precision.override {rule} cannot apply: {reason}"
+                    why = f"{rule.why} cannot apply: {reason}"
                 else:
-                    compute, why = rule.compute, f"precision.override {rule}"
+                    compute, why = rule.compute, rule.why
             else:
-                compute, why = rule.compute, f"precision.override {rule}"
-        rows[fqn] = ModulePrecision(kind, storage, compute, why)
+                compute, why = rule.compute, rule.why
+        rows[fqn] = ModulePrecision(kind, storage, compute, why, module.in_features * module.out_features)
+    _check_planned(spec, rows)
     return Layout(spec, rows)
+
+
+def _check_planned(spec: PrecisionSpec, rows: dict[str, ModulePrecision]) -> None:
+    """A rule for one named module (a plan file's) must name a Linear layer of this model."""
+    planned = [o for o in spec.overrides if o.source]
+    linears = sorted(fqn for fqn, m in rows.items() if m.kind == "linear")
+    missing = [o.modules for o in planned if o.modules not in linears]
+    if missing:
+        raise UserError(f"{planned[0].source}: no Linear layer {missing[0]!r} in the model ({len(missing)} of its "
+                        f"{len(planned)} layers missing); accepted: a plan of this model, whose Linear layers are "
+                        f"named like {', '.join(linears[:3])}")

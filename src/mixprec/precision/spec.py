@@ -57,9 +57,12 @@ def parse_format(text, where: str) -> Format:
 
 @dataclass(frozen=True)
 class Override:
-    """Modules whose FQN matches `modules` (fnmatch) compute their matmuls in `compute`."""
+    """Modules whose FQN matches `modules` (fnmatch) compute their matmuls in `compute`.
+    source: where a rule for one exact module came from (a plan file); empty for the
+    user's own rules."""
     modules: str
     compute: Format
+    source: str = field(default="", compare=False)
 
     @classmethod
     def parse(cls, rule) -> Override:
@@ -86,6 +89,11 @@ class Override:
 
     def __str__(self) -> str:
         return f"{self.modules}={format_name(self.compute)}"
+
+    @property
+    def why(self) -> str:
+        """The reason a layout row gives for a module this rule decided."""
+        return f"{self.source}: {format_name(self.compute)}" if self.source else f"precision.override {self}"
 
 
 @dataclass(frozen=True)
