@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from mixprec.dtypes import dtype_name
 from mixprec.fp8.convert import Conversion, convert_to_fp8
+from mixprec.fp8.linear import FP8Linear
 from mixprec.precision.layout import Layout
-from mixprec.precision.spec import FP32
+from mixprec.precision.spec import FP32, Format
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +35,20 @@ def _compute_in(forward, dtype: torch.dtype, device_type: str):
     return run
 
 
+def _plain_linear(fp8: FP8Linear) -> nn.Linear:
+    """An nn.Linear holding the FP8 layer's own Parameter objects."""
+    linear = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(linear)
+    linear.in_features, linear.out_features = fp8.in_features, fp8.out_features
+    linear.weight, linear.bias = fp8.weight, fp8.bias
+    return linear
+
+
 class ModuleFormats:
     def __init__(self, layout: Layout, emulate_fp8: bool | None = None):
         self.layout, self.emulate_fp8 = layout, emulate_fp8
         self.conversions: list[Conversion] = []
+        self._taken_out: dict[str, tuple[FP8Linear, Conversion]] = {}  # promoted FP8 layers, for a revert
 
     def apply(self, model: nn.Module, device_type: str) -> None:
         spec = self.layout.spec
@@ -61,6 +73,29 @@ class ModuleFormats:
     @property
     def fp8_layers(self) -> int:
         return sum(len(c.modules) for c in self.conversions)
+
+    def promote(self, model: nn.Module, fqn: str, why: str) -> Format:
+        """Take the FP8 layer `fqn` out of FP8: from now on its matmuls run in the base mode's
+        dtype (the same Parameter objects). Returns the format it had."""
+        module = model.get_submodule(fqn)
+        if not isinstance(module, FP8Linear):
+            raise ValueError(f"{fqn} does not compute in FP8")
+        conversion = next(c for c in self.conversions if c.modules.get(fqn) is module)
+        parent, _, child = fqn.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, _plain_linear(module))
+        del conversion.modules[fqn]
+        self._taken_out[fqn] = (module, conversion)
+        old = self.layout.modules[fqn]
+        self.layout.modules[fqn] = replace(old, compute=self.layout.spec.param_dtype, why=why)
+        return old.compute
+
+    def revert(self, model: nn.Module, fqn: str, compute: Format, why: str) -> None:
+        """Undo `promote`: the FP8 layer goes back in."""
+        module, conversion = self._taken_out.pop(fqn)
+        parent, _, child = fqn.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, module)
+        conversion.modules[fqn] = module
+        self.layout.modules[fqn] = replace(self.layout.modules[fqn], compute=compute, why=why)
 
     def after_step(self) -> None:
         for c in self.conversions:

@@ -128,4 +128,5 @@ def summary(policy) -> dict:
         "precision_plan": next((o.source.removeprefix("precision.plan ") for o in policy.spec.overrides if o.source),
                                None),
         "gemm_flops_by_format": policy.layout.flops_by_format() if policy.layout is not None else {},
+        "promoted": policy.promoted,
     }

@@ -33,7 +33,7 @@ from mixprec.precision.loss_scaling import LossScaling
 from mixprec.precision.master import MasterWeights, cast_parameters
 from mixprec.precision.presets import FP32, name_of, spec_of_preset
 from mixprec.precision.scaling_config import LossScaleConfig
-from mixprec.precision.spec import PrecisionSpec, Update
+from mixprec.precision.spec import PrecisionSpec, Update, format_name, parse_format
 from mixprec.precision.step import StepCounts, StepResult
 from mixprec.precision.tf32 import set_tf32, tf32_active
 
@@ -70,6 +70,7 @@ class Policy:
         self.model = self.optimizer = None  # what setup was given: a fallback recasts them
         self.counts = StepCounts()
         self.fallback_step: int | None = None
+        self.promoted: dict[str, dict] = {}  # FP8 layers taken out of FP8 during the run, with why
         _describe.warn_known_bad(self)
 
     @classmethod
@@ -227,6 +228,33 @@ class Policy:
         return StepResult(applied, overflow, nonfinite, clipped, norm_value,
                           self.scaling.value if self.scaling is not None else None, self.name, fallback)
 
+    # ---- repairs during a run -----------------------------------------------------------
+    def narrow(self, fqn: str) -> bool:
+        """Whether module `fqn` computes in a format narrower than the base mode's (FP8)."""
+        return self.layout is not None and fqn in self.layout.fp8()
+
+    def promote(self, fqn: str, step: int, evidence: str) -> dict:
+        """Take FP8 layer `fqn` out of FP8 for the rest of the run: its matmuls compute in
+        the base mode's dtype from the next forward on (kept in summary.json and in
+        checkpoints; the caller logs why). The stability guard's repair; `unpromote` undoes
+        it. Returns the record: step, from, to, evidence."""
+        to = dtype_name(self.param_dtype)
+        old = self.formats.promote(self.model, fqn, f"promoted at step {step}: {evidence}")
+        self._sync_layout(fqn)
+        self.promoted[fqn] = {"step": step, "from": format_name(old), "to": to, "evidence": evidence}
+        return self.promoted[fqn]
+
+    def unpromote(self, fqn: str) -> None:
+        record = self.promoted.pop(fqn)
+        self.formats.revert(self.model, fqn, parse_format(record["from"], "promoted"), "back after a failed replay")
+        self._sync_layout(fqn)
+        logger.warning("[PROMOTE] %s stays in %s: computing it in %s did not help", fqn, record["from"], record["to"])
+
+    def _sync_layout(self, fqn: str) -> None:
+        if self.layout is not self.formats.layout:  # fully_shard's copy of the layout
+            self.layout.modules[fqn] = replace(self.layout.modules[fqn], compute=self.formats.layout.modules[fqn].compute,
+                                               why=self.formats.layout.modules[fqn].why)
+
     def back_off_loss_scale(self) -> tuple[float, float] | None:
         """Multiply the loss scale by loss_scale.backoff_factor (after a rewind); (before, after),
         or None without a scaler."""
@@ -256,6 +284,7 @@ class Policy:
             "scaler": scaling.get("scaler"),
             "fp8": self.formats.state_dict() if self.formats is not None else None,
             "updates": self.updates.state_dict() if self.updates is not None else None,
+            "promoted": dict(self.promoted),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -277,3 +306,8 @@ class Policy:
             self.formats.load_state_dict(state["fp8"])
         if self.updates is not None and state.get("updates") and state["updates"]["method"] == self.update:
             self.updates.load_state_dict(state["updates"])
+        for fqn, record in (state.get("promoted") or {}).items():  # a rewind's older state never undoes one
+            if fqn not in self.promoted and self.narrow(fqn):
+                self.promote(fqn, record["step"], record["evidence"])
+                logger.warning("[PROMOTE] %s computes in %s, not %s, as the checkpoint's run decided at step %d: %s",
+                               fqn, record["to"], record["from"], record["step"], record["evidence"])

@@ -8,16 +8,17 @@ from dataclasses import dataclass
 
 from mixprec.errors import UserError, check_value
 
-_DRILL = re.compile(r"^(?:nan@(?P<nan_step>\d+):(?P<fqn>[\w.]+)(?::(?P<rank>\d+))?|spike@(?P<spike_step>\d+))$")
-DRILL_FORMS = "nan@STEP:MODULE_FQN (on every rank), nan@STEP:MODULE_FQN:RANK, spike@STEP"
+_DRILL = re.compile(r"^(?:(?P<kind>nan|fp8scale)@(?P<nan_step>\d+):(?P<fqn>[\w.]+)(?::(?P<rank>\d+))?"
+                    r"|spike@(?P<spike_step>\d+))$")
+DRILL_FORMS = "nan@STEP:MODULE_FQN (on every rank), nan@STEP:MODULE_FQN:RANK, fp8scale@STEP:FP8_LAYER_FQN, spike@STEP"
 
 
 @dataclass(frozen=True)
 class Drill:
-    """A fault injected once, on purpose: a NaN in one module's forward output, or a
-    loss multiplied up (as a corrupted batch would)."""
+    """A fault injected once, on purpose: a NaN in one module's forward output, an FP8
+    layer's scale corrupted to infinity, or a loss multiplied up (as a corrupted batch would)."""
 
-    kind: str  # "nan" or "spike"
+    kind: str  # "nan", "fp8scale" or "spike"
     step: int  # the optimizer step (1-based, as in the log) it fires in
     fqn: str = ""  # nan: the module whose output gets the NaN
     rank: int | None = None  # nan: only this rank (None: every rank)
@@ -25,7 +26,7 @@ class Drill:
     def __str__(self) -> str:
         if self.kind == "spike":
             return f"spike@{self.step}"
-        return f"nan@{self.step}:{self.fqn}" + ("" if self.rank is None else f":{self.rank}")
+        return f"{self.kind}@{self.step}:{self.fqn}" + ("" if self.rank is None else f":{self.rank}")
 
 
 def parse_drill(spec: str) -> Drill | None:
@@ -38,7 +39,7 @@ def parse_drill(spec: str) -> Drill | None:
         raise UserError(f"stability.inject: bad value {spec!r}; accepted: {DRILL_FORMS} (STEP >= 1), or empty")
     if m["spike_step"]:
         return Drill("spike", int(m["spike_step"]))
-    return Drill("nan", int(m["nan_step"]), m["fqn"], None if m["rank"] is None else int(m["rank"]))
+    return Drill(m["kind"], int(m["nan_step"]), m["fqn"], None if m["rank"] is None else int(m["rank"]))
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class StabilityConfig:
     backoff_steps: int = 20
     """... then rises back linearly to the schedule over this many steps (a re-warm-up); 0: no back-off."""
     inject: str = ""
-    """Fault-injection drill, fired once: nan@STEP:MODULE_FQN (a NaN in that module's forward output at that step; :RANK at the end for one rank only) or spike@STEP (that step's loss multiplied by 1000, as a corrupted batch would)."""
+    """Fault-injection drill, fired once: nan@STEP:MODULE_FQN (a NaN in that module's forward output at that step; :RANK at the end for one rank only), fp8scale@STEP:FP8_LAYER_FQN (that FP8 layer's dequantisation scale corrupted to infinity in that step: its output overflows, a fault of the FP8 path only) or spike@STEP (that step's loss multiplied by 1000, as a corrupted batch would)."""
 
     def __post_init__(self):
         def check(ok: bool, name: str, accepted: str):

@@ -8,6 +8,7 @@ import logging
 import torch
 
 from mixprec.errors import UserError
+from mixprec.fp8.linear import FP8Linear
 from mixprec.stability.config import Drill
 
 logger = logging.getLogger("mixprec.stability")
@@ -24,6 +25,11 @@ def _poison(module, args, output):
     return output.masked_fill(mask, float("nan"))
 
 
+def _bad_scale(module, args, output):
+    """An FP8 GEMM's output times a scale corrupted to infinity (a zero output becomes NaN)."""
+    return output * float("inf")
+
+
 def _spike(module, args, output):
     return output * SPIKE_FACTOR
 
@@ -37,18 +43,33 @@ class DrillRunner:
         self.drill, self.model, self.rank = drill, model, rank
         self.fired = False
         self._handle = None
-        if drill is not None and drill.kind == "nan":
+        if drill is not None and drill.kind != "spike":
             names = dict(model.named_modules())
             if drill.fqn not in names:
                 close = [n for n in names if n.endswith(drill.fqn.split(".")[-1])][:3]
                 raise UserError(f"stability.inject: no module {drill.fqn!r} in the model; accepted: a module name "
                                 f"such as {', '.join(close or [n for n in names if n][:3])}")
+            if drill.kind == "fp8scale" and not isinstance(names[drill.fqn], FP8Linear):
+                fp8 = [n for n, m in names.items() if isinstance(m, FP8Linear)][:3]
+                raise UserError(f"stability.inject {drill}: {drill.fqn} does not compute in FP8 in this run; accepted: "
+                                f"an FP8 layer{' such as ' + ', '.join(fp8) if fp8 else ' (this run has none)'}")
 
     def arm(self, step: int) -> None:
         d = self.drill
         if d is None or self.fired or step != d.step or (d.rank is not None and d.rank != self.rank):
             return
-        if d.kind == "nan":
+        if d.kind == "fp8scale" and not isinstance(self.model.get_submodule(d.fqn), FP8Linear):
+            logger.warning("[DRILL] step %d: %s no longer computes in FP8 (promoted): stability.inject %s injects "
+                           "nothing", step, d.fqn, d)
+            self.fired = True
+            return
+        if d.kind == "fp8scale":
+            # on this module object: a layer promoted out of FP8 is a new module, which the fault does not reach
+            self._handle = self.model.get_submodule(d.fqn).register_forward_hook(_bad_scale)
+            torch.compiler.set_stance("force_eager")
+            logger.warning("[DRILL] step %d: the FP8 scale of %s is corrupted to infinity for this step "
+                           "(stability.inject %s; compiled regions run eagerly in this step)", step, d.fqn, d)
+        elif d.kind == "nan":
             self._handle = self.model.get_submodule(d.fqn).register_forward_hook(_poison)
             # compiled code does not see a hook added after it was traced (dynamo skips hook
             # guards): this step runs eagerly

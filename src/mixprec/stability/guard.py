@@ -29,6 +29,7 @@ import math
 import torch
 from torch.utils._pytree import tree_map
 
+from mixprec.dtypes import dtype_name
 from mixprec.errors import TrainingUnstable
 from mixprec.rng import rng_state, set_rng_state
 from mixprec.stability.config import StabilityConfig
@@ -156,6 +157,7 @@ class StabilityGuard:
         recent = sum(1 for i in self.incidents if i["kind"] == "nonfinite" and i["step"] > step - self.config.window)
         recent += health.kind == "nonfinite"
         harm = self._harm(health.kind, applied, bad_params, bad_moments, recent)
+        promoted = self._repair(step, finding, rerun) if health.kind == "nonfinite" else None
 
         def explain(action: str) -> None:
             text = diagnose(health.kind, health.reason, loss, grad_norm, list(self.monitor.norms), recent,
@@ -166,6 +168,13 @@ class StabilityGuard:
 
         if not self.config.max_rewinds:
             explain("none (stability.max_rewinds 0: detect and report only)")
+            self.drills.arm(step + 1)
+            return step
+        if promoted is not None and not (applied or bad_params or bad_moments):
+            record["promoted"] = {"module": finding.module, **promoted}
+            explain(f"promoted {finding.module} from {promoted['from']} to {promoted['to']} for the rest of the run "
+                    "(a replay of the step with it there was finite); the step was not applied and the state is "
+                    "finite, so only its batch is lost (no rewind)")
             self.drills.arm(step + 1)
             return step
         if harm is None:
@@ -210,6 +219,27 @@ class StabilityGuard:
             if found is not None and found.max_abs_input is None:
                 found.max_abs_input = math.nan
         return found
+
+    def _repair(self, step: int, finding: Finding | None, rerun) -> dict | None:
+        """Precision-aware recovery: where the first non-finite value came from a layer in a
+        narrow format (FP8), replay the step with that layer in the base mode's dtype; if
+        the replay stays finite, the layer keeps that for the rest of the run. The record,
+        or None (nothing to promote, or the replay still went non-finite: put back)."""
+        if finding is None or self.policy is None or not rerun or not self.policy.narrow(finding.module):
+            return None
+        fqn, was = finding.module, self.policy.layout.modules[finding.module].compute_name
+        record = self.policy.promote(fqn, step, f"the first non-finite value of step {step} came from it in {was} "
+                                                f"({finding.phase}, {finding.op or 'module output'}); the step's "
+                                                f"replay with it in {dtype_name(self.policy.param_dtype)} was finite")
+        again = self._locate(rerun)
+        if again is not None:
+            self.policy.unpromote(fqn)
+            logger.warning("[STABILITY] step %d: the replay with %s out of %s still went non-finite, in %s", step, fqn,
+                           was, again)
+            return None
+        logger.warning("[PROMOTE] step %d: %s computes in %s from now on, not %s: %s", step, fqn, record["to"], was,
+                       record["evidence"])
+        return record
 
     def _harm(self, kind: str, applied: bool, bad_params: int, bad_moments: int, recent: int) -> str | None:
         """Why this incident needs the state to go back, or None when losing its batch is all it cost."""

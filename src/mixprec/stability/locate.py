@@ -51,7 +51,8 @@ def _json_float(x: float):
 
 
 def _floats(tree) -> list[torch.Tensor]:
-    return [t.detach() for t in tree_leaves(tree)
+    # FP8 tensors widened: torch has no isfinite for them
+    return [t.detach().float() if t.element_size() == 1 else t.detach() for t in tree_leaves(tree)
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
 
 

@@ -25,18 +25,32 @@ from mixprec.train.metrics import _pyplot, _save, read_metrics
 logger = logging.getLogger(__name__)
 
 
+def _entry(text: str) -> tuple[str, str, str]:
+    """(name, preset, plan file) of one --presets entry: a preset, or plan:PATH (a plan file
+    from `mixprec plan`, on the base mode it was measured under)."""
+    if text.startswith("plan:"):
+        from mixprec.precision.plan_file import read_plan
+
+        path = text.removeprefix("plan:")
+        plan = read_plan(path)
+        return f"plan-{Path(path).stem}", resolve_preset_name(plan.base or "bf16-mixed", f"{path} [plan] base"), path
+    name = resolve_preset_name(text, "--presets")
+    return name, name, ""
+
+
 def run_compare(config, presets: list[str]) -> dict:
-    names = [resolve_preset_name(p, "--presets") for p in presets]
+    entries = [_entry(p) for p in presets]
+    names = [name for name, _, _ in entries]
     if len(names) < 2 or len(set(names)) != len(names):
-        raise UserError(f"--presets {','.join(presets)}: accepted: two or more different presets, the first the "
-                        "baseline (for example fp32,bf16-mixed)")
+        raise UserError(f"--presets {','.join(presets)}: accepted: two or more different presets (or plan:PLAN.toml), "
+                        "the first the baseline (for example fp32,bf16-mixed)")
     from tqdm.auto import tqdm
 
     folder = Path(config.job.dump_folder)
     runs = {}
-    for name in tqdm(names, desc="compare", unit="preset", disable=None):
-        # Only the preset differs: no [training] precision keys may override it.
-        precision = dataclasses.replace(config.precision, preset=name, param_dtype="", storage_dtype="")
+    for name, preset, plan in tqdm(entries, desc="compare", unit="preset", disable=None):
+        # Only the preset (and plan) differs: no [training] precision keys may override it.
+        precision = dataclasses.replace(config.precision, preset=preset, param_dtype="", storage_dtype="", plan=plan)
         training = dataclasses.replace(config.training, dtype="", mixed_precision_param="")
         run_config = dataclasses.replace(config, precision=precision, training=training,
                                          job=dataclasses.replace(config.job, dump_folder=str(folder / name)),
@@ -94,6 +108,7 @@ def judge(runs: dict[str, dict], thresholds) -> dict:
             "incidents": r["stability"]["incidents"] if r.get("stability") else None,
             "rewinds": r["stability"]["rewinds"] if r.get("stability") else None,
             "fallback": r["fallback_triggered"], "precision_final": r["precision_final"],
+            "gemm_flops_by_format": r.get("gemm_flops_by_format", {}), "promoted": sorted(r.get("promoted", {})),
             "passed": not failures, "failures": failures,
         })
     return {"baseline": base_name, "thresholds": dataclasses.asdict(thresholds), "presets": rows,
@@ -103,7 +118,8 @@ def judge(runs: dict[str, dict], thresholds) -> dict:
 def to_markdown(report: dict) -> str:
     lines = [f"# mixprec compare (baseline {report['baseline']})", "",
              "| preset | val loss | diff | perplexity | diff | tokens/s | speed-up | peak memory MiB | ratio | "
-             "overflow rate | skipped | fallback | incidents (rewinds) | result |", "|" + "---|" * 14]
+             "Linear GEMM FLOPs by format | overflow rate | skipped | fallback | incidents (rewinds) | result |",
+             "|" + "---|" * 15]
     for r in report["presets"]:
         speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         mem = f"{r['memory_ratio']:.2f}" if r["memory_ratio"] else "-"
@@ -111,12 +127,17 @@ def to_markdown(report: dict) -> str:
         incidents = "-" if r["incidents"] is None else f"{r['incidents']} ({r['rewinds']})"
         lines.append(f"| {r['preset']} | {r['final_val_loss']:.4f} | {r['loss_diff']:+.2%} | {r['val_perplexity']:.2f} "
                      f"| {r['perplexity_diff']:+.2%} | {r['tokens_per_sec'] or 0:.0f} | {speed} | "
-                     f"{r['peak_memory_bytes'] / 2**20:.0f} | {mem} | {r['overflow_rate']:.1%} | {r['skipped_steps']} "
+                     f"{r['peak_memory_bytes'] / 2**20:.0f} | {mem} | {_shares(r['gemm_flops_by_format'])} | "
+                     f"{r['overflow_rate']:.1%} | {r['skipped_steps']} "
                      f"| {'yes' if r['fallback'] else 'no'} | {incidents} | {result} |")
     t = report["thresholds"]
     lines += ["", f"Thresholds: validation loss within {t['max_loss_diff']:.0%}, perplexity within "
               f"{t['max_perplexity_diff']:.0%}, overflow rate under {t['max_overflow_rate']:.0%} ([compare] table).", ""]
     return "\n".join(lines)
+
+
+def _shares(shares: dict[str, float]) -> str:
+    return ", ".join(f"{name} {share:.0%}" for name, share in shares.items()) or "-"
 
 
 def plot_loss_curves(metrics: dict[str, Path], out: Path) -> None:
