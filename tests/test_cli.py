@@ -23,7 +23,7 @@ SURFACE = """
 --training.early_stopping_patience --training.dtype --training.mixed_precision_param
 --training.mixed_precision_reduce
 --precision.preset --precision.param_dtype --precision.reduce_dtype --precision.storage_dtype
---precision.emulate_matmul --precision.override --precision.tf32
+--precision.emulate_matmul --precision.override --precision.plan --precision.tf32
 --fp8.recipe --fp8.filter_fqns --fp8.amax_history_len --fp8.amax_compute_algo --fp8.margin --fp8.emulate
 --loss_scale.init_scale --loss_scale.growth_factor --loss_scale.backoff_factor --loss_scale.growth_interval
 --loss_scale.min_scale --loss_scale.max_scale --loss_scale.hysteresis --loss_scale.fallback_after
@@ -38,6 +38,8 @@ SURFACE = """
 --stability.enable --stability.window --stability.threshold --stability.snapshot_interval --stability.max_rewinds
 --stability.lr_backoff --stability.backoff_steps --stability.inject
 --compare.max_loss_diff --compare.max_perplexity_diff --compare.max_overflow_rate
+--plan.out --plan.steps --plan.measure_steps --plan.candidates --plan.objective --plan.target
+--plan.forward_floor_db --plan.gradient_floor_db --plan.max_lost
 """.split()
 
 
@@ -49,7 +51,7 @@ def test_cli_surface_is_frozen():
 
 def test_commands():
     sub = build_parser()._subparsers._group_actions[0].choices
-    assert sorted(sub) == ["analyze", "audit", "compare", "demo", "formats", "memory", "train"]
+    assert sorted(sub) == ["analyze", "audit", "compare", "demo", "formats", "memory", "plan", "train"]
 
 
 def test_help_lists_every_key_with_doc_and_default():

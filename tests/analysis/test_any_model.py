@@ -82,7 +82,7 @@ def test_the_audit_passes_a_users_own_model(preset):
         assert report["ok"] and stages["norm"] == ["float32"], mixprec.format_audit(report)  # autocast upcasts
     linears = stages["Linear layers by compute (per module)"]
     if preset == "fp8-tensorwise":  # the head is the output projection: left out, whatever its name
-        assert linears == ["1 bfloat16", "8 float8"]
+        assert linears == ["1 bfloat16", "8 float8 tensorwise"]
     else:
         assert sum(int(n.split()[0]) for n in linears) == 9
 
@@ -251,7 +251,7 @@ def test_the_audit_passes_transformers_llama_and_qwen2(arch, preset):
     assert report["ok"], mixprec.format_audit(report)
     if preset == "fp8-rowwise":  # the 14 block projections in FP8; lm_head, the output projection, left out
         assert {r["stage"]: r["observed"] for r in report["stages"]}["Linear layers by compute (per module)"] == [
-            "1 bfloat16", "14 float8"]
+            "1 bfloat16", "14 float8 rowwise"]
 
 
 @pytest.mark.parametrize("arch", ["own", "gpt2", "llama", "qwen2"])

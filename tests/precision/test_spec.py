@@ -60,7 +60,8 @@ def test_a_new_spec_registered_trains_audits_and_plans_without_editing_mixprec(t
     args[0] = "audit"
     assert main([*args, "--json"]) == 0
     stages = {r["stage"]: r for r in json.loads(capsys.readouterr().out)["stages"]}
-    assert stages["Linear layers by compute (per module)"]["observed"] == ["5 bfloat16", "4 float32", "6 float8"]
+    assert stages["Linear layers by compute (per module)"]["observed"] == ["5 bfloat16", "4 float32",
+                                                                          "6 float8 rowwise"]
     planned = plan(Setup(model_args("debug", 256), spec, 4, 32))["bytes"]
     bf16 = plan(Setup(model_args("debug", 256), "bf16-mixed", 4, 32))["bytes"]
     assert planned["autocast_weight_copies"] < bf16["autocast_weight_copies"]  # FP8 and FP32 layers keep less

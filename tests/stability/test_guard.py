@@ -7,7 +7,8 @@ from mixprec.errors import TrainingUnstable
 from mixprec.models.llama import build_model, model_args
 from mixprec.precision import Policy
 from mixprec.stability import StabilityConfig, StabilityGuard
-from mixprec.stability.drills import _poison
+from mixprec.fp8.linear import FP8Linear
+from mixprec.stability.drills import _bad_scale, _poison
 
 W2 = "layers.1.feed_forward.w2"
 
@@ -152,3 +153,43 @@ def test_report_only_never_rewinds():
     assert loop.run(6, poison={3}) == 6
     (incident,) = loop.guard.incidents
     assert incident["step"] == 3 and "report only" in incident["action"] and loop.guard.rewinds == 0
+
+
+def test_an_fp8_layer_that_makes_the_first_nonfinite_value_is_promoted_without_a_rewind(caplog):
+    loop = Loop("fp8-rowwise", snapshot_interval=4)
+    fp8 = loop.model.get_submodule(W2)
+    assert isinstance(fp8, FP8Linear)
+    loop.run(3)
+    handle = fp8.register_forward_hook(_bad_scale)  # on the FP8 module object: its fault, not the layer's math
+    loop.run(4, start=3)  # step 4 goes non-finite in W2's FP8 GEMM
+    handle.remove()
+    loop.run(8, start=4)
+    (incident,) = loop.guard.incidents
+    assert incident["finding"]["module"] == W2 and incident["promoted"]["from"] == "fp8-rowwise"
+    assert incident["action"].startswith(f"promoted {W2} from fp8-rowwise to bfloat16") and loop.guard.rewinds == 0
+    layer = loop.model.get_submodule(W2)
+    assert type(layer) is torch.nn.Linear and layer.weight is fp8.weight  # the same Parameter, out of FP8
+    assert loop.policy.layout.modules[W2].compute == torch.bfloat16 and W2 not in loop.policy.layout.fp8()
+    assert loop.policy.summary()["promoted"][W2]["step"] == 4
+    assert loop.policy.state_dict()["promoted"] == loop.policy.promoted  # checkpoints keep it
+    assert f"[PROMOTE] step 4: {W2} computes in bfloat16 from now on, not fp8-rowwise" in caplog.text
+    assert all(bool(torch.isfinite(p).all()) for p in loop.model.parameters())
+
+
+def test_a_promotion_whose_replay_still_fails_is_put_back():
+    loop = Loop("fp8-rowwise", snapshot_interval=4)
+    weight = loop.model.get_submodule(W2).weight
+
+    def poison_w2(module, args, output):  # by the weight: reaches W2 in FP8 or out of it
+        return _poison(module, args, output) if getattr(module, "weight", None) is weight else output
+
+    loop.run(3)
+    handle = torch.nn.modules.module.register_module_forward_hook(poison_w2)
+    try:
+        loop.run(4, start=3)
+    finally:
+        handle.remove()
+    (incident,) = loop.guard.incidents
+    assert incident["finding"]["module"] == W2 and "promoted" not in incident
+    assert isinstance(loop.model.get_submodule(W2), FP8Linear) and loop.policy.promoted == {}
+    assert incident["action"].startswith("skipped")  # the usual recovery: the step was not applied

@@ -119,8 +119,25 @@ def test_a_nan_drill_in_a_compiled_block_is_located(tmp_path, text_file):
     assert incident["finding"]["module"] == W2 and incident["finding"]["phase"] == "forward"
 
 
+def test_an_fp8_fault_promotes_the_layer_and_a_resumed_run_keeps_it(tmp_path, text_file, capsys):
+    folder = tmp_path / "fp8"
+    flags = ("--precision.preset", "fp8-rowwise", "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0")
+    assert main(args(folder, text_file, *flags, "--stability.inject", f"fp8scale@6:{W2}", steps=8)) == 0
+    log = capsys.readouterr().out
+    assert f"[PROMOTE] step 6: {W2} computes in bfloat16 from now on, not fp8-rowwise" in log
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["promoted"][W2]["step"] == 6 and summary["stability"]["rewinds"] == 0
+    assert summary["fp8_layers"] == 13  # 14 planned, one promoted
+    # resumed from step 8 with more steps: the layer stays out of FP8
+    assert main(args(folder, text_file, *flags, "--stability.inject", f"fp8scale@6:{W2}", steps=10)) == 0
+    log = capsys.readouterr().out
+    assert f"[PROMOTE] {W2} computes in bfloat16, not fp8-rowwise, as the checkpoint's run decided at step 6" in log
+    assert json.loads((folder / "summary.json").read_text())["promoted"][W2]["step"] == 6
+
+
 @pytest.mark.parametrize("extra, words", [
     (("--stability.inject", "nan@3:layers.9.nope"), "no module 'layers.9.nope' in the model"),
+    (("--stability.inject", f"fp8scale@3:{W2}"), f"{W2} does not compute in FP8 in this run"),
     (("--stability.snapshot_interval", "0", "--checkpoint.enable", "false"), "but checkpoint.enable is false"),
 ])
 def test_bad_stability_input_is_one_line_and_exit_2(tmp_path, text_file, capsys, extra, words):

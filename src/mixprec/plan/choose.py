@@ -2,7 +2,10 @@
 
 A candidate *suits* a layer when each of its three GEMMs keeps an SQNR against FP32 at or
 above its floor: 25 dB for the forward output and 18 dB for the two gradients by default
-(the bars torchao's FP8 tests hold an FP8 Linear to). Among the candidates that suit it:
+(the bars torchao's FP8 tests hold an FP8 Linear to), and its casts flush to zero or
+saturate at most `max_lost` (1%) of any operand's values: a whole-tensor SQNR is
+dominated by the largest values, so an outlier whose tensor-wise scale flushes every
+other row to zero can keep a passing SQNR. Among the candidates that suit it:
 
 - objective `coverage` takes the most accurate one (the least noise power summed over its
   three GEMMs, each relative to its signal: 10^(-SQNR/10)): every layer some FP8 format
@@ -32,12 +35,18 @@ H100_TFLOPS = {"bfloat16": 730.0, "fp8-tensorwise": 1311.5, "fp8-rowwise": 1206.
 
 
 def floors(config) -> dict[str, float]:
+    """The per-GEMM SQNR floors (dB) and, under "lost", the largest share of values lost."""
     return {"forward": config.forward_floor_db, "input_gradient": config.gradient_floor_db,
-            "weight_gradient": config.gradient_floor_db}
+            "weight_gradient": config.gradient_floor_db, "lost": config.max_lost}
 
 
 def margin(figures: dict, floor: dict[str, float]) -> tuple[float, str]:
-    """(the smallest SQNR - floor over the three GEMMs, which GEMM)."""
+    """(the smallest SQNR - floor over the three GEMMs, which GEMM); -inf (and the operand)
+    when a cast loses more than floor["lost"] of an operand's values."""
+    lost = max(((figures[k][role], role) for k in ("flushed", "saturated") for role in figures.get(k, {})),
+               default=(0.0, ""))
+    if lost[0] > floor["lost"]:
+        return -math.inf, lost[1]
     return min((figures[f"{g}_db"] - floor[g], g) for g in GEMMS)
 
 
@@ -52,19 +61,23 @@ def choose(measured: dict[str, dict], base: str, floor: dict[str, float], object
     speedups: candidate -> expected speed-up over the base, None where it is none."""
     suits = {name: margin(f, floor) for name, f in measured.items() if margin(f, floor)[0] >= 0}
     if not suits:
-        name, (m, gemm) = max(((n, margin(f, floor)) for n, f in measured.items()), key=lambda t: t[1][0])
-        return base, (f"no candidate meets the floors (the closest, {name}: {gemm.replace('_', ' ')} "
-                      f"{measured[name][f'{gemm}_db']:.1f} dB < {floor[gemm]:g})")
+        name, (m, what) = max(((n, margin(f, floor)) for n, f in measured.items()), key=lambda t: t[1][0])
+        if m == -math.inf:
+            return base, (f"no candidate meets the floors (the closest, {name}, flushes or saturates more than "
+                          f"{floor['lost']:.0%} of the {what.replace('_', ' ')}'s values)")
+        return base, (f"no candidate meets the floors (the closest, {name}: {what.replace('_', ' ')} "
+                      f"{measured[name][f'{what}_db']:.1f} dB < {floor[what]:g})")
     if objective == "coverage":
         name = min(suits, key=lambda n: noise_db(measured[n]))
         m, gemm = suits[name]
         return name, (f"{len(suits)} of {len(measured)} candidates meet the floors; the most accurate (noise "
                       f"{noise_db(measured[name]):.1f} dB summed over its GEMMs; worst GEMM {gemm.replace('_', ' ')} "
                       f"{m:.1f} dB above its floor)")
-    fast = {n: speedups.get(n) for n in suits if (speedups or {}).get(n) and speedups[n] > 1}
+    speedups = speedups or {}
+    fast = {n: speedups[n] for n in suits if speedups.get(n) and speedups[n] > 1}
     if not fast:
-        return base, (f"{', '.join(suits)} meet the floors but none is faster than {base} here "
-                      f"({', '.join(f'{n}: ' + (f'{speedups[n]:.2f}x' if speedups.get(n) else 'emulated') for n in suits)})")
+        seen = ", ".join(f"{n}: {speedups[n]:.2f}x" if speedups.get(n) else f"{n}: emulated" for n in suits)
+        return base, f"{', '.join(suits)} meet the floors but none is faster than {base} here ({seen})"
     name = max(fast, key=fast.get)
     return name, f"meets the floors, expected {fast[name]:.2f}x the {base} GEMMs ({len(suits)} candidates met them)"
 

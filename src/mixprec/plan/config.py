@@ -32,7 +32,9 @@ class PlanConfig:
     forward_floor_db: float = 25.0
     """A candidate suits a layer when its forward GEMM's SQNR against the FP32 GEMM on the same tensors is at least this (torchao's bar for an FP8 Linear's output) ..."""
     gradient_floor_db: float = 18.0
-    """... and its input-gradient and weight-gradient GEMMs' SQNR at least this (torchao's bar for the gradients)."""
+    """... and its input-gradient and weight-gradient GEMMs' SQNR at least this (torchao's bar for the gradients) ..."""
+    max_lost: float = 0.01
+    """... and its casts flush to zero or saturate at most this share of any operand's values (a whole-tensor SQNR can hide an outlier that flushes the rest of its tile)."""
 
     def __post_init__(self):
         def check(ok: bool, name: str, accepted: str):
@@ -45,4 +47,5 @@ class PlanConfig:
         check(self.target in TARGETS, "target", "empty (this device, measured) or h100 (modeled)")
         for name in ("forward_floor_db", "gradient_floor_db"):
             check(math.isfinite(getattr(self, name)), name, "a number of dB")
+        check(0 <= self.max_lost <= 1, "max_lost", "a share from 0 to 1")
         check(bool(self.candidates), "candidates", "one or more FP8 recipes, e.g. fp8-rowwise,fp8-blockwise")
