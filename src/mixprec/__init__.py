@@ -25,7 +25,8 @@ _WHERE = {
     "audit": "mixprec.analysis.audit", "format_audit": "mixprec.analysis.audit",
     "plan_memory": "mixprec.analysis.plan_model",
     # a compute format per Linear layer, chosen by measurement
-    "plan_precision": "mixprec.plan.run", "format_plan": "mixprec.plan.run", "PlanConfig": "mixprec.plan.config",
+    "plan_precision": "mixprec.analysis.precision_plan", "format_plan": "mixprec.analysis.precision_plan",
+    "PlanConfig": "mixprec.plan.config",
     # config
     "Config": "mixprec.config", "load_config": "mixprec.config", "build_policy": "mixprec.config",
     # errors

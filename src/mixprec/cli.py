@@ -226,7 +226,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from mixprec.plan.run import format_plan, run_plan
+    from mixprec.analysis.precision_plan import format_plan, run_plan
 
     config = load_config(args.config, {k: v for k, v in vars(args).items() if "." in k})
     print(format_plan(run_plan(config)))

@@ -120,6 +120,7 @@ class FP8Tracker:
                 handles.append(module.register_forward_pre_hook(lambda m, a, name=name: self._enter(name)))
                 handles.append(module.register_full_backward_pre_hook(
                     lambda m, g, name=name: setattr(self, "module", name)))
+                handles.append(module.register_full_backward_hook(lambda m, gi, go: setattr(self, "module", None)))
 
                 def done(m, a, out):
                     if isinstance(m, FP8Linear):

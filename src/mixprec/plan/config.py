@@ -33,6 +33,8 @@ class PlanConfig:
     """A candidate suits a layer when its forward GEMM's SQNR against the FP32 GEMM on the same tensors is at least this (torchao's bar for an FP8 Linear's output) ..."""
     gradient_floor_db: float = 18.0
     """... and its input-gradient and weight-gradient GEMMs' SQNR at least this (torchao's bar for the gradients) ..."""
+    interval: int = 0
+    """Re-planning during training: every this many steps each FP8 layer is measured in its own format on that step's tensors, and one that misses the floors computes in the base mode's dtype from then on (logged, in metrics.jsonl, summary.json and checkpoints). 0: off."""
     max_lost: float = 0.01
     """... and its casts flush to zero or saturate at most this share of any operand's values (a whole-tensor SQNR can hide an outlier that flushes the rest of its tile)."""
 
@@ -42,6 +44,7 @@ class PlanConfig:
 
         check(bool(self.out.strip()), "out", "a file path")
         check(self.steps >= 1, "steps", "an integer >= 1")
+        check(self.interval >= 0, "interval", "an integer >= 0 (0: no re-planning)")
         check(1 <= self.measure_steps <= self.steps, "measure_steps", f"an integer from 1 to plan.steps ({self.steps})")
         check(self.objective in OBJECTIVES, "objective", ", ".join(OBJECTIVES))
         check(self.target in TARGETS, "target", "empty (this device, measured) or h100 (modeled)")

@@ -31,6 +31,7 @@ from mixprec.models.llama import ModelArgs, build_model, model_args, resolve_att
 from mixprec.models.loss import loss_chunk
 from mixprec.optim import AdamW
 from mixprec.precision import Policy
+from mixprec.plan.live import Replanner
 from mixprec.stability.guard import StabilityGuard
 from mixprec.train.checkpoint import CheckpointManager
 from mixprec.train.parallelize import parallelize
@@ -61,6 +62,7 @@ class Parts:
     meta: dict  # what a checkpoint must match to be resumed
     state: TrainingState | None = None  # save, resume, snapshot and rewind over these parts
     guard: StabilityGuard | None = None  # the stability guard, where [stability] enables it
+    replanner: Replanner | None = None  # re-planning of the FP8 layers, where plan.interval asks for it
 
 
 def build_optimizer(model: torch.nn.Module, cfg, fused: bool = True, foreach: bool | None = None,
@@ -213,6 +215,8 @@ def build(config: Config, *, accum: int | None = None) -> Parts:
     ccfg, scfg = config.checkpoint, config.stability
     checkpoints = CheckpointManager(folder / ccfg.folder, ccfg.keep_latest_k) if ccfg.enable else None
     parts.state = TrainingState(parts, checkpoints, first_checkpoint_step=ccfg.interval)
+    if config.plan.interval and policy.layout.fp8():
+        parts.replanner = Replanner(config.plan, policy, raw_model, dims.world_size)
     if scfg.enable:
         parts.guard = parts.state.guard = StabilityGuard(
             scfg, raw_model, capture=parts.state.snapshot, restore=parts.state.rewind_to, policy=policy,

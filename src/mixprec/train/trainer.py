@@ -102,7 +102,9 @@ class Trainer:
         while self.step < tcfg.steps:
             t0 = time.perf_counter()
             lr = self.scheduler.get_last_lr()[0] * (self.guard.lr_factor if self.guard is not None else 1.0)
-            loss, result = self.train_step()
+            promoted = set(self.policy.promoted)
+            with self.replanner.watch(self.step + 1) if self.replanner is not None else contextlib.nullcontext():
+                loss, result = self.train_step()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             dt = time.perf_counter() - t0
@@ -131,6 +133,8 @@ class Trainer:
                 "precision": result.precision, "skipped": not result.applied, "loss_scale": result.loss_scale,
                 **(self.guard.health if self.guard is not None else {}),
             }
+            if set(self.policy.promoted) - promoted:  # layers taken out of FP8 at this step (re-planning, the guard)
+                record["promoted"] = sorted(set(self.policy.promoted) - promoted)
             last = self.step == tcfg.steps
             if last or (tcfg.eval_interval and self.step % tcfg.eval_interval == 0):
                 val_loss = evaluate(self.model, self.policy, self.val)
@@ -193,6 +197,8 @@ class Trainer:
         }
         if self.guard is not None:
             summary["stability"] = self.guard.summary()
+        if self.replanner is not None:
+            summary["replanning"] = self.replanner.summary()
         return summary
 
     def train_step(self, before_step=None) -> tuple[float, StepResult]:
