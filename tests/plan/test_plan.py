@@ -179,3 +179,21 @@ def test_bad_plan_settings_are_one_line_and_exit_2(tmp_path, text_file, capsys, 
     assert main(cli_args(tmp_path / "p", text_file, "--plan.out", str(plan), *extra)) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1 and not plan.exists()
+
+
+def test_objective_speed_times_this_device_and_never_counts_an_emulated_format(tmp_path, text_file, capsys):
+    plan = tmp_path / "plan.toml"
+    assert main(cli_args(tmp_path / "p", text_file, "--plan.out", str(plan), "--plan.objective", "speed")) == 0
+    data = tomllib.loads(plan.read_text())
+    assert data["plan"]["speed"].startswith("measured on this device")
+    for fqn, layer in data["layers"].items():
+        # torch has no block-wise scaled GEMM on a CPU: emulated, so no expected speed-up, never chosen
+        assert "fp8-blockwise" not in layer.get("expected_speedup", {}) and layer["format"] != "fp8-blockwise"
+        if layer["format"] != "bfloat16":
+            assert layer["expected_speedup"][layer["format"]] > 1
+    modeled = tmp_path / "h100.toml"
+    assert main(cli_args(tmp_path / "q", text_file, "--plan.out", str(modeled), "--plan.objective", "speed",
+                         "--plan.target", "h100")) == 0
+    data = tomllib.loads(modeled.read_text())
+    assert data["plan"]["speed"].startswith("modeled")
+    assert {layer["format"] for layer in data["layers"].values()} == {"fp8-tensorwise"}  # the table's fastest
