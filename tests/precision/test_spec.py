@@ -113,12 +113,13 @@ def test_planned_peak_with_overrides_within_15_percent_of_measured(preset, overr
 
 
 def test_policy_state_keeps_its_checkpoint_layout():
-    # the keys checkpoints written before the precision spec hold, read back unchanged
+    # the keys checkpoints written before the precision spec hold, read back unchanged, and the
+    # layers promoted out of FP8 (absent from older checkpoints: none)
     policy = Policy.from_preset("fp16-mixed")
     model = build_model(model_args("debug", 256), device="cpu", storage_dtype=FP32, seed=0)
     policy.setup(model, torch.optim.AdamW(model.parameters()))
     assert set(policy.state_dict()) == {"precision", "precision_final", "steps", "skipped", "nonfinite",
-                                        "fallback_step", "monitor", "scaler", "fp8", "updates"}
+                                        "fallback_step", "monitor", "scaler", "fp8", "updates", "promoted"}
     assert set(policy.state_dict()["monitor"]) == {"overflows", "consecutive"}
 
 
