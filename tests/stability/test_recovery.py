@@ -109,6 +109,22 @@ def test_every_rank_takes_the_same_action(tmp_path, text_file):
     assert [r["step"] for r in records(folder)] == list(range(1, 11))
 
 
+def test_every_fsdp2_rank_promotes_the_same_fp8_layer(tmp_path, text_file):
+    # the promoted layer stays the same module object: FSDP2 all-gathers its weight into it as before
+    folder = tmp_path / "fsdp"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    cli = args(folder, text_file, "--training.steps", "8", "--training.local_batch_size", "2",
+               "--precision.preset", "fp8-rowwise", "--checkpoint.enable", "false",
+               "--stability.inject", f"fp8scale@5:{W2}")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "mixprec", *cli], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (proc.stdout + proc.stderr).count(f"[PROMOTE] step 5: {W2} computes in bfloat16") == 2  # both ranks
+    summary = json.loads((folder / "summary.json").read_text())
+    assert list(summary["promoted"]) == [W2] and summary["stability"]["rewinds"] == 0
+    assert all(r["loss"] == r["loss"] for r in records(folder) if r["step"] != 5)  # finite after the promotion
+
+
 @pytest.mark.slow
 def test_a_nan_drill_in_a_compiled_block_is_located(tmp_path, text_file):
     # dynamo does not see hooks added after tracing: the drill's step and the locator run eagerly

@@ -94,6 +94,7 @@ class FP8Linear(nn.Linear):
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight, new.bias = linear.weight, linear.bias
         new.plan = plan
+        new.fp8_enabled = True  # False: taken out of FP8 during a run (a promotion): a plain Linear's matmul
         if plan.recipe.delayed:
             dev, length = linear.weight.device, plan.recipe.amax_history_len
             # not persistent: the policy checkpoints them by module name (mixprec.fp8.convert)
@@ -106,6 +107,8 @@ class FP8Linear(nn.Linear):
         return (self.amax_history, self.amax_pending, self.scale) if self.plan.recipe.delayed else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fp8_enabled:  # the module object stays (FSDP2 and hooks hold on to it), the GEMM is plain
+            return super().forward(x)
         # (..., K) -> (..., N) in the compute dtype; autocast has no say over FP8 GEMMs
         with torch.autocast(x.device.type, enabled=False):
             out = _FP8Matmul.apply(x.reshape(-1, x.shape[-1]), self.weight, self.plan, self.delayed_state())
@@ -113,4 +116,4 @@ class FP8Linear(nn.Linear):
             return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8={self.plan.recipe.name}"
+        return f"{super().extra_repr()}, fp8={self.plan.recipe.name}{'' if self.fp8_enabled else ' (off: promoted)'}"

@@ -35,20 +35,11 @@ def _compute_in(forward, dtype: torch.dtype, device_type: str):
     return run
 
 
-def _plain_linear(fp8: FP8Linear) -> nn.Linear:
-    """An nn.Linear holding the FP8 layer's own Parameter objects."""
-    linear = nn.Linear.__new__(nn.Linear)
-    nn.Module.__init__(linear)
-    linear.in_features, linear.out_features = fp8.in_features, fp8.out_features
-    linear.weight, linear.bias = fp8.weight, fp8.bias
-    return linear
-
-
 class ModuleFormats:
     def __init__(self, layout: Layout, emulate_fp8: bool | None = None):
         self.layout, self.emulate_fp8 = layout, emulate_fp8
         self.conversions: list[Conversion] = []
-        self._taken_out: dict[str, tuple[FP8Linear, Conversion]] = {}  # promoted FP8 layers, for a revert
+        self._taken_out: dict[str, Conversion] = {}  # promoted FP8 layers' conversions, for a revert
 
     def apply(self, model: nn.Module, device_type: str) -> None:
         spec = self.layout.spec
@@ -75,25 +66,25 @@ class ModuleFormats:
         return sum(len(c.modules) for c in self.conversions)
 
     def promote(self, model: nn.Module, fqn: str, why: str) -> Format:
-        """Take the FP8 layer `fqn` out of FP8: from now on its matmuls run in the base mode's
-        dtype (the same Parameter objects). Returns the format it had."""
+        """Take the FP8 layer `fqn` out of FP8: from now on its matmul is a plain Linear's, in
+        the base mode's dtype. The module object stays in place (FSDP2 all-gathers into it,
+        hooks hold on to it); it leaves its conversion (delayed scaling, the FP8 count).
+        Returns the format it had."""
         module = model.get_submodule(fqn)
-        if not isinstance(module, FP8Linear):
+        if not isinstance(module, FP8Linear) or not module.fp8_enabled:
             raise ValueError(f"{fqn} does not compute in FP8")
         conversion = next(c for c in self.conversions if c.modules.get(fqn) is module)
-        parent, _, child = fqn.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, _plain_linear(module))
+        module.fp8_enabled = False
         del conversion.modules[fqn]
-        self._taken_out[fqn] = (module, conversion)
+        self._taken_out[fqn] = conversion
         old = self.layout.modules[fqn]
         self.layout.modules[fqn] = replace(old, compute=self.layout.spec.param_dtype, why=why)
         return old.compute
 
     def revert(self, model: nn.Module, fqn: str, compute: Format, why: str) -> None:
         """Undo `promote`: the FP8 layer goes back in."""
-        module, conversion = self._taken_out.pop(fqn)
-        parent, _, child = fqn.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, module)
+        module, conversion = model.get_submodule(fqn), self._taken_out.pop(fqn)
+        module.fp8_enabled = True
         conversion.modules[fqn] = module
         self.layout.modules[fqn] = replace(self.layout.modules[fqn], compute=compute, why=why)
 

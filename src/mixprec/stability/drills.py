@@ -26,8 +26,9 @@ def _poison(module, args, output):
 
 
 def _bad_scale(module, args, output):
-    """An FP8 GEMM's output times a scale corrupted to infinity (a zero output becomes NaN)."""
-    return output * float("inf")
+    """An FP8 GEMM's output times a scale corrupted to infinity (a zero output becomes NaN);
+    a layer taken out of FP8 has no scale to corrupt."""
+    return output * float("inf") if module.fp8_enabled else output
 
 
 def _spike(module, args, output):
@@ -58,13 +59,13 @@ class DrillRunner:
         d = self.drill
         if d is None or self.fired or step != d.step or (d.rank is not None and d.rank != self.rank):
             return
-        if d.kind == "fp8scale" and not isinstance(self.model.get_submodule(d.fqn), FP8Linear):
+        if d.kind == "fp8scale" and not getattr(self.model.get_submodule(d.fqn), "fp8_enabled", False):
             logger.warning("[DRILL] step %d: %s no longer computes in FP8 (promoted): stability.inject %s injects "
                            "nothing", step, d.fqn, d)
             self.fired = True
             return
         if d.kind == "fp8scale":
-            # on this module object: a layer promoted out of FP8 is a new module, which the fault does not reach
+            # a layer promoted out of FP8 (in the guard's replay) has no scale left to corrupt
             self._handle = self.model.get_submodule(d.fqn).register_forward_hook(_bad_scale)
             torch.compiler.set_stance("force_eager")
             logger.warning("[DRILL] step %d: the FP8 scale of %s is corrupted to infinity for this step "
