@@ -50,6 +50,11 @@ def margin(figures: dict, floor: dict[str, float]) -> tuple[float, str]:
     return min((figures[f"{g}_db"] - floor[g], g) for g in GEMMS)
 
 
+def suits(figures: dict, floor: dict[str, float]) -> bool:
+    """Whether a format with these figures meets every floor."""
+    return margin(figures, floor)[0] >= 0
+
+
 def noise_db(figures: dict) -> float:
     """The three GEMMs' relative noise powers summed, in dB (lower is more accurate)."""
     return 10 * math.log10(sum(10 ** (-figures[f"{g}_db"] / 10) for g in GEMMS))
@@ -59,8 +64,8 @@ def choose(measured: dict[str, dict], base: str, floor: dict[str, float], object
            speedups: dict[str, float | None] | None = None) -> tuple[str, str]:
     """(format, reason) for one layer. measured: candidate -> figures (measure());
     speedups: candidate -> expected speed-up over the base, None where it is none."""
-    suits = {name: margin(f, floor) for name, f in measured.items() if margin(f, floor)[0] >= 0}
-    if not suits:
+    fit = {name: margin(f, floor) for name, f in measured.items() if suits(f, floor)}
+    if not fit:
         name, (m, what) = max(((n, margin(f, floor)) for n, f in measured.items()), key=lambda t: t[1][0])
         if m == -math.inf:
             return base, (f"no candidate meets the floors (the closest, {name}, flushes or saturates more than "
@@ -68,18 +73,18 @@ def choose(measured: dict[str, dict], base: str, floor: dict[str, float], object
         return base, (f"no candidate meets the floors (the closest, {name}: {what.replace('_', ' ')} "
                       f"{measured[name][f'{what}_db']:.1f} dB < {floor[what]:g})")
     if objective == "coverage":
-        name = min(suits, key=lambda n: noise_db(measured[n]))
-        m, gemm = suits[name]
-        return name, (f"{len(suits)} of {len(measured)} candidates meet the floors; the most accurate (noise "
+        name = min(fit, key=lambda n: noise_db(measured[n]))
+        m, gemm = fit[name]
+        return name, (f"{len(fit)} of {len(measured)} candidates meet the floors; the most accurate (noise "
                       f"{noise_db(measured[name]):.1f} dB summed over its GEMMs; worst GEMM {gemm.replace('_', ' ')} "
                       f"{m:.1f} dB above its floor)")
     speedups = speedups or {}
-    fast = {n: speedups[n] for n in suits if speedups.get(n) and speedups[n] > 1}
+    fast = {n: speedups[n] for n in fit if speedups.get(n) and speedups[n] > 1}
     if not fast:
-        seen = ", ".join(f"{n}: {speedups[n]:.2f}x" if speedups.get(n) else f"{n}: emulated" for n in suits)
-        return base, f"{', '.join(suits)} meet the floors but none is faster than {base} here ({seen})"
+        seen = ", ".join(f"{n}: {speedups[n]:.2f}x" if speedups.get(n) else f"{n}: emulated" for n in fit)
+        return base, f"{', '.join(fit)} meet the floors but none is faster than {base} here ({seen})"
     name = max(fast, key=fast.get)
-    return name, f"meets the floors, expected {fast[name]:.2f}x the {base} GEMMs ({len(suits)} candidates met them)"
+    return name, f"meets the floors, expected {fast[name]:.2f}x the {base} GEMMs ({len(fit)} candidates met them)"
 
 
 def modeled_speedups(candidates, base: str) -> dict[str, float | None]:

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from mixprec.plan.choose import choose, floors
+from mixprec.plan.choose import choose, floors, suits
 from mixprec.plan.measure import GEMMS, Capture, measure
 from mixprec.precision.spec import format_name
 
@@ -47,10 +47,11 @@ class Replanner:
                                 recipe, self.policy.param_dtype) for fqn, recipe in layers.items()}
         if self.world_size > 1:
             _worst_over_ranks(figures)
+        floor = floors(self.config)
         for fqn, recipe in layers.items():
             name = format_name(recipe)
-            fmt, reason = choose({name: figures[fqn]}, base, floors(self.config), "coverage")
-            if fmt == base:
+            if not suits(figures[fqn], floor):
+                _, reason = choose({name: figures[fqn]}, base, floor, "coverage")
                 dbs = ", ".join(f"{g.replace('_', ' ')} {figures[fqn][f'{g}_db']:.1f} dB" for g in GEMMS)
                 record = self.policy.promote(fqn, step, f"re-planning at step {step}: {reason} ({dbs})")
                 logger.warning("[PROMOTE] step %d: %s computes in %s from now on, not %s: %s", step, fqn,
