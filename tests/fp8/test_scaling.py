@@ -33,6 +33,20 @@ def test_each_tile_maps_its_amax_to_the_format_maximum():
     assert torch.equal(blocks, torch.full((2, 2), 448.0))
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_scales_are_the_correctly_rounded_quotient(dtype, margin):
+    # FP32 division correctly rounded = the FP64 quotient rounded once to FP32 (53 >= 2 x 24 + 2
+    # bits: the double rounding is innocuous). A Python number over a tensor is two roundings
+    # (amax.reciprocal() * max), 1 ulp off for about a quarter of these amaxes.
+    g = torch.Generator().manual_seed(0)
+    amax = torch.rand(1_000_000, generator=g) * torch.exp2(torch.randint(-30, 30, (1_000_000,), generator=g).float())
+    amax = amax.clamp(min=1e-8)  # above the all-zero tile's floor
+    expected = (torch.finfo(dtype).max / amax.double() / 2.0**margin).float()
+    assert torch.equal(amax_to_scale(amax, dtype, margin=margin), expected)
+    assert (torch.finfo(dtype).max / amax / 2.0**margin != expected).float().mean() > 0.2  # the two-rounding form is off
+
+
 def test_power_of_two_scales_are_exact():
     x = torch.randn(64, 64) * 5
     scale = amax_to_scale(tile_amax(x, (1, 64)), E4M3, power_of_2=True)
