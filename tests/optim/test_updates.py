@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mixprec.optim.fused_adamw import unsupported
-from mixprec.optim.rounding import nearest_bf16, nearest_bf16_bits, rounding_key, stochastic_round_bf16
+from mixprec.optim.rounding import MIX, nearest_bf16, nearest_bf16_bits, random_bits16, rounding_key, stochastic_round_bf16
 from mixprec.optim.updates import COMPENSATION, BF16Updates
 
 BF16 = torch.bfloat16
@@ -137,10 +137,38 @@ def test_stochastic_updates_carry_small_updates_on_average_and_reproduce_with_a_
     assert not torch.equal(p, q)
 
 
+def test_stochastic_rounding_directions_are_independent_across_elements():
+    # 2^20 copies of one value 0.3 of a bfloat16 step above 1: each rounds up with P = 0.3;
+    # neighbours' directions, and those of elements 2^16 apart, must be uncorrelated (the
+    # standard error of these correlations is 2^-10; a Weyl sequence of 16-bit keys gave
+    # -0.43 at offset 1 and exactly 1 at 2^16)
+    n = 1 << 20
+    up = (stochastic_round_bf16(torch.full((n,), 1 + 0.3 * 2**-7), key(3)).float() > 1).float()
+    assert abs(up.mean().item() - 0.3) < 5 * math.sqrt(0.21 / n)
+    d = up - up.mean()
+    for offset in (1, 2, 3, 256, 1 << 16, (1 << 16) + 1):
+        corr = (d[:-offset] * d[offset:]).mean() / d.var()
+        assert abs(corr) < 0.006, (offset, corr)
+
+
+def test_random_bits_equal_the_hash_computed_without_overflow():
+    # the int32 hash wraps its products modulo 2^32; in int64 with masks no product passes
+    # 2^63 (x < 2^32, multipliers < 2^31): the same bits, eager and compiled
+    compiled = torch.compile(random_bits16, dynamic=True)
+    for k in (0, -1, rounding_key(0, 0, 5, 2), rounding_key(1, 0, 5, 2)):
+        h = torch.arange(70_000, dtype=torch.int64) ^ (k & 0xFFFFFFFF)
+        h = ((h ^ (h >> 16)) * MIX[0]) & 0xFFFFFFFF
+        h = ((h ^ (h >> 15)) * MIX[1]) & 0xFFFFFFFF
+        expected = (h >> 16).to(torch.int32)
+        k32 = torch.tensor(k, dtype=torch.int32)
+        assert torch.equal(random_bits16(70_000, k32, "cpu"), expected)
+        assert torch.equal(compiled(70_000, k32, "cpu"), expected)
+
+
 def test_compiled_rounding_gives_the_eager_bits():
     fn = torch.compile(stochastic_round_bf16, dynamic=True)
     x = torch.randn(3, 1000) * 50
-    for k in (0, 12345, 2**16 - 1):
+    for k in (0, 12345, 2**31 - 1):
         assert torch.equal(fn(x, key(k)).view(torch.int16), stochastic_round_bf16(x, key(k)).view(torch.int16))
 
 
