@@ -37,19 +37,27 @@ def gpu_peak_flops(device_name: str, matmul_dtype: str) -> float | None:
 def peak_flops(device: torch.device, policy) -> float | None:
     """Peak matmul FLOP/s for MFU under `policy` (a set-up mixprec.Policy). GPUs: the data
     sheet for what the matmuls compute in (None when unknown: no MFU). CPUs have no useful
-    data sheet number: the best of ten 1024x1024 matmuls in the dtype the GEMM kernels
-    really run in (FP32 where the policy emulates), measured here (about 0.2 s)."""
+    data sheet number: the best of ten n x n matmuls in the dtype the GEMM kernels really
+    run in (FP32 where the policy emulates), measured here: n = 1024 (about 0.2 s), or 256
+    where one such product already takes over 10 ms (a scalar kernel, as float16 on a CPU
+    without native float16 GEMMs, where ten 1024 products took 27 s)."""
     if device.type == "cuda":
         return gpu_peak_flops(torch.cuda.get_device_name(device), policy.matmul_dtype)
     dtype = torch.float32 if policy.emulate_matmul else policy.param_dtype
     # its own generator: drawing from the global one would shift a resumed run's random stream
     a = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0)).to(dtype)
+    if _best_seconds(a[:256, :256], 1) > 0.01:
+        a = a[:256, :256].contiguous()
+    return 2 * a.shape[0] ** 3 / _best_seconds(a, 11)
+
+
+def _best_seconds(a: torch.Tensor, repeats: int) -> float:
     best = float("inf")
-    for _ in range(11):
+    for _ in range(repeats):
         start = time.perf_counter()
         a @ a
         best = min(best, time.perf_counter() - start)
-    return 2 * 1024**3 / best
+    return best
 
 
 def peak_memory_bytes(device: torch.device) -> int:
