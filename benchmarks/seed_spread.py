@@ -4,11 +4,11 @@ modes larger than what the seed alone moves?
 
     mixprec compare --presets bf16-mixed,bf16-kahan --training.seed 1 --job.dump_folder runs/seed1
     ...
-    python benchmarks/seed_spread.py runs/seed0 runs/seed1 runs/seed2 [--reference bf16-mixed]
+    python benchmarks/seed_spread.py runs/seed0 runs/seed1 runs/seed2 [--reference bf16-mixed] [--plot out.png]
 
 Runs of the same seed are merged (each preset's seed is read from its own config.toml), so
 one seed's presets may come from several compare runs; a preset given twice for one seed is
-refused.
+refused. FOLDER:PRESET,PRESET takes only those presets of a run.
 """
 
 from __future__ import annotations
@@ -24,9 +24,14 @@ from pathlib import Path
 def read_runs(folders: list[str]) -> dict[int, dict[str, float]]:
     """{seed: {preset: final validation loss}} over the compare run folders."""
     by_seed: dict[int, dict[str, float]] = {}
-    for folder in folders:
+    for spec in folders:
+        folder, _, only = spec.partition(":")
+        if not (Path(folder) / "compare.json").is_file():
+            sys.exit(f"{folder}: no compare.json (not a finished mixprec compare run folder)")
         report = json.loads((Path(folder) / "compare.json").read_text())
         for row in report["presets"]:
+            if only and row["preset"] not in only.split(","):
+                continue
             config = tomllib.loads((Path(folder) / row["preset"] / "config.toml").read_text())
             seed = config["training"]["seed"]
             losses = by_seed.setdefault(seed, {})
@@ -38,8 +43,9 @@ def read_runs(folders: list[str]) -> dict[int, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("folders", nargs="+", help="mixprec compare run folders (each holds compare.json)")
+    parser.add_argument("folders", nargs="+", help="mixprec compare run folders (each holds compare.json), FOLDER:PRESET,... for some of a run's presets")
     parser.add_argument("--reference", default="bf16-mixed")
+    parser.add_argument("--plot", help="also draw each preset's difference per seed and its mean into this PNG")
     args = parser.parse_args()
     by_seed = read_runs(args.folders)
     runs = list(by_seed.values())
@@ -53,6 +59,29 @@ def main() -> None:
         diffs = [run[p] / run[args.reference] - 1 for run in runs]
         print(f"{p:<16} " + " ".join(f"{x:9.4f}" for x in losses) + f" {statistics.mean(losses):8.4f}  "
               f"{statistics.mean(diffs):+.2%} (" + ", ".join(f"{d:+.2%}" for d in diffs) + ")")
+    if args.plot:
+        plot(by_seed, presets, args.reference, args.plot)
+
+
+def plot(by_seed: dict[int, dict[str, float]], presets: list[str], reference: str, out: str) -> None:
+    from mixprec.train.metrics import _pyplot
+
+    plt = _pyplot()
+    others = [p for p in presets if p != reference]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(others), 3.8))
+    for i, p in enumerate(others):
+        diffs = [100 * (run[p] / run[reference] - 1) for run in by_seed.values()]
+        ax.bar(i, statistics.mean(diffs), color="0.85", edgecolor="0.4")
+        for seed, d in zip(by_seed, diffs):
+            ax.plot(i, d, "o", color=f"C{seed % 10}", label=f"seed {seed}" if i == 0 else None)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(range(len(others)), others, rotation=15, fontsize=8)
+    ax.set_ylabel(f"final validation loss vs {reference} (%)")
+    ax.set_title("bars: mean over seeds; dots: each seed", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"plot: {out}")
 
 
 if __name__ == "__main__":
