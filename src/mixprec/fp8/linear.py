@@ -117,3 +117,8 @@ class FP8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.plan.recipe.name}{'' if self.fp8_enabled else ' (off: promoted)'}"
+
+
+def runs_fp8(module: nn.Module) -> bool:
+    """Whether `module` computes its GEMMs in FP8 now: an FP8Linear not promoted out of it."""
+    return isinstance(module, FP8Linear) and module.fp8_enabled

@@ -14,7 +14,7 @@ from torch import nn
 
 from mixprec.dtypes import dtype_name
 from mixprec.fp8.convert import Conversion, convert_to_fp8
-from mixprec.fp8.linear import FP8Linear
+from mixprec.fp8.linear import runs_fp8
 from mixprec.precision.layout import Layout
 from mixprec.precision.spec import FP32, Format
 
@@ -71,7 +71,7 @@ class ModuleFormats:
         hooks hold on to it); it leaves its conversion (delayed scaling, the FP8 count).
         Returns the format it had."""
         module = model.get_submodule(fqn)
-        if not isinstance(module, FP8Linear) or not module.fp8_enabled:
+        if not runs_fp8(module):
             raise ValueError(f"{fqn} does not compute in FP8")
         conversion = next(c for c in self.conversions if c.modules.get(fqn) is module)
         module.fp8_enabled = False

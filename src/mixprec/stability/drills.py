@@ -8,7 +8,7 @@ import logging
 import torch
 
 from mixprec.errors import UserError
-from mixprec.fp8.linear import FP8Linear
+from mixprec.fp8.linear import FP8Linear, runs_fp8
 from mixprec.stability.config import Drill
 
 logger = logging.getLogger("mixprec.stability")
@@ -59,7 +59,7 @@ class DrillRunner:
         d = self.drill
         if d is None or self.fired or step != d.step or (d.rank is not None and d.rank != self.rank):
             return
-        if d.kind == "fp8scale" and not getattr(self.model.get_submodule(d.fqn), "fp8_enabled", False):
+        if d.kind == "fp8scale" and not runs_fp8(self.model.get_submodule(d.fqn)):
             logger.warning("[DRILL] step %d: %s no longer computes in FP8 (promoted): stability.inject %s injects "
                            "nothing", step, d.fqn, d)
             self.fired = True
