@@ -26,13 +26,16 @@ def run(model, x, grad, autocast: bool):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_linear_against_the_bf16_linear(recipe):
-    # torchao's bounds for a Float8Linear against the high-precision one: output >= 18 dB, grads >= 17 dB
+    # torchao's bounds for a Float8Linear against the high-precision one: output >= 18 dB, grads >= 17 dB;
+    # FP4 elements (3 bits of magnitude) measured 16.5-16.7 dB forward, 15.0-16.4 dB gradients (nvfp4's
+    # stochastically rounded gradient the lowest)
+    floors = (14, 13, 13) if RECIPES[recipe].label in ("NVFP4", "MXFP4") else (18, 17, 17)
     ref, fp8 = pair(recipe)
     x = torch.randn(2, 96, 256)
     grad = torch.randn(2, 96, 384)
     y_ref, dx_ref, dw_ref = run(ref, x, grad, autocast=True)
     y, dx, dw = run(fp8, x, grad, autocast=True)
-    assert sqnr(y_ref, y) >= 18 and sqnr(dx_ref, dx) >= 17 and sqnr(dw_ref, dw) >= 17
+    assert sqnr(y_ref, y) >= floors[0] and sqnr(dx_ref, dx) >= floors[1] and sqnr(dw_ref, dw) >= floors[2]
     assert fp8[0].weight.grad.dtype == torch.float32  # the gradient of an FP32 parameter stays FP32
 
 

@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mixprec.fp8.gemm import probe
-from mixprec.fp8.linear import FP8Linear, Plan
-from mixprec.fp8.recipe import E4M3, FP8Recipe
+from mixprec.fp8.linear import FP8Linear, Plan, linear_class
+from mixprec.fp8.recipe import E4M3, GEMMS, FP8Recipe
 from mixprec.fp8.scaling import DelayedScales
 from mixprec.dtypes import dtype_name
 
@@ -121,7 +120,7 @@ class Conversion:
 
     def describe(self) -> str:
         kernels = ", ".join(f"{g}: {'torch kernel' if why is None else 'emulated'}" for g, why in self.routes.items())
-        return f"{len(self.modules)} Linear layers in FP8 ({self.recipe.name}: {self.recipe.summary()}; {kernels})"
+        return f"{len(self.modules)} Linear layers in {self.recipe.label} ({self.recipe.name}: {self.recipe.summary()}; {kernels})"
 
 
 def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.dtype,
@@ -138,9 +137,9 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.
     CPUs both ran at the same speed, 0.6-0.7x an FP32 GEMM (benchmarks/bench_gemm.py)."""
     conversion = Conversion(recipe)
     device = next(model.parameters()).device.type
-    why = "fp8.emulate = true"
-    for name, (a_tile, b_tile), dtypes in recipe.gemms(compute_dtype):
-        conversion.routes[name] = why if emulate else probe(device, a_tile, b_tile, *dtypes)
+    cls = linear_class(recipe)
+    conversion.routes = ({g: "fp8.emulate = true" for g in GEMMS} if emulate
+                         else cls.routes(recipe, device, compute_dtype))
     plan = Plan(recipe, recipe.tiles, compute_dtype, tuple(why is None for why in conversion.routes.values()))
     outputs = output_projections(model)
     chosen = None if modules is None else set(modules)
@@ -155,7 +154,7 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.
             continue
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        new = FP8Linear.from_linear(module, plan)
+        new = cls.from_linear(module, plan, fqn)
         setattr(parent, child, new)
         conversion.modules[fqn] = new
     logger.info("fp8: %s", conversion.describe())
@@ -166,6 +165,5 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.
         if why is not None:
             reasons.setdefault(why, []).append(gemm)
     for why, gemms in reasons.items():
-        logger.info("fp8: %s GEMMs emulated on this %s (the same numerics: FP32 partial sums of the FP8 products): "
-                    "%s", ", ".join(gemms), device, why)
+        logger.info("fp8: %s GEMMs emulated on this %s (%s): %s", ", ".join(gemms), device, recipe.emulation, why)
     return conversion

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mixprec.fp8.gemm import scaled_mm
-from mixprec.fp8.recipe import E4M3, FP8Recipe, Tiles
+from mixprec.fp8.gemm import probe, scaled_mm
+from mixprec.fp8.recipe import E4M3, GEMMS, FP8Recipe, Tiles
 from mixprec.fp8.scaling import DelayedScales, Quantized, amax_to_scale, cast, quantize, resolve_tile, tile_amax
 
 
@@ -83,12 +83,22 @@ def _delayed_cast(x: torch.Tensor, state, role: int, dtype: torch.dtype):
 
 class FP8Linear(nn.Linear):
     """An nn.Linear whose matmuls run in FP8 under `plan`. It holds the original
-    Parameter objects: the state_dict, the optimizer and FSDP2 see nothing new."""
+    Parameter objects: the state_dict, the optimizer and FSDP2 see nothing new.
+    A recipe class with other numerics subclasses it with its own `matmul` (an autograd
+    Function taking (x (M, K), weight, plan, state)) and `routes`, and registers it
+    (`register_linear`)."""
 
     plan: Plan
+    matmul = _FP8Matmul
+
+    @staticmethod
+    def routes(recipe: FP8Recipe, device: str, compute_dtype: torch.dtype) -> dict[str, str | None]:
+        """Each GEMM's route on `device`: None for torch's kernel, else why it is emulated."""
+        return {name: probe(device, a_tile, b_tile, *dtypes)
+                for name, (a_tile, b_tile), dtypes in recipe.gemms(compute_dtype)}
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, plan: Plan) -> "FP8Linear":
+    def from_linear(cls, linear: nn.Linear, plan: Plan, fqn: str = "") -> "FP8Linear":
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
@@ -103,7 +113,8 @@ class FP8Linear(nn.Linear):
             new.register_buffer("scale", torch.zeros(3, device=dev), persistent=False)
         return new
 
-    def delayed_state(self):
+    def matmul_state(self):
+        """What `matmul` takes besides the plan: delayed scaling's buffers."""
         return (self.amax_history, self.amax_pending, self.scale) if self.plan.recipe.delayed else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +122,7 @@ class FP8Linear(nn.Linear):
             return super().forward(x)
         # (..., K) -> (..., N) in the compute dtype; autocast has no say over FP8 GEMMs
         with torch.autocast(x.device.type, enabled=False):
-            out = _FP8Matmul.apply(x.reshape(-1, x.shape[-1]), self.weight, self.plan, self.delayed_state())
+            out = self.matmul.apply(x.reshape(-1, x.shape[-1]), self.weight, self.plan, self.matmul_state())
             out = out.unflatten(0, x.shape[:-1])
             return out if self.bias is None else out + self.bias.to(out.dtype)
 
@@ -122,3 +133,14 @@ class FP8Linear(nn.Linear):
 def runs_fp8(module: nn.Module) -> bool:
     """Whether `module` computes its GEMMs in FP8 now: an FP8Linear not promoted out of it."""
     return isinstance(module, FP8Linear) and module.fp8_enabled
+
+
+LINEARS: dict[type, type] = {FP8Recipe: FP8Linear}  # recipe class -> the Linear that runs it
+
+
+def register_linear(recipe_class: type, linear_class: type) -> None:
+    LINEARS[recipe_class] = linear_class
+
+
+def linear_class(recipe: FP8Recipe) -> type:
+    return LINEARS[type(recipe)]

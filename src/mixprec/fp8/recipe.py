@@ -36,6 +36,7 @@ class Granularity(enum.Enum):
     TENSORWISE = "tensorwise"
     ROWWISE = "rowwise"
     BLOCKWISE = "blockwise"
+    MICROSCALED = "microscaled"  # blocks of 16 or 32 elements with a shared 8-bit scale (mixprec.fp8.mx)
 
 
 class Scaling(enum.Enum):
@@ -95,6 +96,30 @@ class FP8Recipe:
         check(self.moments_dtype in (torch.float32, torch.bfloat16), "moments_dtype", self.moments_dtype,
               "float32, bfloat16")
 
+    # what the emulation of this recipe's GEMMs computes, for the log line that says it is emulated
+    emulation = "the same numerics: FP32 partial sums of the FP8 products"
+    eager_why = ""  # why the Linear layers run eagerly inside a compiled model; empty: they compile
+
+    @property
+    def preset(self) -> str:
+        """The precision preset that is bf16-mixed with this recipe."""
+        return f"fp8-{self.name}"
+
+    @property
+    def label(self) -> str:
+        """The format's name in a sentence ("in FP8")."""
+        return "FP8"
+
+    @property
+    def saved_bytes(self) -> float:
+        """Bytes per element of an operand saved for backward in this recipe's format."""
+        return 1.0
+
+    @property
+    def saved_weight_bytes(self) -> float:
+        """Bytes per weight element a Linear keeps from forward to backward: its FP8 weight."""
+        return 1.0
+
     @property
     def delayed(self) -> bool:
         return self.scaling is Scaling.DELAYED
@@ -127,6 +152,10 @@ class FP8Recipe:
         are refused for current-scaling recipes only when changed from their defaults."""
         delayed_only = {"amax_history_len", "amax_compute_algo", "margin"}
         defaults = FP8Recipe(name="", granularity=Granularity.TENSORWISE)
+        foreign = sorted(set(options) - set(self.__dataclass_fields__))
+        if foreign:
+            raise UserError(f"fp8.{foreign[0]} = {options[foreign[0]]!r} applies to the microscaled recipes only; the "
+                            f"{self.name} recipe has no such option (accepted: mxfp8, nvfp4, mxfp4, or leave it out)")
         changed = {k: v for k, v in options.items() if v != getattr(defaults, k)}
         if not self.delayed and changed.keys() & delayed_only:
             key = sorted(changed.keys() & delayed_only)[0]

@@ -14,6 +14,7 @@ from torch import nn
 from mixprec.dtypes import dtype_name
 from mixprec.errors import UserError
 from mixprec.fp8.convert import output_projections, why_not
+from mixprec.fp8.mx import kept_blocks
 from mixprec.fp8.recipe import FP8Recipe
 from mixprec.precision.master import is_norm
 from mixprec.precision.spec import FP32, Format, PrecisionSpec, format_name
@@ -96,6 +97,7 @@ def resolve(spec: PrecisionSpec, model: nn.Module, *, exclude=(), module_filter_
     config's fp8.filter_fqns); module_filter_fn(fqn, module): False leaves a layer out of FP8;
     sharded: fully_shard keeps the parameters (FP32 masters included) itself."""
     outputs = output_projections(model)
+    kept = _kept_blocks(spec, model)
     rows = {}
     for fqn, module in model.named_modules():
         own = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
@@ -117,6 +119,8 @@ def resolve(spec: PrecisionSpec, model: nn.Module, *, exclude=(), module_filter_
             reason = why_not(fqn, module, exclude, outputs)
             if reason is None and module_filter_fn is not None and not module_filter_fn(fqn, module):
                 reason = "refused by module_filter_fn"
+            if reason is None:
+                reason = next((why for prefix, why in kept.items() if fqn.startswith(prefix)), None)
             compute, why = (spec.fp8, "the base mode's FP8 recipe") if reason is None else (spec.param_dtype, reason)
         rule = spec.override_for(fqn)
         if rule is not None:
@@ -131,6 +135,22 @@ def resolve(spec: PrecisionSpec, model: nn.Module, *, exclude=(), module_filter_
         rows[fqn] = ModulePrecision(kind, storage, compute, why, module.in_features * module.out_features)
     _check_planned(spec, rows)
     return Layout(spec, rows)
+
+
+def _kept_blocks(spec: PrecisionSpec, model: nn.Module) -> dict[str, str]:
+    """The decoder blocks a recipe's keep_last_blocks keeps in the base mode: FQN prefix -> why."""
+    share = getattr(spec.fp8, "keep_last_blocks", 0.0)
+    if not share:
+        return {}
+    lists = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        return {}
+    name, blocks = max(lists, key=lambda t: len(t[1]))  # the decoder layers (as models.hf.decoder_layers)
+    n = len(blocks)
+    k = kept_blocks(n, share)
+    why = (f"{spec.fp8.preset} keeps the last {share:.0%} of the decoder blocks ({k} of {n}: {name}.{n - k}"
+           f"{f'-{n - 1}' if k > 1 else ''}) in {dtype_name(spec.param_dtype)} (fp8.keep_last_blocks)")
+    return {f"{name}.{i}.": why for i in range(n - k, n)}
 
 
 def _check_planned(spec: PrecisionSpec, rows: dict[str, ModulePrecision]) -> None:

@@ -29,7 +29,8 @@ def register_preset(name: str, spec: PrecisionSpec) -> PrecisionSpec:
 def fp8_preset(recipe: FP8Recipe) -> PrecisionSpec:
     """bf16-mixed with the block projections' GEMMs in FP8 under `recipe` (embeddings, norms,
     attention, the output projection and the loss stay as bf16-mixed has them)."""
-    return PrecisionSpec(FP32, BF16, fp8=recipe, summary=f"bf16-mixed, block projections in FP8 ({recipe.summary()})"
+    return PrecisionSpec(FP32, BF16, fp8=recipe, summary=f"bf16-mixed, block projections in {recipe.label} "
+                         f"({recipe.summary()})"
                          + (f", AdamW moments in {dtype_name(recipe.moments_dtype)}"
                             if recipe.moments_dtype != FP32 else ""))
 
@@ -82,9 +83,9 @@ for _name, _spec in {
 
 def resolve_preset_name(name: str, field: str = "precision.preset") -> str:
     key = str(name).strip().lower()
-    recipe = key.removeprefix("fp8-")
-    if key not in ALIASES and key.startswith("fp8-") and recipe in RECIPES:  # a recipe registered after import
-        register_preset(key, fp8_preset(RECIPES[recipe]))
+    recipe = next((r for r in RECIPES.values() if r.preset == key), None)
+    if key not in ALIASES and recipe is not None:  # a recipe registered after import
+        register_preset(key, fp8_preset(recipe))
     if key not in ALIASES:
         raise UserError(
             f"{field}: unknown precision {name!r}; accepted: {', '.join(PRESETS)} "
@@ -111,12 +112,12 @@ def name_of(spec: PrecisionSpec) -> str:
     base = next((name for name, p in PRESETS.items() if p == plain), "custom")
     if spec.fp8 is None:
         return base
-    fp8_name = f"fp8-{spec.fp8.name}"
+    fp8_name = spec.fp8.preset
     return fp8_name if base == "bf16-mixed" and fp8_name in PRESETS else f"{base}+{fp8_name}"
 
 
 for _recipe in RECIPES.values():
-    register_preset(f"fp8-{_recipe.name}", fp8_preset(_recipe))
+    register_preset(_recipe.preset, fp8_preset(_recipe))
 FP8_BASES = ("fp32", "bf16-mixed", "bf16-master", "bf16-true")  # modes an FP8 recipe may build on
 
 

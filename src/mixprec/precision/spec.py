@@ -37,22 +37,23 @@ class Update(enum.Enum):
 
 
 def format_name(fmt: Format) -> str:
-    return f"fp8-{fmt.name}" if isinstance(fmt, FP8Recipe) else dtype_name(fmt)
+    return fmt.preset if isinstance(fmt, FP8Recipe) else dtype_name(fmt)
 
 
 def parse_format(text, where: str) -> Format:
-    """A compute format by name: a dtype name, or an FP8 recipe (fp8-rowwise or rowwise)."""
+    """A compute format by name: a dtype name, or a recipe by its preset or its name (fp8-rowwise or
+    rowwise, nvfp4)."""
     if isinstance(text, (torch.dtype, FP8Recipe)):
         return parse_dtype(text, where) if isinstance(text, torch.dtype) else text
     name = str(text).strip().lower()
-    recipe = name.removeprefix("fp8-")
-    if recipe in RECIPES and (name.startswith("fp8-") or name == recipe):
-        return RECIPES[recipe]
+    recipe = next((r for r in RECIPES.values() if name in (r.name, r.preset)), None)
+    if recipe is not None:
+        return recipe
     try:
         return parse_dtype(name, where)
     except UserError:
         raise UserError(f"{where}: unknown compute format {text!r}; accepted: float32, bfloat16, float16, "
-                        f"{', '.join('fp8-' + r for r in RECIPES)}") from None
+                        f"{', '.join(r.preset for r in RECIPES.values())}") from None
 
 
 @dataclass(frozen=True)

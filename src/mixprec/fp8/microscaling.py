@@ -1,0 +1,281 @@
+"""Microscaled formats: small blocks of FP8 or FP4 elements that share one scale.
+
+    q = quantize_mx(x, E4M3, rounding="ceil")     # MXFP8: 1x32 blocks, one E8M0 scale each
+    q = quantize_mx(x, E2M1)                      # MXFP4: the same with e2m1 elements
+    q = quantize_nvfp4(x)                         # NVFP4: 1x16 blocks, E4M3 scales, one FP32 scale
+    x_hat = q.dequantize()                        # FP32
+
+Blocks run along a tensor's last dimension (the dimension its GEMM sums over: callers pass
+W^T or x^T where a GEMM sums over the other one); NVFP4 weights may use 16x16 blocks, one
+scale serving W and W^T alike. Everything is stored in torch's own dtypes: elements in
+float8_e4m3fn/float8_e5m2 or float4_e2m1fn_x2 (two codes a byte, the first in the low
+nibble), scales in float8_e8m0fnu (a biased power of two) or float8_e4m3fn.
+
+The arithmetic follows the OCP MX spec v1.0 and NVIDIA's NVFP4 recipe in the operation order
+torchao's mx_formats uses, so the elements and scales equal its bit for bit
+(tests/fp8/test_microscaling.py), with one exception: for the round-up ("ceil", RCEIL) E8M0
+scale, torchao takes ceil(log2(amax / max)) in FP32, and log2 of a value just above a power of
+two (1 + 2^-20 and closer) rounds to the integer below; here the exponent comes from the bits,
+as the hardware's cvt.rp instruction rounds (the test's adversarial blocks show the difference).
+
+e2m1 has no infinity or NaN: a non-finite input makes its block's scale (MX) or the tensor's
+scale (NVFP4) non-finite, so the dequantised block is non-finite and the step's non-finite
+check sees it; the element codes of such blocks mean nothing.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from mixprec.optim.rounding import random_bits16
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+E2M1 = torch.float4_e2m1fn_x2  # two e2m1 codes per byte
+E8M0 = torch.float8_e8m0fnu
+
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0-7; bit 3 is the sign
+ELEMENT_MAX = {E4M3: 448.0, E5M2: 57344.0, E2M1: 6.0}
+ELEMENT_MAX_POW2 = {E4M3: 8, E5M2: 15, E2M1: 2}  # the exponent of each format's largest power of two
+ELEMENT_MBITS = {E4M3: 3, E5M2: 2, E2M1: 1}
+E8M0_BIAS = 127
+ROUNDINGS = ("ceil", "floor", "even")  # E8M0 scale: round amax/max up (RCEIL), OCP's floor, OCP's floor after RNE
+E4M3_TINY = 2.0**-6  # NVFP4 block scales are kept at or above e4m3's smallest normal
+
+
+class Blocked(NamedTuple):
+    data: torch.Tensor  # float8 (R, C), or float4_e2m1fn_x2 (R, C/2)
+    scale: torch.Tensor  # float8_e8m0fnu or float8_e4m3fn, one per block: (R/br, C/bc)
+    block: tuple[int, int]  # (1, 32), (1, 16) or (16, 16)
+    tensor_scale: torch.Tensor | None  # NVFP4's FP32 second level (0-dim), None for MX
+    shape: tuple[int, int]  # (R, C) before padding to whole blocks
+
+    def elements(self) -> torch.Tensor:
+        """The elements as FP32 values, before any scale: (R, C padded)."""
+        if self.data.dtype == E2M1:
+            return decode_e2m1(self.data.view(torch.uint8))
+        return self.data.float()
+
+    def scales(self, with_tensor_scale: bool = True) -> torch.Tensor:
+        """The FP32 factor of each element, (R, C padded)."""
+        s = self.scale.float()
+        if self.tensor_scale is not None and with_tensor_scale:
+            s = s * self.tensor_scale
+        return s.repeat_interleave(self.block[0], 0).repeat_interleave(self.block[1], 1)
+
+    def dequantize(self, with_tensor_scale: bool = True) -> torch.Tensor:
+        """The FP32 values this tensor stands for, (R, C). Without the tensor scale each value
+        has at most 3 + 3 significant bits (an element times an e4m3 scale): exact in TF32
+        and bfloat16, so a GEMM on them loses nothing before its FP32 accumulation."""
+        R, C = self.shape
+        return (self.elements() * self.scales(with_tensor_scale))[:R, :C]
+
+    def t(self) -> "Blocked":
+        """The transpose of a tensor in square blocks: the same elements and scales."""
+        assert self.block[0] == self.block[1], "only square blocks serve a tensor and its transpose"
+        if self.data.dtype == E2M1:
+            data = encode_pack(decode_codes(self.data.view(torch.uint8)).t().contiguous())
+        else:
+            data = self.data.t().contiguous()
+        return Blocked(data, self.scale.t().contiguous(), self.block, self.tensor_scale, self.shape[::-1])
+
+    def nbytes(self) -> int:
+        """Bytes held: elements, block scales and the tensor scale."""
+        extra = 4 if self.tensor_scale is not None else 0
+        return self.data.numel() * self.data.element_size() + self.scale.numel() + extra
+
+
+def _pad(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """x (R, C) in FP32 with zeros appended to whole blocks (zeros change no amax)."""
+    pr, pc = -x.shape[0] % block[0], -x.shape[1] % block[1]
+    x = x.float()
+    return F.pad(x, (0, pc, 0, pr)) if pr or pc else x.contiguous()
+
+
+def _block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """max |x| of each block, (R/br, C/bc); NaN where a block holds a NaN."""
+    R, C = x.shape
+    return x.abs().view(R // block[0], block[0], C // block[1], block[1]).amax(dim=(1, 3))
+
+
+def _spread(s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    return s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+
+
+# ---- e2m1 ------------------------------------------------------------------------------------
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def round_e2m1(v: torch.Tensor, bits: torch.Tensor | None = None) -> torch.Tensor:
+    """FP32 `v` (already scaled into [-6, 6]; beyond saturates) to e2m1 codes (uint8, 0-15).
+    Without `bits`: to nearest, ties to the even code (the one whose mantissa bit is 0).
+    With `bits` (16 random bits per element, int32): up with probability equal to the
+    position between the two neighbours, so E[value] = v (to 2^-16 of a step)."""
+    mag = v.abs()
+    grid = torch.tensor(E2M1_GRID, device=v.device)
+    if bits is None:
+        mids = torch.tensor(_MIDPOINTS, device=v.device)
+        down, up = torch.bucketize(mag, mids), torch.bucketize(mag, mids, right=True)
+        code = torch.where(down % 2 == 0, down, up)  # a tie sits between an even and an odd code
+    else:
+        low = (torch.bucketize(mag, grid, right=True) - 1).clamp(0, 7)
+        high = (low + 1).clamp(max=7)
+        gap = grid[high] - grid[low]
+        p = torch.where(gap > 0, (mag - grid[low]) / torch.where(gap > 0, gap, 1.0), 0.0)
+        code = torch.where(bits.view(v.shape).float() < p * 65536.0, high, low)
+    code = torch.where(torch.isnan(v), 7, code.clamp(max=7))  # NaN: the block's scale carries it
+    sign = torch.signbit(v).to(torch.uint8) << 3  # a negative value that rounds to 0 is -0
+    return code.to(torch.uint8) | sign
+
+
+def encode_pack(codes: torch.Tensor) -> torch.Tensor:
+    """(R, C) uint8 codes -> (R, C/2) float4_e2m1fn_x2: element 2j in the low nibble."""
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(E2M1)
+
+
+def decode_codes(packed: torch.Tensor) -> torch.Tensor:
+    """(R, C/2) uint8 -> (R, C) codes."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+
+
+def decode_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    codes = decode_codes(packed).long()
+    grid = torch.tensor(E2M1_GRID, device=packed.device)
+    return torch.where(codes >= 8, -grid[codes & 7], grid[codes & 7])
+
+
+def _to_elements(v: torch.Tensor, dtype: torch.dtype, key: torch.Tensor | None = None) -> torch.Tensor:
+    """Scaled FP32 values, saturated, in the element format (clamp keeps NaN); with `key`
+    (FP4 only), stochastically rounded with random_bits16's bits for that key."""
+    limit = ELEMENT_MAX[dtype]
+    v = v.clamp(-limit, limit)
+    if dtype == E2M1:
+        bits = None if key is None else random_bits16(v.numel(), key, v.device)
+        return encode_pack(round_e2m1(v, bits))
+    return v.to(dtype)
+
+
+# ---- MX: E8M0 scales ------------------------------------------------------------------------
+def e8m0_exponent(amax: torch.Tensor, dtype: torch.dtype, rounding: str) -> torch.Tensor:
+    """The biased E8M0 exponent (int32, 0-255; 255 is NaN) of each block's scale.
+    ceil: 2^ceil(log2(amax / max)), the smallest power of two that keeps the block within the
+          format (no element saturates), from the bits of the FP32 quotient;
+    floor: 2^(floor(log2(amax)) - emax), OCP's rule: the top of the block may saturate;
+    even: floor after rounding amax to the element's mantissa width (OCP's alternative)."""
+    if rounding == "ceil":
+        descale = amax / ELEMENT_MAX[dtype]
+        bits = descale.view(torch.int32)
+        biased, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+        exp = torch.where(biased > 0, biased - E8M0_BIAS + (mantissa > 0).int(),
+                          torch.where(mantissa > 1 << 22, -126, -127))  # subnormal quotients: 2^-126 or 2^-127
+        exp = exp.clamp(-E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS
+        return torch.where(torch.isnan(descale), 255, torch.where(torch.isinf(descale), 254, exp))
+    bits = amax.view(torch.int32)
+    if rounding == "even":  # round amax's mantissa to the element's width first (a carry may bump the exponent)
+        bits = (bits + (1 << (22 - ELEMENT_MBITS[dtype]))) & (0x1FF << 23)
+    exp = ((bits >> 23) & 0xFF) - E8M0_BIAS - ELEMENT_MAX_POW2[dtype]
+    exp = exp.clamp(-E8M0_BIAS, E8M0_BIAS + 1) + E8M0_BIAS
+    return torch.where(torch.isnan(amax), 255, exp)
+
+
+def quantize_mx(x: torch.Tensor, dtype: torch.dtype, *, block: int = 32, rounding: str = "ceil",
+                key: torch.Tensor | None = None) -> Blocked:
+    """x (R, C) in blocks of 1 x `block` along C, one E8M0 scale per block.
+    key: a 0-dim int32 key for stochastic rounding of e2m1 elements (None: to nearest)."""
+    shape, tile = tuple(x.shape), (1, block)
+    x = _pad(x, tile)
+    amax = _block_amax(x, tile)
+    exp = e8m0_exponent(amax, dtype, rounding)
+    if rounding == "ceil":
+        # x times 2^(127 - exp): exact; exp 0 (all |x| <= max * 2^-127) leaves x as it is and
+        # exp 254 (an infinite amax) multiplies by 2^-127, as Transformer Engine's kernels do
+        factor = torch.where(exp == 0, 1.0, torch.exp2((E8M0_BIAS - exp).float()))
+        factor = torch.where(exp == 254, 2.0**-127, torch.where(exp == 255, float("nan"), factor))
+        scaled = x * _spread(factor, tile)
+    else:
+        # x / 2^(exp - 127), the divisor kept normal (2^-126 at least; torchao does the same)
+        divisor = (exp << 23).view(torch.float32).clamp(min=torch.finfo(torch.float32).tiny)
+        scaled = x / _spread(divisor, tile)
+    return Blocked(_to_elements(scaled, dtype, key), exp.to(torch.uint8).view(E8M0), tile, None, shape)
+
+
+# ---- NVFP4: E4M3 block scales under one FP32 tensor scale ------------------------------------
+def nvfp4_tensor_scale(amax: torch.Tensor, top: float = 6.0) -> torch.Tensor:
+    """The FP32 second-level scale: amax / (448 * top), so the largest block scale fits e4m3."""
+    return amax.float() / (ELEMENT_MAX[E4M3] * top)
+
+
+def quantize_nvfp4(x: torch.Tensor, *, block: tuple[int, int] = (1, 16), tensor_scale: bool = True,
+                   key: torch.Tensor | None = None, four_over_six: bool = False) -> Blocked:
+    """x (R, C) in e2m1 blocks of 1x16 (or 16x16 for weights), an E4M3 scale per block
+    mapping its amax to 6, and (tensor_scale) one FP32 scale for the whole tensor.
+
+    four_over_six: each block also tries mapping its amax to 4 instead of 6 (a finer grid
+    for its large values: 4/6 of the step) and keeps whichever reconstructs the block with the
+    smaller squared error. The tensor scale then maps the tensor's amax to 448 x 4, so both
+    choices fit e4m3. key: as quantize_mx's, for stochastic rounding."""
+    shape = tuple(x.shape)
+    x = _pad(x, block)
+    amax = _block_amax(x, block)
+    ts = nvfp4_tensor_scale(x.abs().amax(), 4.0 if four_over_six else 6.0) if tensor_scale else None
+    tops = (6.0, 4.0) if four_over_six else (6.0,)
+    best = None
+    for top in tops:
+        q = _nvfp4_with_top(x, amax, ts, block, top, key, shape)
+        if best is None:
+            best = q
+            continue
+        err_best = _block_sq_error(x, best, block)
+        err = _block_sq_error(x, q, block)
+        take = err < err_best  # per block; ties keep 6
+        best = Blocked(_choose_elements(best.data, q.data, take, block), torch.where(take, q.scale, best.scale),
+                       block, ts, shape)
+    return best
+
+
+def _nvfp4_with_top(x, amax, ts, block, top, key, shape) -> Blocked:
+    limit = ELEMENT_MAX[E4M3]
+    if ts is None:
+        s = (amax / top).clamp(E4M3_TINY, limit).to(E4M3)
+        recip = 1.0 / s.float()
+    else:
+        s = ((amax / top) / ts).clamp(E4M3_TINY, limit).to(E4M3)
+        recip = (1.0 / ts) / s.float()
+    return Blocked(_to_elements(x * _spread(recip, block), E2M1, key), s, block, ts, shape)
+
+
+def _block_sq_error(x: torch.Tensor, q: Blocked, block) -> torch.Tensor:
+    d = (x - q.elements() * q.scales()) ** 2
+    R, C = d.shape
+    return d.view(R // block[0], block[0], C // block[1], block[1]).sum(dim=(1, 3))
+
+
+def _choose_elements(a: torch.Tensor, b: torch.Tensor, take_b: torch.Tensor, block) -> torch.Tensor:
+    ca, cb = decode_codes(a.view(torch.uint8)), decode_codes(b.view(torch.uint8))
+    return encode_pack(torch.where(_spread(take_b, block), cb, ca))
+
+
+# ---- Hadamard transforms ---------------------------------------------------------------------
+def hadamard(n: int = 16, signs: int | None = None, device=None) -> torch.Tensor:
+    """The n x n orthonormal Hadamard matrix (Sylvester's), FP32; with `signs` (a seed) its
+    columns are multiplied by random signs: a random Hadamard transform. H @ H.T = I."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    h = h / n**0.5
+    if signs is not None:
+        gen = torch.Generator().manual_seed(signs)
+        h = h * (torch.randint(0, 2, (n,), generator=gen) * 2 - 1).float()
+    return h.to(device)
+
+
+def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """x (R, C) times the block-diagonal matrix of `h` blocks along C (C a multiple of n):
+    applied to both operands along the dimension a GEMM sums over, it cancels in the
+    product, (A Q)(B Q)^T = A B^T, and spreads an outlier over n elements before the cast."""
+    n = h.shape[0]
+    R, C = x.shape
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    return (x.to(dtype).reshape(R, C // n, n) @ h.to(dtype)).view(R, C)

@@ -1,0 +1,280 @@
+"""Microscaled training recipes: MXFP8, NVFP4 and MXFP4 Linear layers, on every device.
+
+    mxfp8  e4m3 elements (e5m2 gradients as an option: "hybrid"), one E8M0 scale per 1x32
+           block along the contracted dimension, the scale rounded up (RCEIL: no element
+           saturates; the OCP spec's floor diverged at 8B parameters, 2506.08027)
+    nvfp4  e2m1 elements, one E4M3 scale per 1x16 block under one FP32 scale per tensor;
+           weights in 16x16 blocks (one copy serves W and W^T), gradients stochastically
+           rounded, a 16x16 random Hadamard transform on the weight-gradient GEMM's operands,
+           the last 15% of decoder blocks in bfloat16 (Transformer Engine's NVFP4BlockScaling,
+           TorchTitan's rule)
+    mxfp4  e2m1 elements, one E8M0 scale per 1x32 block (the Hadamard and rounding knobs
+           as nvfp4's, all off)
+
+Each GEMM quantises both operands along the dimension it sums over, from their high-precision
+values: the forward x and W along K, the input gradient dy and W along N, the weight
+gradient dy^T and x^T along M (the tokens). What is saved for backward is x^T in the format
+(quantised in the forward, after the Hadamard transform where there is one) and, with 2-D
+weight blocks, the quantised weight.
+
+The GEMMs are emulated: both operands dequantised to FP32 without NVFP4's tensor scale (each
+value is then an element times a power of two or an e4m3 scale: exact in FP32, TF32 and
+bfloat16), multiplied with FP32 accumulation, and the product times the two tensor scales,
+as the hardware applies them. torch has microscaled GEMMs only on Blackwell (SM100,
+F.scaled_mm with BlockWise1x32 / BlockWise1x16 scales and swizzled scale layouts); mixprec
+does not drive them (they cannot be tested here), so every device runs the emulation and
+the conversion's log line says so.
+
+Stochastic rounding draws its bits like bf16-sr's (random_bits16: a counter-based hash of the
+element's index and a key); the key hashes the gradient's own bits (an integer sum, the
+same in any summation order, on any device, eager or compiled), the layer and the operand:
+reproducible, the same after a resume, and fresh at every step as the gradient changes.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.nn.functional as F
+
+from mixprec.errors import UserError
+from mixprec.fp8.linear import FP8Linear, Plan, register_linear
+from mixprec.fp8.microscaling import (E2M1, E4M3, E5M2, ROUNDINGS, Blocked, hadamard, quantize_mx, quantize_nvfp4,
+                                      rotate)
+from mixprec.fp8.recipe import GEMMS, FP8Recipe, Granularity, Tiles, register_recipe
+
+HADAMARDS = ("none", "random", "deterministic")
+SCALE_FORMATS = ("e8m0", "e4m3")
+HADAMARD_SIZE = 16
+HADAMARD_SIGNS_SEED = 0
+# Inside a compiled model each microscaled Linear runs eagerly (a graph break on either side):
+EAGER_WHY = ("Inductor generates no code for float8_e8m0fnu and float4_e2m1fn_x2 tensors (torch 2.13's C++ backend "
+             "asserts), so the microscaled casts run eagerly")  # the random signs of the random Hadamard transform: fixed, as Transformer Engine's
+
+
+@dataclass(frozen=True)
+class MXRecipe(FP8Recipe):
+    element: torch.dtype = E4M3
+    """The elements' format: float8_e4m3fn (MXFP8) or float4_e2m1fn_x2 (FP4)."""
+    scale_format: str = "e8m0"
+    """e8m0: a power of two per block (MX); e4m3: an e4m3 scale per block under an FP32 tensor scale (NVFP4)."""
+    scale_rounding: str = "ceil"
+    """E8M0 scales: ceil (RCEIL, the amax never saturates), floor (OCP), even (OCP, amax rounded first)."""
+    weight_2d: bool = False
+    """Weights in block x block tiles: one quantised copy serves the forward (W) and the input gradient (W^T)."""
+    stochastic_gradients: bool = False
+    """FP4 gradients rounded stochastically (unbiased), the other operands to nearest."""
+    hadamard: str = "none"
+    """The weight-gradient GEMM's operands transformed along the tokens by 16x16 Hadamard blocks: none, random
+    (random signs), deterministic (Sylvester's matrix)."""
+    four_over_six: bool = False
+    """NVFP4: each block's amax mapped to 4 or to 6, whichever reconstructs the block better (2512.02010)."""
+    keep_last_blocks: float = 0.0
+    """The share of decoder blocks, counted from the last, whose Linear layers stay in the base mode."""
+
+    def __post_init__(self):
+        super().__post_init__()
+
+        def check(ok, name, value, accepted):
+            if not ok:
+                raise UserError(f"fp8.{name}: bad value {value!r} for the {self.name} recipe; accepted: {accepted}")
+
+        fp4 = self.element == E2M1
+        check(self.element in (E4M3, E2M1), "element", self.element, "float8_e4m3fn, float4_e2m1fn_x2")
+        check(self.scale_format in SCALE_FORMATS, "scale_format", self.scale_format, ", ".join(SCALE_FORMATS))
+        check(self.scale_rounding in ROUNDINGS, "scale_rounding", self.scale_rounding, ", ".join(ROUNDINGS))
+        check(self.hadamard in HADAMARDS, "hadamard", self.hadamard, ", ".join(HADAMARDS))
+        check(0.0 <= self.keep_last_blocks < 1.0, "keep_last_blocks", self.keep_last_blocks, "a share in [0, 1)")
+        check(self.block == (16 if self.nv else 32), "block", self.block, "16 (e4m3 scales), 32 (e8m0 scales)")
+        check(fp4 or not (self.stochastic_gradients or self.hadamard != "none"),
+              "stochastic_gradients" if self.stochastic_gradients else "hadamard",
+              self.stochastic_gradients if self.stochastic_gradients else self.hadamard,
+              "off for FP8 elements (stochastic rounding and Hadamard transforms are FP4 options)")
+        check(self.nv or not (self.weight_2d or self.four_over_six), "weight_2d" if self.weight_2d else "four_over_six",
+              True, "false for E8M0-scaled recipes (2-D weight blocks and 4-over-6 are NVFP4 options)")
+        check(fp4 or self.grad_dtype in (E4M3, E5M2), "grad_dtype", self.grad_dtype, "float8_e4m3fn, float8_e5m2")
+
+    # ---- what the recipe is ---------------------------------------------------------------
+    emulation = "dequantised operands, FP32 GEMMs with FP32 accumulation"
+    eager_why = EAGER_WHY
+
+    @property
+    def nv(self) -> bool:
+        return self.scale_format == "e4m3"
+
+    @property
+    def preset(self) -> str:
+        return self.name
+
+    @property
+    def label(self) -> str:
+        return self.name.upper()
+
+    @property
+    def saved_bytes(self) -> float:
+        element = 0.5 if self.element == E2M1 else 1.0
+        return element + 1.0 / self.block  # an 8-bit scale per block
+
+    @property
+    def saved_weight_bytes(self) -> float:
+        return self.saved_bytes if self.weight_2d else 0.0
+
+    @property
+    def tiles(self) -> Tiles:
+        b = self.block
+        w = (b, b) if self.weight_2d else (1, b)
+        return Tiles((1, b), w, (1, b), None if self.weight_2d else (b, 1), (b, 1), (b, 1))
+
+    @property
+    def backward_fp32_copies(self) -> int:
+        """FP32 copies a backward makes: the padded and the dequantised gradient (twice: one
+        per GEMM), the dequantised input (measured on the debug flavor)."""
+        return 4
+
+    def summary(self) -> str:
+        fmt = "e2m1" if self.element == E2M1 else "e4m3"
+        if self.nv:
+            scale = f"e4m3 scales per {'16x16 weight, ' if self.weight_2d else ''}1x16 block and an FP32 tensor scale"
+        else:
+            scale = f"E8M0 scales per 1x32 block (rounded {self.scale_rounding})"
+        extras = [e for e, on in (("e5m2 gradients", self.element == E4M3 and self.grad_dtype == E5M2),
+                                  ("stochastically rounded gradients", self.stochastic_gradients),
+                                  (f"{self.hadamard} Hadamard transform on the weight gradient",
+                                   self.hadamard != "none"),
+                                  ("4-over-6 block scales", self.four_over_six),
+                                  (f"the last {self.keep_last_blocks:.0%} of blocks in the base mode",
+                                   self.keep_last_blocks > 0)) if on]
+        return ", ".join([f"{fmt} elements", scale] + extras)
+
+    def with_options(self, **options) -> "MXRecipe":
+        own = {f.name for f in fields(MXRecipe)} - {f.name for f in fields(FP8Recipe)} | {"grad_dtype"}
+        defaults = FP8Recipe(name="", granularity=Granularity.TENSORWISE)
+        for key, value in options.items():
+            if key not in own and value != getattr(defaults, key, value):
+                raise UserError(f"fp8.{key} = {value!r} applies to delayed scaling only; the {self.name} recipe "
+                                "scales each block by its own amax (accepted: leave it out)")
+        return replace(self, **{k: v for k, v in options.items() if k in own})
+
+    # ---- the casts -------------------------------------------------------------------------
+    def quantize(self, x: torch.Tensor, *, gradient: bool = False, key: torch.Tensor | None = None,
+                 square: bool = False) -> Blocked:
+        """x (R, C) in blocks along C (square: block x block tiles); gradient: the gradient's
+        format, stochastically rounded with `key` where the recipe says so."""
+        key = key if gradient and self.stochastic_gradients else None
+        if self.nv:
+            return quantize_nvfp4(x, block=(self.block,) * 2 if square else (1, self.block), key=key,
+                                  four_over_six=self.four_over_six)
+        dtype = self.grad_dtype if gradient and self.element != E2M1 else self.element
+        return quantize_mx(x, dtype, block=self.block, rounding=self.scale_rounding, key=key)
+
+    def transform(self, device) -> torch.Tensor | None:
+        """The Hadamard block of the weight-gradient GEMM, or None."""
+        if self.hadamard == "none":
+            return None
+        return hadamard(HADAMARD_SIZE, HADAMARD_SIGNS_SEED if self.hadamard == "random" else None, device)
+
+
+def mx_mm(a: Blocked, b: Blocked, out_dtype: torch.dtype) -> torch.Tensor:
+    """a (M, K) @ b (N, K)^T, both blocked along K: the emulated microscaled GEMM."""
+    out = a.dequantize(with_tensor_scale=False) @ b.dequantize(with_tensor_scale=False).t()
+    for q in (a, b):
+        if q.tensor_scale is not None:
+            out = out * q.tensor_scale
+    return out.to(out_dtype)
+
+
+def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """x (R, C) with zero rows appended to a multiple of `multiple` (zeros add nothing to a GEMM over R)."""
+    pad = -x.shape[0] % multiple
+    return F.pad(x, (0, 0, 0, pad)) if pad else x
+
+
+def _key(t: torch.Tensor, salt: int, role: int) -> torch.Tensor:
+    """A 0-dim int32 key from the bits of `t` (an exact integer sum), the layer and the operand."""
+    bits = t.detach().contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+    z = bits.long().sum() * 0x9E3779B1 + ((salt * 0x85EBCA77 + role * 0xC2B2AE3D) & 0xFFFFFFFF)
+    z = z & 0xFFFFFFFF
+    return (z - ((z >> 31) << 32)).to(torch.int32)
+
+
+class _MXMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, plan: Plan, salt: int):
+        r = plan.recipe
+        xq = r.quantize(x)  # (M, K) along K
+        wq = r.quantize(weight, square=r.weight_2d)  # (N, K) along K
+        h = r.transform(x.device)
+        xt = _pad_rows(x, HADAMARD_SIZE).t() if h is not None else x.t()
+        xt_q = r.quantize(rotate(xt, h) if h is not None else xt)  # (K, M) along M, for the weight gradient
+        ctx.plan, ctx.salt, ctx.x_dtype = plan, salt, x.dtype
+        ctx.blocks = (xt_q.block, xt_q.shape, wq.block, wq.shape)
+        kept = wq if r.weight_2d else Blocked(None, None, None, None, None)
+        ctx.save_for_backward(weight, xt_q.data, xt_q.scale, xt_q.tensor_scale, kept.data, kept.scale,
+                              kept.tensor_scale)
+        return mx_mm(xq, wq, plan.compute_dtype)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        plan, salt = ctx.plan, ctx.salt
+        r = plan.recipe
+        weight, xt_data, xt_scale, xt_ts, w_data, w_scale, w_ts = ctx.saved_tensors
+        xt_block, xt_shape, w_block, w_shape = ctx.blocks
+        xt = Blocked(xt_data, xt_scale, xt_block, xt_ts, xt_shape)
+        dy = dy.contiguous()
+        gq = r.quantize(dy, gradient=True, key=_key(dy, salt, 0))  # (M, N) along N
+        if r.weight_2d:  # the forward's 16x16 blocks, transposed
+            wq_t = Blocked(w_data, w_scale, w_block, w_ts, w_shape).t()
+        else:
+            wq_t = r.quantize(weight.t())  # (K, N) along N
+        dx = mx_mm(gq, wq_t, plan.compute_dtype).to(ctx.x_dtype)
+        h = r.transform(dy.device)
+        gt = _pad_rows(dy, HADAMARD_SIZE).t() if h is not None else dy.t()
+        gt_q = r.quantize(rotate(gt, h) if h is not None else gt, gradient=True, key=_key(dy, salt, 1))  # (N, M)
+        dw = mx_mm(gt_q, xt, torch.float32).to(weight.dtype)
+        return dx, dw, None, None
+
+
+class MXLinear(FP8Linear):
+    """An FP8Linear whose three GEMMs run in a microscaled recipe."""
+
+    matmul = _MXMatmul
+
+    @classmethod
+    def from_linear(cls, linear, plan: Plan, fqn: str = "") -> "MXLinear":
+        new = super().from_linear(linear, plan, fqn)
+        new.salt = zlib.crc32(fqn.encode())  # the layer's part of its stochastic-rounding keys
+        return new
+
+    def matmul_state(self):
+        return self.salt
+
+    @torch.compiler.disable(reason=EAGER_WHY)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+    @staticmethod
+    def routes(recipe: MXRecipe, device: str, compute_dtype: torch.dtype) -> dict[str, str | None]:
+        if device == "cuda" and torch.cuda.get_device_capability() >= (10, 0):
+            why = ("torch's microscaled GEMMs on this Blackwell GPU are not driven by mixprec yet (untested without "
+                   "one)")
+        else:
+            where = "a CPU" if device == "cpu" else f"this {device} device"
+            why = f"torch has microscaled scaled GEMMs on Blackwell (SM100) GPUs only, not on {where}"
+        return {g: why for g in GEMMS}
+
+
+register_linear(MXRecipe, MXLinear)
+
+MICRO = Granularity.MICROSCALED
+register_recipe(MXRecipe("mxfp8", MICRO, grad_dtype=E4M3, block=32))
+register_recipe(MXRecipe("nvfp4", MICRO, block=16, element=E2M1, scale_format="e4m3", weight_2d=True,
+                         stochastic_gradients=True, hadamard="random", keep_last_blocks=0.15))
+register_recipe(MXRecipe("mxfp4", MICRO, block=32, element=E2M1))
+
+
+def kept_blocks(n_blocks: int, share: float) -> int:
+    """How many of the last decoder blocks a keep_last_blocks share keeps in the base mode."""
+    return math.ceil(n_blocks * share - 1e-9) if share > 0 else 0

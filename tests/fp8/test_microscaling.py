@@ -1,0 +1,190 @@
+"""The microscaled casts (MXFP8, MXFP4, NVFP4) against torchao's mx_formats, an independent
+implementation (a test-only reference): elements and scales bit for bit; the e2m1 rounding,
+the stochastic rounding, the Hadamard transforms and the emulated GEMMs against FP64."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from mixprec.fp8.microscaling import (E2M1, E4M3, E5M2, E8M0, E2M1_GRID, decode_e2m1, e8m0_exponent, hadamard,
+                                      quantize_mx, quantize_nvfp4, rotate, round_e2m1)
+from mixprec.fp8.scaling import sqnr
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    mx_tensor = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.kernels import f32_to_f4_unpacked
+    from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+
+MODES = {"ceil": ScaleCalculationMode.RCEIL, "floor": ScaleCalculationMode.FLOOR, "even": ScaleCalculationMode.EVEN}
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g) * torch.exp2(torch.randint(-20, 20, (64, 1), generator=g).float())
+    outliers = x.clone()
+    outliers[:, ::37] *= 1000
+    tiny = torch.zeros(64, 256)
+    tiny[1, :5] = 1e-40  # subnormal FP32 values
+    tiny[2] = 448 * torch.exp2(torch.arange(256).div(16).floor() - 8)  # blocks whose amax is a power of two x 448
+    top = (torch.rand(64, 256, generator=g) * 2 - 1) * 448 * 4  # blocks filled to the top of the range
+    return {"randn": x, "outliers": outliers, "zeros-subnormals-powers": tiny, "top": top,
+            "bf16-valued": x.bfloat16().float()}
+
+
+TENSORS = _tensors()
+
+
+def _codes(data: torch.Tensor) -> torch.Tensor:
+    return data.view(torch.uint8)
+
+
+@pytest.mark.parametrize("name", TENSORS)
+@pytest.mark.parametrize("dtype", [E4M3, E5M2, E2M1], ids=["e4m3", "e5m2", "e2m1"])
+@pytest.mark.parametrize("rounding", MODES)
+def test_mx_elements_and_scales_equal_torchaos(name, dtype, rounding):
+    x = TENSORS[name]
+    scale, data = mx_tensor.to_mx(x.contiguous(), dtype, 32, MODES[rounding])
+    q = quantize_mx(x, dtype, rounding=rounding)
+    assert q.scale.dtype == E8M0 and q.data.dtype == dtype
+    assert torch.equal(_codes(q.scale), _codes(scale))
+    assert torch.equal(_codes(q.data), _codes(data))
+
+
+@pytest.mark.parametrize("name", TENSORS)
+@pytest.mark.parametrize("tensor_scale", [True, False])
+def test_nvfp4_elements_and_scales_equal_torchaos(name, tensor_scale):
+    x = TENSORS[name]
+    ts = per_tensor_amax_to_scale(x.abs().amax()) if tensor_scale else None
+    scale, data = nvfp4_quantize(x.contiguous(), 16, ts)
+    q = quantize_nvfp4(x, tensor_scale=tensor_scale)
+    assert q.scale.dtype == E4M3 and q.data.dtype == E2M1 and q.data.shape == (64, 128)
+    assert torch.equal(_codes(q.scale), _codes(scale))
+    assert torch.equal(_codes(q.data), _codes(data))
+    if tensor_scale:
+        assert torch.equal(q.tensor_scale, ts)
+
+
+def test_e2m1_rounds_to_nearest_even_like_torchao_on_every_midpoint():
+    grid = torch.tensor(E2M1_GRID)
+    mids = (grid[1:] + grid[:-1]) / 2
+    near = torch.cat([mids, torch.nextafter(mids, grid[1:]), torch.nextafter(mids, grid[:-1])])
+    v = torch.cat([torch.linspace(-7, 7, 4001), near, -near, torch.tensor([0.0, -0.0, 6.0, -6.0, 1e-30, -1e-30])])
+    assert torch.equal(round_e2m1(v), f32_to_f4_unpacked(v))
+    # ties go to the code whose mantissa bit is 0: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4
+    assert decode_e2m1(_pack(round_e2m1(mids)))[0, :7].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+
+
+def test_packing_puts_the_first_element_in_the_low_nibble():
+    q = quantize_mx(torch.tensor([[0.5, 6.0] + [0.0] * 30]) * 2.0**-2, E2M1)  # scale 2^-2: codes 1 and 7
+    assert _codes(q.data)[0, 0].item() == 0x71
+    assert torch.equal(q.dequantize()[0, :2], torch.tensor([0.125, 1.5]))
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2, E2M1], ids=["e4m3", "e5m2", "e2m1"])
+def test_round_up_scales_are_exact_where_a_float32_log2_is_not(dtype):
+    # amax = max x 2^k x (1 + 2^-22): log2 in FP32 returns k for |k| >= 2 (torchao's RCEIL then
+    # picks 2^k and the amax saturates); the round-up scale is 2^(k+1), from the bits
+    k = torch.arange(-60, 60).float()
+    top = {E4M3: 448.0, E5M2: 57344.0, E2M1: 6.0}[dtype]
+    amax = top * torch.exp2(k) * (1 + 2.0**-22)
+    quotient = (amax / top).double()
+    mantissa, exponent = zip(*(math.frexp(q) for q in quotient.tolist()))  # q = m 2^e, 0.5 <= m < 1
+    want = torch.tensor([e - 1 + (m != 0.5) + 127 for m, e in zip(mantissa, exponent)])  # ceil(log2 q) + bias
+    assert torch.equal(e8m0_exponent(amax, dtype, "ceil").long(), want)
+    x = torch.zeros(len(k), 32)
+    x[:, 0] = amax
+    q = quantize_mx(x, dtype)
+    assert (q.elements()[:, 0] < top).all()  # rounded up: the amax lands below the top, nothing saturates
+
+
+def test_nonfinite_inputs_make_their_block_or_tensor_nonfinite():
+    x = torch.randn(4, 64)
+    x[0, 3], x[1, 40], x[2, 5] = float("nan"), float("inf"), -float("inf")
+    for rounding in MODES:
+        for dtype in (E4M3, E2M1):
+            q = quantize_mx(x, dtype, rounding=rounding)
+            assert _codes(q.scale)[0, 0] == 255  # OCP: a block holding a NaN gets the NaN scale
+            deq = q.dequantize()
+            assert not torch.isfinite(deq[0, :32]).any() and torch.isfinite(deq[3]).all()
+            assert torch.isfinite(deq[0, 32:]).all()
+    deq = quantize_nvfp4(x).dequantize()
+    assert not torch.isfinite(deq).all(dim=1).any()  # the tensor scale carries it to every row
+
+
+def test_stochastic_rounding_is_unbiased_and_reproducible():
+    v = torch.linspace(-6, 6, 977)
+    n = 2000
+    draws = torch.stack([decode_e2m1(_pack(round_e2m1(v, _bits(v, key))))[0, :v.numel()] for key in range(n)])
+    assert torch.isin(draws.abs(), torch.tensor(E2M1_GRID)).all()  # only the two neighbours are drawn
+    # the mean of n draws is within 4 standard errors (largest step 2: sd <= 1) of v, at every point
+    assert (draws.mean(0) - v).abs().max() < 4 / math.sqrt(n)
+    assert torch.equal(round_e2m1(v, _bits(v, 7)), round_e2m1(v, _bits(v, 7)))
+    assert not torch.equal(round_e2m1(v, _bits(v, 7)), round_e2m1(v, _bits(v, 8)))
+
+
+def _bits(v, key):
+    from mixprec.optim.rounding import random_bits16
+
+    return random_bits16(v.numel(), torch.tensor(key, dtype=torch.int32), v.device)
+
+
+def _pack(codes):
+    codes = codes.reshape(1, -1)
+    if codes.shape[1] % 2:
+        codes = torch.cat([codes, torch.zeros(1, 1, dtype=torch.uint8)], 1)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4))
+
+
+@pytest.mark.parametrize("signs", [None, 0, 1])
+def test_hadamard_is_orthonormal_and_cancels_in_the_gemm(signs):
+    h = hadamard(16, signs)
+    torch.testing.assert_close(h @ h.t(), torch.eye(16), rtol=0, atol=1e-6)
+    a, b = torch.randn(24, 64, dtype=torch.float64), torch.randn(40, 64, dtype=torch.float64)
+    got = rotate(a, h.double()) @ rotate(b, h.double()).t()
+    torch.testing.assert_close(got, a @ b.t(), rtol=1e-12, atol=1e-12)
+
+
+def test_two_d_blocks_serve_the_weight_and_its_transpose():
+    w = torch.randn(48, 80)  # not whole 16-blocks along either side: padded
+    q = quantize_nvfp4(w, block=(16, 16))
+    assert q.scale.shape == (3, 5)
+    torch.testing.assert_close(q.t().dequantize(), q.dequantize().t(), rtol=0, atol=0)
+    blocks = q.scales().view(3, 16, 5, 16)
+    assert (blocks == blocks[:, :1, :, :1]).all()  # one scale per 16x16 tile
+
+
+def test_four_over_six_never_reconstructs_a_block_worse():
+    x = torch.randn(64, 256) * torch.rand(64, 1) * 10
+    plain, chosen = quantize_nvfp4(x), quantize_nvfp4(x, four_over_six=True)
+    err = lambda q: ((q.dequantize() - x) ** 2).view(64, 16, 16).sum(-1)  # noqa: E731
+    assert sqnr(x, chosen.dequantize()) > sqnr(x, plain.dequantize()) + 0.5
+    # per block, the better of two candidates under the 448 x 4 tensor scale: never worse than 6 alone there
+    six_only = err(quantize_nvfp4(x * 1.0, four_over_six=False))
+    assert (err(chosen) <= six_only * 1.5 + 1e-6).float().mean() > 0.95
+
+
+# SQNR (dB) of a GEMM against FP64 on N(0, 1) operands of 256 x 512 x 384, four seeds: MXFP8
+# 28.5 (27.6 with floor scales), NVFP4 17.4 (18.2 with 4-over-6), MXFP4 15.7-15.8 (the same with
+# floor scales). The floors sit ~1 dB below (the issue's minimums: 26, 16, 13).
+FLOORS = {"mxfp8": 27.5, "nvfp4": 16.5, "mxfp4": 15.0}
+
+
+@pytest.mark.parametrize("recipe", FLOORS)
+def test_gemm_sqnr_floors_against_fp64(recipe):
+    from mixprec.fp8.mx import mx_mm
+    from mixprec.fp8.recipe import RECIPES
+
+    r = RECIPES[recipe]
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(256, 512, generator=g), torch.randn(384, 512, generator=g)
+    exact = a.double() @ b.double().t()
+    got = mx_mm(r.quantize(a), r.quantize(b), torch.float32)
+    assert sqnr(exact, got) >= FLOORS[recipe]
+    # the emulation is the dequantised operands' FP64 product, to FP32 rounding
+    qa, qb = r.quantize(a), r.quantize(b)
+    torch.testing.assert_close(got.double(), qa.dequantize().double() @ qb.dequantize().double().t(),
+                               rtol=1e-5, atol=1e-4)
