@@ -105,27 +105,23 @@ def _spread(s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 
 # ---- e2m1 ------------------------------------------------------------------------------------
-_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-
-
 def round_e2m1(v: torch.Tensor, bits: torch.Tensor | None = None) -> torch.Tensor:
     """FP32 `v` (already scaled into [-6, 6]; beyond saturates) to e2m1 codes (uint8, 0-15).
-    Without `bits`: to nearest, ties to the even code (the one whose mantissa bit is 0).
-    With `bits` (16 random bits per element, int32): up with probability equal to the
-    position between the two neighbours, so E[value] = v (to 2^-16 of a step)."""
-    mag = v.abs()
-    grid = torch.tensor(E2M1_GRID, device=v.device)
+    The grid's step is 0.5 below 2, 1 below 4, 2 up to 6, so a value is its step times an
+    integer. Without `bits`: to nearest, ties to even (torch.round: the even multiple, which
+    is the code whose mantissa bit is 0). With `bits` (16 random bits per element, int32): up
+    with probability equal to the position between the two neighbours, so E[value] = v (to
+    2^-16 of a step)."""
+    mag = v.abs().clamp(max=6.0)
+    step = torch.where(mag < 2, 0.5, torch.where(mag < 4, 1.0, 2.0))
     if bits is None:
-        mids = torch.tensor(_MIDPOINTS, device=v.device)
-        down, up = torch.bucketize(mag, mids), torch.bucketize(mag, mids, right=True)
-        code = torch.where(down % 2 == 0, down, up)  # a tie sits between an even and an odd code
+        q = torch.round(mag / step) * step  # exact: powers of two
     else:
-        low = (torch.bucketize(mag, grid, right=True) - 1).clamp(0, 7)
-        high = (low + 1).clamp(max=7)
-        gap = grid[high] - grid[low]
-        p = torch.where(gap > 0, (mag - grid[low]) / torch.where(gap > 0, gap, 1.0), 0.0)
-        code = torch.where(bits.view(v.shape).float() < p * 65536.0, high, low)
-    code = torch.where(torch.isnan(v), 7, code.clamp(max=7))  # NaN: the block's scale carries it
+        low = torch.floor(mag / step) * step
+        up = bits.view(v.shape).float() < (mag - low) / step * 65536.0
+        q = low + step * up
+    code = torch.where(q < 2, q * 2, torch.where(q < 4, q + 2, q / 2 + 4))  # 0-7
+    code = torch.where(torch.isnan(v), 7.0, code)  # NaN: the block's scale carries it
     sign = torch.signbit(v).to(torch.uint8) << 3  # a negative value that rounds to 0 is -0
     return code.to(torch.uint8) | sign
 
@@ -141,9 +137,20 @@ def decode_codes(packed: torch.Tensor) -> torch.Tensor:
 
 
 def decode_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    codes = decode_codes(packed).long()
-    grid = torch.tensor(E2M1_GRID, device=packed.device)
-    return torch.where(codes >= 8, -grid[codes & 7], grid[codes & 7])
+    """(R, C/2) uint8 -> (R, C) FP32 values, both nibbles of a byte looked up at once."""
+    table = _BYTE_VALUES.to(packed.device) if _BYTE_VALUES.device != packed.device else _BYTE_VALUES
+    return table[packed.long()].flatten(-2)
+
+
+def _byte_values() -> torch.Tensor:
+    """(256, 2): the two e2m1 values of each byte, the low nibble first."""
+    grid = torch.tensor(E2M1_GRID)
+    codes = torch.arange(256)
+    nibbles = torch.stack([codes & 0xF, codes >> 4], dim=-1)
+    return torch.where(nibbles >= 8, -grid[nibbles & 7], grid[nibbles & 7])
+
+
+_BYTE_VALUES = _byte_values()
 
 
 def _to_elements(v: torch.Tensor, dtype: torch.dtype, key: torch.Tensor | None = None) -> torch.Tensor:
