@@ -64,7 +64,8 @@ def test_checkpointing_shrinks_activations():
     ("fp16-master", "eager", "none"), ("bf16-mixed", "sdpa", "none"),
     ("fp32", "eager", "selective"), ("bf16-mixed", "eager", "selective"), ("bf16-mixed", "eager", "full"),
     ("bf16-true", "eager", "full"), ("fp8-tensorwise", "eager", "none"), ("fp8-rowwise", "eager", "full"),
-    ("fp8-blockwise", "eager", "selective"), ("bf16-kahan", "eager", "none"), ("bf16-sr", "eager", "none")])
+    ("fp8-blockwise", "eager", "selective"), ("bf16-kahan", "eager", "none"), ("bf16-sr", "eager", "none"),
+    ("mxfp8", "eager", "none"), ("nvfp4", "eager", "none"), ("mxfp4", "eager", "selective")])
 def test_planned_peak_within_15_percent_of_measured(preset, attention, checkpointing):
     # the trainer's own activation checkpointing, measured by MemTracker
     measured = measured_peak("debug", preset, batch=8, seq_len=64, attention=attention, checkpointing=checkpointing)

@@ -17,6 +17,7 @@ from mixprec.models.llama import build_model, model_args
 from mixprec.plan.choose import H100_TFLOPS, choose, floors, modeled_speedups
 from mixprec.plan.config import PlanConfig
 from mixprec.plan.measure import measure
+from mixprec.fp8.linear import linear_class
 
 FLOOR = floors(PlanConfig())
 W2 = "layers.1.feed_forward.w2"
@@ -26,6 +27,30 @@ def tensors(m=256, k=128, n=192, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) * 0.05,
             torch.randn(m, n, generator=gen) * 1e-3)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "mxfp4"])
+def test_microscaled_figures_are_those_of_its_linear_on_the_same_tensors(recipe):
+    x, w, dy = tensors()
+    r = RECIPES[recipe]
+    layer = linear_class(r).from_linear(torch.nn.Linear(128, 192, bias=False), Plan(r, r.tiles, torch.bfloat16,
+                                                                                     (False, False, False)))
+    layer.weight = torch.nn.Parameter(w.clone())
+    xr = x.clone().requires_grad_()
+    y = layer(xr)
+    y.backward(dy.to(y.dtype))
+    got = measure(x, w, dy, r, torch.bfloat16)
+    want = (x @ w.t(), dy @ w, dy.t() @ x)
+    for name, ref, out in zip(("forward", "input_gradient", "weight_gradient"), want, (y, xr.grad, layer.weight.grad)):
+        assert got[f"{name}_db"] == round(sqnr(ref, out.float()), 2)
+    # e4m3 elements: ~28 dB; e2m1: 13-19 dB
+    low, high = (24, 32) if recipe == "mxfp8" else (11, 20)
+    assert all(low < got[f"{g}_db"] < high for g in ("forward", "input_gradient", "weight_gradient"))
+    # E8M0 scales rounded up saturate nothing; NVFP4's e4m3 block scale, rounded to nearest, can
+    # land below amax / 6 and clip the block's top. e2m1's smallest step (1/12 of the block's
+    # top) flushes ~12% of normal values to zero: more than the planner's 1% floor accepts
+    assert (max(got["saturated"].values()) > 0) == (recipe == "nvfp4")
+    assert (max(got["flushed"].values()) > 0.05) == (recipe != "mxfp8")
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])

@@ -21,7 +21,6 @@ from collections import defaultdict
 import torch
 
 from mixprec.analysis.audit_fp8 import FP8Tracker, fp8_rows, promised_granularity
-from mixprec.fp8.recipe import E4M3
 from mixprec.optim.updates import COMPENSATION
 from mixprec.precision.dtypes import dtype_name
 from mixprec.precision.emulation import _MATMULS, EmulatedMatmul
@@ -258,7 +257,7 @@ def per_module_rows(tracker: FP8Tracker, layout, micro_batches: int) -> tuple[li
                 got = (got - {"float8"}) | {f"float8 {g}" for g in tracker.scaling.get(fqn, {"(scales not seen)"})}
             gemms = tracker.backward_by_module.get(fqn, set())
             dtypes = {d for _, pair in gemms for d in pair}
-            wanted = {E4M3, m.compute.grad_dtype}
+            wanted = m.compute.operand_formats[1]
             if len(gemms) != 2 * micro_batches or dtypes != wanted:
                 backward_ok = False
                 notes.append(f"module {fqn}: promised {format_name(m.compute)} ({m.why}); its backward ran "

@@ -18,12 +18,13 @@ from collections import defaultdict
 
 import torch
 
-from mixprec.fp8.recipe import E4M3
+import mixprec.fp8  # noqa: F401 - registers the microscaled recipes' GEMM operator
 from mixprec.precision.dtypes import dtype_name
 from mixprec.precision.emulation import _MATMULS
 
 aten = torch.ops.aten
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+MX_MM = torch.ops.mixprec.mx_mm.default  # registered by mixprec.fp8.mx
 _VIEWS = {aten.slice.Tensor, aten.t.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default,
           aten.expand.default, aten.alias.default, aten.permute.default, aten.narrow.default}
 
@@ -87,6 +88,9 @@ class FP8Tracker:
             self._track(out, (first.dtype, next(self._serials)))  # an FP8 tensor widened for the emulated GEMM
         elif func in _VIEWS and (src := self._source(first)) is not None and out.dtype not in FP8_DTYPES:
             self._track(out, src)
+        if func is MX_MM:  # a microscaled GEMM: one operator on the two operands' elements
+            sources = [(args[0].dtype, next(self._serials)), (args[5].dtype, next(self._serials))]
+            return self._record(sources, backward)
         scaled = getattr(func, "__name__", "").startswith("_scaled_mm")
         sources = [self._source(a) for a in args[:2]] if (scaled or func in _MATMULS) else []
         if func in (aten.addmm.default, aten.baddbmm.default):
@@ -95,6 +99,9 @@ class FP8Tracker:
             if func in _MATMULS and not backward and self.module is not None:
                 self.forward[self.module].add(dtype_name(first.dtype))
             return False
+        return self._record(sources, backward)
+
+    def _record(self, sources, backward: bool) -> bool:
         self.operands["backward" if backward else "forward"].update(dtype for dtype, _ in sources)
         if backward:
             pair = tuple(serial for _, serial in sources)
@@ -156,12 +163,14 @@ def fp8_rows(tracker: FP8Tracker, policy, micro_batches: int) -> tuple[list[dict
     else:
         notes.append(f"fp8: scales are computed from each tensor's own amax at every cast ({recipe.summary()})")
     expected_backward = 2 * micro_batches * len(planned)
-    grad_formats = {E4M3} | {r.grad_dtype for r in layout.recipes()}
+    forward_formats = {d for r in layout.recipes() for d in r.operand_formats[0]}
+    grad_formats = {d for r in layout.recipes() for d in r.operand_formats[1]}
     rows = [
         {"stage": "FP8 layers (forward GEMMs in float8)", "promised": [f"{len(planned)} planned"],
          "observed": [f"{len(in_fp8)} ran"], "ok": in_fp8 == planned and not mixed},
-        {"stage": "FP8 forward operands", "promised": [dtype_name(E4M3)],
-         "observed": sorted(map(dtype_name, tracker.operands["forward"])), "ok": tracker.operands["forward"] == {E4M3}},
+        {"stage": "FP8 forward operands", "promised": sorted(map(dtype_name, forward_formats)),
+         "observed": sorted(map(dtype_name, tracker.operands["forward"])),
+         "ok": tracker.operands["forward"] == forward_formats},
         {"stage": "FP8 backward operands", "promised": sorted(map(dtype_name, grad_formats)),
          "observed": sorted(map(dtype_name, tracker.operands["backward"])),
          "ok": tracker.operands["backward"] == grad_formats},

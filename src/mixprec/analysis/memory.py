@@ -79,24 +79,26 @@ class Setup:
 
 
 def _block_activations(a: ModelArgs, B: int, T: int, c: int, r: int, n: int, casts: bool, tp: int,
-                       sdpa: bool = False, fp8: bool = False) -> int:
+                       sdpa: bool = False, fp8: float = 0.0) -> float:
     """Bytes one transformer block saves for backward. c: matmul dtype bytes; r: the
     residual stream's; n: the norm output's; casts: autocast copies each linear's input;
-    fp8: the seven projections are FP8 Linears, each saving its own 1-byte copy of its input."""
+    fp8: the seven projections are low-precision Linears, each saving its own copy of its
+    input at this many bytes an element (FP8 1; MXFP8 1 + 1/32, NVFP4 1/2 + 1/16 with the
+    block scales); 0: they are not."""
     D, F, H = a.dim, a.ffn_dim // tp, a.n_heads // tp
     Dq, Dkv = H * a.head_dim, (a.n_kv_heads // tp) * a.head_dim  # this rank's heads
     BT = B * T
     norms = 2 * (4 + r) * BT * D  # each: its FP32 input and the normalised tensor
     # linear inputs: autocast makes a copy per call (wq, wk, wv; w1, w3); otherwise the
     # norm's output is saved once per norm
-    inputs = 5 * BT * D if fp8 else 5 * c * BT * D if casts else 2 * n * BT * D
+    inputs = 5 * fp8 * BT * D if fp8 else 5 * c * BT * D if casts else 2 * n * BT * D
     rope = (4 + c) * BT * Dq + 4 * BT * Dkv  # FP32 copies for the rotation, the rotated q
     kv = 2 * c * BT * Dq  # keys and values repeated to every query head
     if sdpa:  # the fused kernel saves its output and one FP32 log-sum-exp per row
         scores = c * BT * Dq + 4 * B * H * T
     else:  # the FP32 softmax output (and its cast back)
         scores = (4 + (c if c != 4 else 0)) * B * H * T * T
-    q = 1 if fp8 else c  # what wo and w2 keep of their inputs
+    q = fp8 if fp8 else c  # what wo and w2 keep of their inputs
     out = q * BT * Dq  # attention output, the input of wo
     mlp = (3 * c + q) * BT * F  # w1 out, silu out, w3 out, their product (w2's input)
     return norms + inputs + rope + kv + scores + out + mlp
@@ -136,9 +138,11 @@ def plan(s: Setup) -> dict:
             states += local * OPTIMIZER_STATES[s.optimizer] * (4 if p.master_weights else st)
             if isinstance(module, torch.nn.Linear):
                 # autocast keeps one low-precision copy of each weight from forward to backward;
-                # an FP8 Linear keeps its 1-byte FP8 weight instead (with or without autocast)
+                # an FP8 Linear keeps its 1-byte FP8 weight instead (with or without autocast), a microscaled one
+                # its quantised weight where one copy serves forward and backward (NVFP4's 16x16 blocks)
                 compute = layout[fqn].compute
-                copy = 1 if isinstance(compute, FP8Recipe) else compute.itemsize if autocast and compute != FP32 else 0
+                copy = (compute.saved_weight_bytes if isinstance(compute, FP8Recipe)
+                        else compute.itemsize if autocast and compute != FP32 else 0)
                 cast_cache += numel / split * copy
     if p.fp8 is not None and p.storage_dtype == FP32:
         states *= p.moments_dtype.itemsize / 4  # the recipe's moments (bfloat16 for blockwise)
@@ -161,7 +165,10 @@ def plan(s: Setup) -> dict:
     norm_w = 4 if master else (c if sharded else st)
     n = max(r, norm_w)
     sdpa = s.attention == "sdpa"
-    plain, in_fp8 = (_block_activations(a, B, T, c, r, n, autocast and n != c, s.tp, sdpa, f) for f in (False, True))
+    saved_bytes = max((rc.saved_bytes for rc in {m.compute for m in layout.values()}
+                       if isinstance(rc, FP8Recipe)), default=1.0)  # of the layout's recipes, the widest
+    plain, in_fp8 = (_block_activations(a, B, T, c, r, n, autocast and n != c, s.tp, sdpa, f)
+                     for f in (0.0, saved_bytes))
     wide = _block_activations(a, B, T, 4, r, n, False, s.tp, sdpa)  # float32 projections (overrides)
     # each block's activations, mixed by the share of its projections in each compute format
     blocks = [(1 - f8 - f32) * plain + f8 * in_fp8 + f32 * wide for f8, f32 in zip(fp8_share, fp32_share)]
@@ -193,8 +200,9 @@ def plan(s: Setup) -> dict:
     recipes = {m.compute for m in layout.values() if isinstance(m.compute, FP8Recipe)}
     widenings = max((rc.backward_fp32_copies for rc in recipes), default=0)
     fp8_backward = widenings * 4 * B * T * max(a.dim, a.ffn_dim // s.tp)
-    backward = max((sum(saved[:i]) + blocks[i] + (a.n_layers - i) * block_grads + other_grads + fp8_backward
-                    for i in recomputed), default=0)
+    # (without checkpointing, each block's backward: its FP8 widenings on top of what the blocks below still hold)
+    backward = max((sum(saved[:i]) + blocks[i] + (a.n_layers - i) * block_grads + other_grads
+                    + (fp8_backward if fp8_share[i] else 0) for i in recomputed or range(a.n_layers)), default=0)
     working = max(head + transient, backward - layers)
 
     peak = params + states + masters + cast_cache + unsharded + layers + working

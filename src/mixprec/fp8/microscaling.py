@@ -265,24 +265,37 @@ def _choose_elements(a: torch.Tensor, b: torch.Tensor, take_b: torch.Tensor, blo
 
 
 # ---- Hadamard transforms ---------------------------------------------------------------------
-def hadamard(n: int = 16, signs: int | None = None, device=None) -> torch.Tensor:
-    """The n x n orthonormal Hadamard matrix (Sylvester's), FP32; with `signs` (a seed) its
-    columns are multiplied by random signs: a random Hadamard transform. H @ H.T = I."""
+def hadamard_signs(n: int = 16, seed: int | None = None, device=None) -> torch.Tensor:
+    """(n,) column signs of a random Hadamard transform drawn from `seed`; all +1 for None
+    (Sylvester's matrix itself: the deterministic transform)."""
+    if seed is None:
+        return torch.ones(n, device=device)
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 2, (n,), generator=gen) * 2 - 1).float().to(device)
+
+
+def hadamard(n: int = 16, signs: torch.Tensor | None = None) -> torch.Tensor:
+    """The n x n orthonormal matrix H diag(signs) (H Sylvester's), FP32: what `rotate`
+    multiplies by. H @ H.T = I."""
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    h = h / n**0.5
-    if signs is not None:
-        gen = torch.Generator().manual_seed(signs)
-        h = h * (torch.randint(0, 2, (n,), generator=gen) * 2 - 1).float()
-    return h.to(device)
+    return h / n**0.5 * (signs.cpu() if signs is not None else 1.0)
 
 
-def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """x (R, C) times the block-diagonal matrix of `h` blocks along C (C a multiple of n):
-    applied to both operands along the dimension a GEMM sums over, it cancels in the
-    product, (A Q)(B Q)^T = A B^T, and spreads an outlier over n elements before the cast."""
-    n = h.shape[0]
+def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """x (R, C) times the block-diagonal matrix of hadamard(n, signs) blocks along C (C a
+    multiple of n), by the fast Walsh-Hadamard transform: log2(n) rounds of sums and
+    differences, no GEMM (the audit then sees a microscaled layer's GEMMs only). Applied to
+    both operands along the dimension a GEMM sums over it cancels in the product,
+    (A Q)(B Q)^T = A B^T, and spreads an outlier over n elements before the cast."""
+    n = signs.numel()
     R, C = x.shape
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    return (x.to(dtype).reshape(R, C // n, n) @ h.to(dtype)).view(R, C)
+    y = x.to(torch.promote_types(x.dtype, torch.float32)).reshape(-1, n)
+    h = 1
+    while h < n:  # pairs h apart within blocks of 2h: (a + b, a - b)
+        y = y.view(-1, n // (2 * h), 2, h)
+        a, b = y[:, :, 0], y[:, :, 1]
+        y = torch.stack([a + b, a - b], dim=2)
+        h *= 2
+    return (y.view(-1, n) * (signs.to(y.dtype) / n**0.5)).view(R, C)

@@ -42,8 +42,8 @@ import torch.nn.functional as F
 
 from mixprec.errors import UserError
 from mixprec.fp8.linear import FP8Linear, Plan, register_linear
-from mixprec.fp8.microscaling import (E2M1, E4M3, E5M2, ROUNDINGS, Blocked, hadamard, quantize_mx, quantize_nvfp4,
-                                      rotate)
+from mixprec.fp8.microscaling import (E2M1, E4M3, E5M2, ROUNDINGS, Blocked, hadamard_signs, quantize_mx,
+                                      quantize_nvfp4, rotate)
 from mixprec.fp8.recipe import GEMMS, FP8Recipe, Granularity, Tiles, register_recipe
 
 HADAMARDS = ("none", "random", "deterministic")
@@ -119,6 +119,11 @@ class MXRecipe(FP8Recipe):
         return element + 1.0 / self.block  # an 8-bit scale per block
 
     @property
+    def operand_formats(self) -> tuple[set, set]:
+        grads = self.grad_dtype if self.element == E4M3 else E2M1
+        return {self.element}, {self.element, grads}
+
+    @property
     def saved_weight_bytes(self) -> float:
         return self.saved_bytes if self.weight_2d else 0.0
 
@@ -130,9 +135,10 @@ class MXRecipe(FP8Recipe):
 
     @property
     def backward_fp32_copies(self) -> int:
-        """FP32 copies a backward makes: the padded and the dequantised gradient (twice: one
-        per GEMM), the dequantised input (measured on the debug flavor)."""
-        return 4
+        """FP32 copies of an activation a backward holds at once: the widened gradient, the
+        dequantised operands and, for e2m1, the rounding's temporaries (measured with
+        MemTracker on the debug flavor: 4 for e4m3 elements, 8 for e2m1)."""
+        return 8 if self.element == E2M1 else 4
 
     def summary(self) -> str:
         fmt = "e2m1" if self.element == E2M1 else "e4m3"
@@ -171,19 +177,37 @@ class MXRecipe(FP8Recipe):
         return quantize_mx(x, dtype, block=self.block, rounding=self.scale_rounding, key=key)
 
     def transform(self, device) -> torch.Tensor | None:
-        """The Hadamard block of the weight-gradient GEMM, or None."""
+        """The column signs of the weight-gradient GEMM's Hadamard blocks (`rotate`), or None."""
         if self.hadamard == "none":
             return None
-        return hadamard(HADAMARD_SIZE, HADAMARD_SIGNS_SEED if self.hadamard == "random" else None, device)
+        return hadamard_signs(HADAMARD_SIZE, HADAMARD_SIGNS_SEED if self.hadamard == "random" else None, device)
 
 
 def mx_mm(a: Blocked, b: Blocked, out_dtype: torch.dtype) -> torch.Tensor:
-    """a (M, K) @ b (N, K)^T, both blocked along K: the emulated microscaled GEMM."""
+    """a (M, K) @ b (N, K)^T, both blocked along K: the emulated microscaled GEMM, as one
+    operator (mixprec::mx_mm) on the elements and scales, so `mixprec audit` sees each
+    microscaled GEMM and its operands' formats at the dispatcher."""
+    return torch.ops.mixprec.mx_mm(a.data, a.scale, a.tensor_scale, list(a.block), list(a.shape),
+                                   b.data, b.scale, b.tensor_scale, list(b.block), list(b.shape), out_dtype)
+
+
+@torch.library.custom_op("mixprec::mx_mm", mutates_args=())
+def _mx_mm(a_data: torch.Tensor, a_scale: torch.Tensor, a_tensor_scale: torch.Tensor | None, a_block: list[int],
+           a_shape: list[int], b_data: torch.Tensor, b_scale: torch.Tensor, b_tensor_scale: torch.Tensor | None,
+           b_block: list[int], b_shape: list[int], out_dtype: torch.dtype) -> torch.Tensor:
+    a = Blocked(a_data, a_scale, tuple(a_block), a_tensor_scale, tuple(a_shape))
+    b = Blocked(b_data, b_scale, tuple(b_block), b_tensor_scale, tuple(b_shape))
     out = a.dequantize(with_tensor_scale=False) @ b.dequantize(with_tensor_scale=False).t()
     for q in (a, b):
         if q.tensor_scale is not None:
             out = out * q.tensor_scale
     return out.to(out_dtype)
+
+
+@_mx_mm.register_fake
+def _(a_data, a_scale, a_tensor_scale, a_block, a_shape, b_data, b_scale, b_tensor_scale, b_block, b_shape,
+      out_dtype):
+    return a_data.new_empty(a_shape[0], b_shape[0], dtype=out_dtype)
 
 
 def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -195,7 +219,7 @@ def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
 def _key(t: torch.Tensor, salt: int, role: int) -> torch.Tensor:
     """A 0-dim int32 key from the bits of `t` (an exact integer sum), the layer and the operand."""
     bits = t.detach().contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
-    z = bits.long().sum() * 0x9E3779B1 + ((salt * 0x85EBCA77 + role * 0xC2B2AE3D) & 0xFFFFFFFF)
+    z = bits.long().sum() * 0x9E3779B1 + (((salt or 0) * 0x85EBCA77 + role * 0xC2B2AE3D) & 0xFFFFFFFF)
     z = z & 0xFFFFFFFF
     return (z - ((z >> 31) << 32)).to(torch.int32)
 

@@ -116,6 +116,11 @@ class FP8Recipe:
         return 1.0
 
     @property
+    def operand_formats(self) -> tuple[set, set]:
+        """The element formats of the forward GEMM's operands and of the backward GEMMs'."""
+        return {E4M3}, {E4M3, self.grad_dtype}
+
+    @property
     def saved_weight_bytes(self) -> float:
         """Bytes per weight element a Linear keeps from forward to backward: its FP8 weight."""
         return 1.0

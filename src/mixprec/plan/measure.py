@@ -23,7 +23,9 @@ import torch
 from torch import nn
 
 from mixprec.fp8.gemm import probe, scaled_mm
-from mixprec.fp8.linear import Plan, _FP8Matmul
+from mixprec.fp8.linear import Plan, linear_class
+from mixprec.fp8.microscaling import E2M1, ELEMENT_MAX
+from mixprec.fp8.mx import MXRecipe, mx_mm
 from mixprec.fp8.recipe import E4M3, FP8Recipe
 from mixprec.fp8.scaling import FP8_MAX, expand, quantize, sqnr
 
@@ -69,6 +71,17 @@ def _shares(t: torch.Tensor, dtype: torch.dtype, tile, power_of_2: bool) -> tupl
     return flushed, (scaled > FP8_MAX[dtype] * (1 + 1e-5)).float().mean().item()
 
 
+def _mx_shares(recipe: MXRecipe, t: torch.Tensor, gradient: bool) -> tuple[float, float]:
+    """_shares for a microscaled recipe's cast (to nearest): flushed to zero, and beyond the
+    largest value its block's scale can hold."""
+    q = recipe.quantize(t, gradient=gradient)
+    nonzero = t != 0
+    flushed = (nonzero & (q.dequantize() == 0)).sum().item() / max(1, nonzero.sum().item())
+    R, C = t.shape
+    top = ELEMENT_MAX[q.data.dtype if q.data.dtype != torch.uint8 else E2M1] * q.scales()[:R, :C]
+    return flushed, (t.float().abs() > top * (1 + 1e-5)).float().mean().item()
+
+
 def measure(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, fmt, compute_dtype: torch.dtype) -> dict:
     """Each GEMM's SQNR (dB) in `fmt` against FP32 on these tensors, and the shares of the
     input's, weight's and output gradient's values the cast flushes to zero or saturates."""
@@ -77,12 +90,16 @@ def measure(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, fmt, comput
     if isinstance(fmt, FP8Recipe):
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
         plan = Plan(fmt, fmt.tiles, compute_dtype, (False, False, False))
-        y = _FP8Matmul.apply(xr, wr, plan, None)
+        y = linear_class(fmt).matmul.apply(xr, wr, plan, None)
         y.backward(dy.to(y.dtype))
         got = (y, xr.grad, wr.grad)
-        t, pow2 = fmt.tiles, fmt.power_of_2_scales
-        roles = {"input": (x, E4M3, t.x), "weight": (w, E4M3, t.w), "output_gradient": (dy, fmt.grad_dtype, t.g)}
-        shares = {role: _shares(v, dtype, tile, pow2) for role, (v, dtype, tile) in roles.items()}
+        if isinstance(fmt, MXRecipe):
+            roles = {"input": (x, False), "weight": (w, False), "output_gradient": (dy, True)}
+            shares = {role: _mx_shares(fmt, v, gradient) for role, (v, gradient) in roles.items()}
+        else:
+            t, pow2 = fmt.tiles, fmt.power_of_2_scales
+            roles = {"input": (x, E4M3, t.x), "weight": (w, E4M3, t.w), "output_gradient": (dy, fmt.grad_dtype, t.g)}
+            shares = {role: _shares(v, dtype, tile, pow2) for role, (v, dtype, tile) in roles.items()}
     else:  # a 16-bit format: its operands rounded, summed in FP32, the output rounded
         xs, ws, gs = (v.to(fmt).float() for v in (x, w, dy))
         got = ((xs @ ws.t()).to(compute_dtype), (gs @ ws).to(compute_dtype), gs.t() @ xs)
@@ -118,6 +135,10 @@ def gemm_times(m: int, k: int, n: int, fmt, compute_dtype: torch.dtype, device: 
     not timed."""
     gen = torch.Generator().manual_seed(0)
     x, w, dy = (torch.randn(*s, generator=gen).to(device) for s in ((m, k), (n, k), (m, n)))
+    if isinstance(fmt, MXRecipe):  # the emulation, the only route mixprec has for these
+        why = next(iter(linear_class(fmt).routes(fmt, device.type, compute_dtype).values()))
+        ops = [(fmt.quantize(a), fmt.quantize(b)) for a, b in ((x, w), (dy, w.t().contiguous()), (dy.t(), x.t()))]
+        return _time(lambda: [mx_mm(a, b, compute_dtype) for a, b in ops]), why
     if not isinstance(fmt, FP8Recipe):
         dtype = torch.float32 if emulate_16bit else fmt
         x, w, dy = x.to(dtype), w.to(dtype), dy.to(dtype)
