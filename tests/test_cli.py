@@ -25,6 +25,8 @@ SURFACE = """
 --precision.preset --precision.param_dtype --precision.reduce_dtype --precision.storage_dtype
 --precision.emulate_matmul --precision.override --precision.plan --precision.tf32
 --fp8.recipe --fp8.filter_fqns --fp8.amax_history_len --fp8.amax_compute_algo --fp8.margin --fp8.emulate
+--fp8.grad_format --fp8.scale_rounding --fp8.weight_2d --fp8.stochastic_gradients --fp8.hadamard --fp8.four_over_six
+--fp8.keep_last_blocks
 --loss_scale.init_scale --loss_scale.growth_factor --loss_scale.backoff_factor --loss_scale.growth_interval
 --loss_scale.min_scale --loss_scale.max_scale --loss_scale.hysteresis --loss_scale.fallback_after
 --loss_scale.fallback_to

@@ -99,6 +99,34 @@ def test_fp8_recipes_use_torchs_kernels_and_pass_the_audit_on_cuda(tmp_path, tex
                    for n in report["notes"])
 
 
+@pytest.mark.parametrize("preset", ["mxfp8", "nvfp4", "mxfp4"])
+def test_microscaled_recipes_pass_the_audit_on_cuda(tmp_path, text_file, capsys, preset):
+    args = tiny_args(tmp_path / "unused", text_file, *CUDA, "--precision.preset", preset)
+    args[0] = "audit"
+    assert main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"]
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "mxfp4"])
+def test_the_microscaled_emulation_on_cuda_has_the_cpus_bits(recipe):
+    # tests/fp8/test_microscaling.py holds the CPU's casts to torchao's; the same casts on CUDA
+    from mixprec.fp8.mx import _key, mx_mm
+    from mixprec.fp8.recipe import RECIPES
+
+    r = RECIPES[recipe]
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(256, 512, generator=g) * 3, torch.randn(384, 512, generator=g)
+    key = _key(a, 7, 1)
+    for gradient in (False, True):
+        cpu, gpu = r.quantize(a, gradient=gradient, key=key), r.quantize(a.cuda(), gradient=gradient, key=key.cuda())
+        assert torch.equal(cpu.data.view(torch.uint8), gpu.data.view(torch.uint8).cpu())
+        assert torch.equal(cpu.scale.view(torch.uint8), gpu.scale.view(torch.uint8).cpu())
+    # the GEMM: exact products, FP32 sums in the device's order (true FP32: no TF32)
+    out_cpu = mx_mm(r.quantize(a), r.quantize(b), torch.float32)
+    out_gpu = mx_mm(r.quantize(a.cuda()), r.quantize(b.cuda()), torch.float32).cpu()
+    torch.testing.assert_close(out_gpu, out_cpu, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("preset", ["fp8-tensorwise", "fp8-rowwise"])
 def test_compiled_fp8_tracks_eager_on_cuda(tmp_path, text_file, preset):
     eager = run_train(tmp_path / "eager", text_file, *CUDA, "--precision.preset", preset)

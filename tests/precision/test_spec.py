@@ -24,10 +24,25 @@ def test_every_preset_is_a_spec_and_resolves_per_module():
         linears = layout.linears()
         assert len(linears) == 15  # 7 projections x 2 blocks, and the output projection
         if spec.fp8 is not None:
-            assert set(layout.fp8()) == set(linears) - {"output"}, name
+            kept = {f for f in linears if f.startswith("layers.1.")} if spec.fp8.name == "nvfp4" else set()
+            assert set(layout.fp8()) == set(linears) - {"output"} - kept, name  # nvfp4: the last 15% of 2 blocks
             assert "output projection" in layout.left_out()["output"]
         else:
             assert {m.compute for m in linears.values()} == {spec.param_dtype}, name
+
+
+@pytest.mark.parametrize("share, kept", [(0.15, [6, 7]), (0.3, [5, 6, 7]), (0.0, [])])
+def test_keep_last_blocks_keeps_the_last_decoder_blocks_in_the_base_mode(share, kept):
+    from dataclasses import replace
+
+    model = build_model(replace(model_args("debug", 256), n_layers=8), device="cpu", storage_dtype=FP32, seed=0)
+    recipe = replace(RECIPES["nvfp4"], keep_last_blocks=share)
+    layout = resolve(PrecisionSpec(FP32, BF16, fp8=recipe), model)
+    base = {int(f.split(".")[1]) for f, m in layout.linears().items() if f != "output" and m.compute == BF16}
+    assert sorted(base) == kept and len(layout.fp8()) == 7 * (8 - len(kept))
+    if kept:
+        why = layout.modules[f"layers.{kept[0]}.attention.wq"].why
+        assert f"({len(kept)} of 8: layers.{kept[0]}-7) in bfloat16 (fp8.keep_last_blocks)" in why
 
 
 def test_overrides_are_ordered_and_refused_with_one_line():
