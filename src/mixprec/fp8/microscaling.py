@@ -70,7 +70,10 @@ class Blocked(NamedTuple):
         has at most 3 + 3 significant bits (an element times an e4m3 scale): exact in TF32
         and bfloat16, so a GEMM on them loses nothing before its FP32 accumulation."""
         R, C = self.shape
-        return (self.elements() * self.scales(with_tensor_scale))[:R, :C]
+        factor = self.scale.float()
+        if self.tensor_scale is not None and with_tensor_scale:
+            factor = factor * self.tensor_scale
+        return _blockwise(torch.mul, self.elements(), factor, self.block)[:R, :C]
 
     def t(self) -> "Blocked":
         """The transpose of a tensor in square blocks: the same elements and scales."""
@@ -102,6 +105,14 @@ def _block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 def _spread(s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+
+
+def _blockwise(op, x: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """op(x, s) with each block of x (R, C) against its own value of s (R/br, C/bc), by
+    broadcasting: no per-element copy of s."""
+    R, C = x.shape
+    out = op(x.view(R // block[0], block[0], C // block[1], block[1]), s[:, None, :, None])
+    return out.view(R, C)
 
 
 # ---- e2m1 ------------------------------------------------------------------------------------
@@ -200,11 +211,11 @@ def quantize_mx(x: torch.Tensor, dtype: torch.dtype, *, block: int = 32, roundin
         # exp 254 (an infinite amax) multiplies by 2^-127, as Transformer Engine's kernels do
         factor = torch.where(exp == 0, 1.0, torch.exp2((E8M0_BIAS - exp).float()))
         factor = torch.where(exp == 254, 2.0**-127, torch.where(exp == 255, float("nan"), factor))
-        scaled = x * _spread(factor, tile)
+        scaled = _blockwise(torch.mul, x, factor, tile)
     else:
         # x / 2^(exp - 127), the divisor kept normal (2^-126 at least; torchao does the same)
         divisor = (exp << 23).view(torch.float32).clamp(min=torch.finfo(torch.float32).tiny)
-        scaled = x / _spread(divisor, tile)
+        scaled = _blockwise(torch.div, x, divisor, tile)
     return Blocked(_to_elements(scaled, dtype, key), exp.to(torch.uint8).view(E8M0), tile, None, shape)
 
 
@@ -250,7 +261,7 @@ def _nvfp4_with_top(x, amax, ts, block, top, key, shape) -> Blocked:
     else:
         s = ((amax / top) / ts).clamp(E4M3_TINY, limit).to(E4M3)
         recip = (1.0 / ts) / s.float()
-    return Blocked(_to_elements(x * _spread(recip, block), E2M1, key), s, block, ts, shape)
+    return Blocked(_to_elements(_blockwise(torch.mul, x, recip, block), E2M1, key), s, block, ts, shape)
 
 
 def _block_sq_error(x: torch.Tensor, q: Blocked, block) -> torch.Tensor:
