@@ -149,6 +149,12 @@ def test_hadamard_is_orthonormal_and_cancels_in_the_gemm(seed):
     torch.testing.assert_close(rotate(a, signs), (a.view(24, 4, 16) @ h.double()).view(24, 64), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(rotate(a, signs) @ rotate(b, signs).t(), a @ b.t(), rtol=1e-12, atol=1e-12)
 
+def test_random_signs_change_the_cast_and_deterministic_ones_do_not_cancel_it():
+    # signs applied after the mixing would cancel in the product and leave every cast as it was
+    x = torch.randn(8, 64)
+    plain, random = (quantize_mx(rotate(x, hadamard_signs(16, seed)), E2M1) for seed in (None, 0))
+    assert not torch.equal(plain.dequantize().abs(), random.dequantize().abs())
+
 
 def test_two_d_blocks_serve_the_weight_and_its_transpose():
     w = torch.randn(48, 80)  # not whole 16-blocks along either side: padded

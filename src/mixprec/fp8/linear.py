@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from mixprec.fp8.gemm import probe, scaled_mm
-from mixprec.fp8.recipe import E4M3, GEMMS, FP8Recipe, Tiles
+from mixprec.fp8.recipe import E4M3, FP8Recipe, Tiles
 from mixprec.fp8.scaling import DelayedScales, Quantized, amax_to_scale, cast, quantize, resolve_tile, tile_amax
 
 

@@ -84,11 +84,6 @@ class Blocked(NamedTuple):
             data = self.data.t().contiguous()
         return Blocked(data, self.scale.t().contiguous(), self.block, self.tensor_scale, self.shape[::-1])
 
-    def nbytes(self) -> int:
-        """Bytes held: elements, block scales and the tensor scale."""
-        extra = 4 if self.tensor_scale is not None else 0
-        return self.data.numel() * self.data.element_size() + self.scale.numel() + extra
-
 
 def _pad(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """x (R, C) in FP32 with zeros appended to whole blocks (zeros change no amax)."""
@@ -286,12 +281,14 @@ def hadamard_signs(n: int = 16, seed: int | None = None, device=None) -> torch.T
 
 
 def hadamard(n: int = 16, signs: torch.Tensor | None = None) -> torch.Tensor:
-    """The n x n orthonormal matrix H diag(signs) (H Sylvester's), FP32: what `rotate`
+    """The n x n orthonormal matrix diag(signs) H (H Sylvester's), FP32: what `rotate`
     multiplies by. H @ H.T = I."""
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / n**0.5 * (signs.cpu() if signs is not None else 1.0)
+    # the signs flip the input before the mixing (diag(signs) H): after it they would cancel
+    # between the two operands of the GEMM and change no cast (every cast is sign-symmetric)
+    return (signs.cpu()[:, None] if signs is not None else 1.0) * h / n**0.5
 
 
 def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
@@ -302,11 +299,11 @@ def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     (A Q)(B Q)^T = A B^T, and spreads an outlier over n elements before the cast."""
     n = signs.numel()
     R, C = x.shape
-    y = x.to(torch.promote_types(x.dtype, torch.float32)).reshape(-1, n)
+    y = x.to(torch.promote_types(x.dtype, torch.float32)).reshape(-1, n) * signs.to(x.device)
     h = 1
     while h < n:  # pairs h apart within blocks of 2h: (a + b, a - b)
         y = y.view(-1, n // (2 * h), 2, h)
         a, b = y[:, :, 0], y[:, :, 1]
         y = torch.stack([a + b, a - b], dim=2)
         h *= 2
-    return (y.view(-1, n) * (signs.to(y.dtype) / n**0.5)).view(R, C)
+    return (y.view(-1, n) / n**0.5).view(R, C)
