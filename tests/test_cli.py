@@ -53,7 +53,7 @@ def test_cli_surface_is_frozen():
 
 def test_commands():
     sub = build_parser()._subparsers._group_actions[0].choices
-    assert sorted(sub) == ["analyze", "audit", "compare", "demo", "formats", "memory", "plan", "train"]
+    assert sorted(sub) == ["analyze", "audit", "compare", "demo", "formats", "memory", "plan", "prepare", "train"]
 
 
 def test_help_lists_every_key_with_doc_and_default():

@@ -79,6 +79,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "candidate format on the real activations and gradients (SQNR against FP32, values flushed or "
                    "saturated, and, for objective speed, GEMM time), choose a format per layer and write the plan "
                    "file (plan.out) that precision.plan takes.")
+    prepare = sub.add_parser(
+        "prepare", help="tokenize text once into token shards that train reads a window at a time (data.source DIR)",
+        description="Tokenize SOURCE (stdlib, a text, .jsonl or .gz file, or a folder of them) into token shards "
+                    "in DIR: streaming, on every core, resumable (a re-run keeps finished shards). Train on them "
+                    "with --data.source DIR.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    prepare.add_argument("source", help="stdlib, a text/.jsonl/.gz file, or a folder")
+    prepare.add_argument("--out", required=True, metavar="DIR", help="folder for the shards and index.json")
+    prepare.add_argument("--tokenizer", default="byte", metavar="byte|bpe|PATH",
+                         help="byte (UTF-8 bytes), bpe (a byte-level BPE trained on a sample of the training text), "
+                              "or a Hugging Face tokenizer.json (nothing downloaded)")
+    prepare.add_argument("--bpe-vocab-size", type=int, default=4096, help="vocabulary of the trained BPE")
+    prepare.add_argument("--bpe-sample-mb", type=float, default=64.0, help="MB of training text the BPE learns from")
+    prepare.add_argument("--val-fraction", type=float, default=0.05, help="share held out for validation")
+    prepare.add_argument("--text-field", default="text", help="the text's field in .jsonl records")
+    prepare.add_argument("--shard-mb", type=float, default=128.0, help="MB of text a shard (and a worker's unit)")
+    prepare.add_argument("--workers", type=int, default=0, help="worker processes (0: one a core)")
     formats = sub.add_parser("formats", help="limits of FP32, TF32, FP16, BF16, FP8 E4M3 and E5M2")
     formats.add_argument("--json", action="store_true", help="print JSON")
     memory = sub.add_parser("memory", help="plan per-device memory and per-step communication",
@@ -233,6 +249,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from mixprec.data.prepare import run_prepare
+
+    try:
+        index = run_prepare(args.source, args.out, args.tokenizer, args.bpe_vocab_size, args.val_fraction,
+                            args.text_field, args.shard_mb, args.bpe_sample_mb, args.workers)
+    except KeyboardInterrupt:
+        sys.stderr.write(f"mixprec prepare: interrupted; the shards finished so far are kept: run the same command "
+                         f"to finish {args.out}\n")
+        return 130
+    print(f"prepared {args.out}: {index['tokens']['train']} training and {index['tokens']['val']} validation tokens "
+          f"({index['tokenizer']['kind']} tokenizer, {index['dtype']}); train with --data.source {args.out}")
+    return 0
+
+
 def cmd_formats(args: argparse.Namespace) -> int:
     from mixprec.analysis.formats import FORMATS, format_table
 
@@ -326,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _setup_logging("stderr" if getattr(args, "json", False) else "stdout")  # --json: stdout is the JSON
     commands = {"train": cmd_train, "compare": cmd_compare, "audit": cmd_audit, "plan": cmd_plan, "formats": cmd_formats, "memory": cmd_memory,
+                "prepare": cmd_prepare,
                 "analyze": cmd_analyze, "demo": cmd_demo}
     try:
         code = commands[args.command](args)

@@ -54,7 +54,8 @@ class Model:
 @dataclass(frozen=True)
 class Data:
     source: str = "stdlib"
-    """Training text: stdlib (this Python's standard-library sources, no download) or a text file or folder."""
+    """Training text: stdlib (this Python's standard-library sources, no download), a text file or folder (read and
+    tokenized at start), or a folder of token shards written by mixprec prepare (read a window at a time)."""
     tokenizer: str = "byte"
     """byte (UTF-8 bytes, vocabulary 256) or bpe (trained on the training split, cached in the run folder)."""
     bpe_vocab_size: int = 4096

@@ -81,3 +81,22 @@ def test_short_splits_are_user_errors():
         TrainLoader(torch.arange(10), seq_len=16, batch_size=2, seed=0)
     with pytest.raises(UserError, match="validation split"):
         val_batches(torch.arange(10), 16, 2, 2)
+
+
+def test_each_rank_reads_only_its_rows_of_the_global_batch():
+    tokens = torch.arange(1000)
+    full = TrainLoader(tokens, seq_len=10, batch_size=8, seed=1)
+    ranks = [TrainLoader(tokens, seq_len=10, batch_size=8, seed=1, rows=slice(4 * r, 4 * r + 4)) for r in range(2)]
+    for _ in range(30):  # across epochs
+        x, y = full.next_batch()
+        mine = [loader.next_batch() for loader in ranks]
+        assert all(m[0].shape == (4, 10) for m in mine)
+        assert torch.equal(torch.cat([m[0] for m in mine]), x) and torch.equal(torch.cat([m[1] for m in mine]), y)
+
+
+def test_the_window_order_is_int64_randperms_order_held_in_int32():
+    for n in (10, 65_537, 1_000_003):
+        loader = TrainLoader(torch.zeros(n * 2 + 1, dtype=torch.uint8), seq_len=2, batch_size=1, seed=5)
+        gen = torch.Generator().manual_seed(5 * 1_000_003)
+        assert loader._order.dtype == torch.int32
+        assert torch.equal(loader._order.long(), torch.randperm(n, generator=gen))

@@ -1,12 +1,11 @@
 """Tokenizers: UTF-8 bytes (vocabulary 256), or byte-level BPE trained locally with
-the `tokenizers` library and cached in the run folder."""
+the `tokenizers` library and cached in the run folder. torch is imported where a tensor is
+made: `mixprec prepare`'s workers use this module without it."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-
-import torch
 
 from mixprec.errors import UserError
 
@@ -16,7 +15,9 @@ logger = logging.getLogger(__name__)
 class ByteTokenizer:
     vocab_size = 256
 
-    def encode(self, text: str) -> torch.Tensor:
+    def encode(self, text: str):
+        import torch
+
         return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
 
     def decode(self, ids) -> str:
@@ -31,7 +32,7 @@ class BPETokenizer:
     @classmethod
     def train_or_load(cls, text: str, vocab_size: int, cache: Path) -> "BPETokenizer":
         try:
-            from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+            from tokenizers import Tokenizer
         except ImportError:
             raise UserError("data.tokenizer bpe needs the tokenizers package: pip install tokenizers") from None
         if cache.exists():
@@ -46,26 +47,36 @@ class BPETokenizer:
                 )
             logger.info("tokenizer: loaded BPE (%d tokens) from %s", vocab_size, cache)
             return cls(tok)
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-        )
         logger.info("tokenizer: training BPE with %d tokens on %d characters", vocab_size, len(text))
-        tok.train_from_iterator(_chunks(text), trainer=trainer)
+        tok = train_bpe(_chunks(text), vocab_size)
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(".tmp")
         tok.save(str(tmp))
         tmp.replace(cache)
         return cls(tok)
 
-    def encode(self, text: str) -> torch.Tensor:
+    def encode(self, text: str):
+        import torch
+
         ids = [i for enc in self._tok.encode_batch(list(_chunks(text))) for i in enc.ids]
         return torch.tensor(ids, dtype=torch.long)
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+
+def train_bpe(texts, vocab_size: int):
+    """A byte-level BPE of `vocab_size` tokens learnt from an iterable of texts."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
 
 
 def _chunks(text: str, size: int = 1 << 16):

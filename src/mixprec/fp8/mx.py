@@ -268,16 +268,13 @@ class MXLinear(FP8Linear):
 
     @classmethod
     def from_linear(cls, linear, plan: Plan, fqn: str = "") -> "MXLinear":
+        _run_forward_eagerly()
         new = super().from_linear(linear, plan, fqn)
         new.salt = zlib.crc32(fqn.encode())  # the layer's part of its stochastic-rounding keys
         return new
 
     def matmul_state(self):
         return self.salt
-
-    @torch.compiler.disable(reason=EAGER_WHY)
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x)
 
     @staticmethod
     def routes(recipe: MXRecipe, device: str, compute_dtype: torch.dtype) -> dict[str, str | None]:
@@ -288,6 +285,15 @@ class MXLinear(FP8Linear):
             where = "a CPU" if device == "cpu" else f"this {device} device"
             why = f"torch has microscaled scaled GEMMs on Blackwell (SM100) GPUs only, not on {where}"
         return {g: why for g in GEMMS}
+
+
+def _run_forward_eagerly() -> None:
+    """Inside a compiled model MXLinear runs eagerly (EAGER_WHY). Set when the first layer is
+    made, not at import: torch.compiler.disable imports dynamo, ~2 s of every run's start that a
+    run without microscaled layers does not need."""
+    if not getattr(MXLinear.forward, "mixprec_eager", False):
+        MXLinear.forward = torch.compiler.disable(FP8Linear.forward, reason=EAGER_WHY)
+        MXLinear.forward.mixprec_eager = True
 
 
 register_linear(MXRecipe, MXLinear)

@@ -22,6 +22,7 @@ import torch
 from mixprec.config import Config, build_policy
 from mixprec.data.corpus import load_corpus
 from mixprec.data.loader import TrainLoader, val_batches
+from mixprec.data.shards import is_prepared, open_prepared
 from mixprec.data.tokenizer import build_tokenizer
 from mixprec.distributed.parallel import ParallelDims, init_distributed, resolve_device
 from mixprec.distributed.tensor_parallel import check_tensor_parallel
@@ -52,7 +53,6 @@ class Parts:
     accum: int  # micro-batches per optimizer step
     tokenizer: object
     loader: TrainLoader
-    rows: slice  # this rank's rows of each global micro-batch
     val: list
     args: ModelArgs
     raw_model: torch.nn.Module  # the Llama module itself
@@ -119,7 +119,7 @@ def model_shape(config: Config, vocab_size: int, device_type: str, log: bool = F
     return args
 
 
-def hf_model(config: Config, vocab_size: int, dims: ParallelDims, device: torch.device):
+def hf_model(config: Config, vocab_size: int, tokenizer_name: str, dims: ParallelDims, device: torch.device):
     """(its config, the model, checkpoint meta) for model.hf_config, or one line saying what
     this first version does not do with such a model."""
     from mixprec.models.hf import HFCausalLM, load_hf_config, max_positions, meta_of
@@ -132,7 +132,7 @@ def hf_model(config: Config, vocab_size: int, dims: ParallelDims, device: torch.
             raise UserError(f"model.hf_config with {what}: not supported for Hugging Face models yet; accepted: "
                             f"{accepted}")
     if vocab_size > hf.vocab_size:
-        raise UserError(f"model.hf_config: the {config.data.tokenizer} tokenizer has {vocab_size} token ids but the "
+        raise UserError(f"model.hf_config: the {tokenizer_name} tokenizer has {vocab_size} token ids but the "
                         f"config's vocab_size is {hf.vocab_size}; accepted: a config with vocab_size >= {vocab_size}, "
                         "or a smaller data.bpe_vocab_size")
     positions = max_positions(hf)
@@ -142,7 +142,27 @@ def hf_model(config: Config, vocab_size: int, dims: ParallelDims, device: torch.
     model = HFCausalLM(hf).to(device)
     logger.info("model: %s from %s (random init), %d decoder layers", type(model.hf).__name__,
                 config.model.hf_config, len(model.layers))
-    return hf, model, {"hf_config": meta_of(hf), "tokenizer": config.data.tokenizer}
+    return hf, model, {"hf_config": meta_of(hf), "tokenizer": tokenizer_name}
+
+
+def load_tokens(data, folder: Path):
+    """(tokenizer, its name in checkpoints, training tokens, validation tokens): a prepared
+    folder's shards, checked and read a window at a time, or text read and tokenized here."""
+    t0 = time.perf_counter()  # each setup phase logs its duration: a log without a terminal shows progress
+    if is_prepared(data.source):
+        prepared = open_prepared(data.source)
+        logger.info("data: %s: prepared shards, %d training and %d validation tokens (%s tokenizer, vocabulary %d), "
+                    "checked in %.1f s; data.tokenizer and data.val_fraction do not apply", prepared.folder,
+                    len(prepared.train), len(prepared.val), prepared.tokenizer_name, prepared.vocab_size,
+                    time.perf_counter() - t0)
+        return prepared.tokenizer(), prepared.tokenizer_name, prepared.train, prepared.val
+    corpus = load_corpus(data.source, data.val_fraction)
+    tokenizer = build_tokenizer(data.tokenizer, corpus.train, data.bpe_vocab_size, folder / "tokenizer.json")
+    train_tokens, val_tokens = tokenizer.encode(corpus.train), tokenizer.encode(corpus.val)
+    logger.info("data: %s: %d training and %d validation tokens (%s tokenizer, vocabulary %d) in %.1f s",
+                corpus.name, len(train_tokens), len(val_tokens), data.tokenizer, tokenizer.vocab_size,
+                time.perf_counter() - t0)
+    return tokenizer, data.tokenizer, train_tokens, val_tokens
 
 
 def build(config: Config, *, accum: int | None = None) -> Parts:
@@ -170,23 +190,16 @@ def build(config: Config, *, accum: int | None = None) -> Parts:
                         f"{dp} data-parallel ranks")
     accum = accum or global_bs // (lbs * dp)
 
-    t0 = time.perf_counter()  # each setup phase logs its duration: a log without a terminal shows progress
-    corpus = load_corpus(config.data.source, config.data.val_fraction)
-    tokenizer = build_tokenizer(config.data.tokenizer, corpus.train, config.data.bpe_vocab_size,
-                                folder / "tokenizer.json")
-    train_tokens, val_tokens = tokenizer.encode(corpus.train), tokenizer.encode(corpus.val)
-    logger.info("data: %s: %d training and %d validation tokens (%s tokenizer, vocabulary %d) in %.1f s",
-                corpus.name, len(train_tokens), len(val_tokens), config.data.tokenizer, tokenizer.vocab_size,
-                time.perf_counter() - t0)
+    tokenizer, tokenizer_name, train_tokens, val_tokens = load_tokens(config.data, folder)
     t0 = time.perf_counter()
-    # Every rank draws the same global micro-batch and keeps its own rows.
-    loader = TrainLoader(train_tokens, tcfg.seq_len, lbs * dp, tcfg.seed, device)
+    # Every rank draws the same global micro-batch and reads its own rows of it.
     dp_rank = dims.dp_rank(rank)
-    rows = slice(dp_rank * lbs, (dp_rank + 1) * lbs)
+    loader = TrainLoader(train_tokens, tcfg.seq_len, lbs * dp, tcfg.seed, device,
+                         rows=slice(dp_rank * lbs, (dp_rank + 1) * lbs))
     val = val_batches(val_tokens, tcfg.seq_len, lbs * dp, tcfg.eval_batches, device)
 
     if config.model.hf_config:
-        args, model, meta = hf_model(config, tokenizer.vocab_size, dims, device)
+        args, model, meta = hf_model(config, tokenizer.vocab_size, tokenizer_name, dims, device)
         raw_model = model
     else:
         args = model_shape(config, tokenizer.vocab_size, device.type, log=True)
@@ -194,7 +207,7 @@ def build(config: Config, *, accum: int | None = None) -> Parts:
             check_tensor_parallel(args, dims.tp)
         model = raw_model = build_model(args, device=device, storage_dtype=policy.storage_dtype, seed=tcfg.seed)
         meta = {**{k: v for k, v in asdict(args).items() if k not in ModelArgs.RUNTIME_FIELDS},
-                "tokenizer": config.data.tokenizer}
+                "tokenizer": tokenizer_name}
     parallelize(model, dims, policy, device, pcfg=pcfg, ac_mode=config.activation_checkpoint.mode,
                 compile_components=config.compile.components if config.compile.enable else None)
     # The fused kernel needs plain tensors; under tensor parallel the parameters mix
@@ -210,7 +223,7 @@ def build(config: Config, *, accum: int | None = None) -> Parts:
     name = config.model.hf_config or f"{config.model.flavor} flavor"
     logger.info("model: %s, %.2fM parameters, %s, built in %.1f s", name, raw_model.num_params() / 1e6, policy,
                 time.perf_counter() - t0)
-    parts = Parts(config, folder, device, policy, rank, dims, accum, tokenizer, loader, rows, val, args, raw_model,
+    parts = Parts(config, folder, device, policy, rank, dims, accum, tokenizer, loader, val, args, raw_model,
                   model, optimizer, scheduler, meta)
     ccfg, scfg = config.checkpoint, config.stability
     checkpoints = CheckpointManager(folder / ccfg.folder, ccfg.keep_latest_k) if ccfg.enable else None

@@ -208,8 +208,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         self._batches = []  # this rank's micro-batches, for the locator should this step go non-finite
         for micro in range(accum):
-            x, y = self.loader.next_batch()
-            x, y = x[self.rows], y[self.rows]
+            x, y = self.loader.next_batch()  # this rank's rows
             self._batches.append((x, y))
             with self.policy.autocast():
                 # equal tokens per micro-batch and rank: the mean of means is the global mean
