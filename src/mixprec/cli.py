@@ -13,7 +13,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from mixprec.config import TABLES, field_docs, field_types, load_config
-from mixprec.errors import TrainingUnstable, UserError
+from mixprec.errors import GroupLost, TrainingUnstable, UserError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -168,6 +168,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         summary = Trainer(config).train()
     except (MemoryError, RuntimeError) as e:
+        if _lost_rank(e):
+            from mixprec.distributed.elastic import first_line
+
+            raise GroupLost(f"a rank was lost or a wait passed parallelism.timeout_s {config.parallelism.timeout_s:g} "
+                            f"s ({type(e).__name__}: {first_line(e)})") from None
         if not _out_of_memory(e):
             raise
         raise UserError(_memory_advice(config, e)) from None
@@ -180,6 +185,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"final validation loss {num('final_val_loss', '.4f')}, perplexity {num('val_perplexity', '.2f')} "
           f"({summary['precision']}, {summary['steps']} steps, {num('tokens_per_sec', '.0f')} tokens/s)")
     return 0
+
+
+def _lost_rank(e: BaseException) -> bool:
+    """Under torchrun: torch.distributed's errors of a wait timed out, or gloo's of a peer gone."""
+    import torch.distributed as dist
+
+    gone = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and (
+        isinstance(e, dist.DistError) or any(g in str(e) for g in gone))
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -367,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingUnstable as e:
         sys.stderr.write(f"mixprec {args.command}: unstable: {e}\n")
         code = 3
+    except GroupLost as e:
+        sys.stderr.write(f"mixprec {args.command}: process group: {e}\n")
+        code = 1
     except BaseException:
         _leave_process_group()
         raise

@@ -289,6 +289,8 @@ class Parallelism:
     """Free the all-gathered parameters after forward: default (yes, but not the root), always, never."""
     enable_cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer states in CPU memory (FSDP2's CPUOffloadPolicy)."""
+    timeout_s: float = 300.0
+    """Under torchrun, the longest wait of the process group (forming it, a collective, a store barrier) before the run ends with one line: a lost rank never hangs a job."""
 
     def __post_init__(self):
         _check(self.data_parallel_replicate_degree >= 1, "parallelism.data_parallel_replicate_degree",
@@ -297,6 +299,8 @@ class Parallelism:
                "parallelism.data_parallel_shard_degree", self.data_parallel_shard_degree, "-1 or a positive integer")
         _check(self.pipeline_parallel_degree == 1, "parallelism.pipeline_parallel_degree",
                self.pipeline_parallel_degree, "1 (pipeline parallelism is out of scope)")
+        _check(math.isfinite(self.timeout_s) and self.timeout_s > 0, "parallelism.timeout_s", self.timeout_s,
+               "a number of seconds > 0")
         _check(self.fsdp_reshard_after_forward in ("default", "always", "never"),
                "parallelism.fsdp_reshard_after_forward", self.fsdp_reshard_after_forward, "default, always, never")
 

@@ -18,3 +18,9 @@ def check_value(ok: bool, field: str, value, accepted: str) -> None:
 class TrainingUnstable(Exception):
     """Training kept going non-finite or spiking after every rewind allowed; the CLI prints
     the message as one line and exits with code 3. The last good checkpoint stays on disk."""
+
+
+class GroupLost(Exception):
+    """Under torchrun, the process group could not form within parallelism.timeout_s, or lost
+    a rank: the CLI prints the message as one line and exits with code 1, and torchrun
+    restarts the group while restarts are left."""

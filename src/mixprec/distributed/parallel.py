@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mixprec.distributed.elastic import init_group
 from mixprec.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -43,15 +44,14 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def init_distributed(device: torch.device) -> tuple[int, int]:
-    """(rank, world size). Under torchrun (WORLD_SIZE > 1) this joins the process group:
-    nccl on CUDA, gloo on CPU. A single process needs no group."""
+def init_distributed(device: torch.device, timeout_s: float = 300.0) -> tuple[int, int]:
+    """(rank, world size). Under torchrun (WORLD_SIZE > 1) this joins this attempt's process
+    group (mixprec.distributed.elastic): nccl on CUDA, gloo on CPU. A single process needs no group."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend)
+        init_group("nccl" if device.type == "cuda" else "gloo", timeout_s)
     return dist.get_rank(), dist.get_world_size()
 
 

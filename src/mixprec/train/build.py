@@ -180,7 +180,7 @@ def build(config: Config, *, accum: int | None = None) -> Parts:
         check_writable(folder / config.checkpoint.folder, "checkpoint.folder")
     torch.manual_seed(tcfg.seed)
     pcfg = config.parallelism
-    rank, world = init_distributed(device)
+    rank, world = init_distributed(device, pcfg.timeout_s)
     dims = ParallelDims.resolve(pcfg.data_parallel_replicate_degree, pcfg.data_parallel_shard_degree,
                                 pcfg.tensor_parallel_degree, world)
     dp, lbs = dims.dp_degree, tcfg.local_batch_size

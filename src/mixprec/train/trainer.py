@@ -17,6 +17,7 @@ import time
 import torch
 
 from mixprec.config import Config, to_toml
+from mixprec.distributed.elastic import check_restartable, log_restart
 from mixprec.errors import TrainingUnstable
 from mixprec.precision import Policy, StepResult
 from mixprec.train.build import build
@@ -48,8 +49,12 @@ class Trainer:
         self.parts = build(config, accum=accum)
         self.metrics, self._batches = None, []
         t0 = time.perf_counter()
-        if self.state.resume(config.checkpoint.load_step):
+        resumed = self.state.resume(config.checkpoint.load_step)
+        if resumed:
             logger.info("checkpoint: restored in %.1f s", time.perf_counter() - t0)
+        if self.rank == 0:
+            check_restartable(config.checkpoint.enable)
+            log_restart(self.step if resumed else None, self.folder / "metrics.jsonl")
 
     def __getattr__(self, name: str):
         # policy, model, raw_model, optimizer, scheduler, loader, device, dims, rank, accum, ...
