@@ -100,10 +100,10 @@ class Tokens:
     machine) and a run's resident memory does not grow with its corpus."""
 
     def __init__(self, paths: list[Path], counts: list[int], dtype: np.dtype):
-        self._paths = [p for p, n in zip(paths, counts) if n]
-        self._dtype = dtype
-        self._ends = np.cumsum([n for n in counts if n], dtype=np.int64)
-        self._starts = self._ends - [n for n in counts if n]
+        kept = [(p, n) for p, n in zip(paths, counts) if n]  # an empty shard holds no window
+        self._paths, self._dtype = [p for p, _ in kept], dtype
+        self._ends = np.cumsum([n for _, n in kept], dtype=np.int64)
+        self._starts = self._ends - [n for _, n in kept]
 
     def __len__(self) -> int:
         return int(self._ends[-1]) if len(self._ends) else 0

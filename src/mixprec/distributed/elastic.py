@@ -15,11 +15,9 @@ late), the attempt does not form within the timeout and ends with one line, not 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from datetime import timedelta
-from pathlib import Path
 
 from mixprec.errors import GroupLost
 
@@ -42,7 +40,6 @@ def init_group(backend: str, timeout_s: float) -> None:
     namespace = f"mixprec/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/attempt-{count}"
     try:
         store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-        store.set_timeout(timeout)
         dist.init_process_group(backend, store=dist.PrefixStore(namespace, store), rank=rank, world_size=world,
                                 timeout=timeout)
     except (RuntimeError, ValueError) as e:  # torch's store and backend errors are RuntimeErrors
@@ -63,30 +60,12 @@ def check_restartable(checkpoints: bool) -> None:
                        "accepted: checkpoint.enable true (checkpoint.interval sets what a restart loses)", allowed)
 
 
-def log_restart(resumed_step: int | None, metrics: Path) -> None:
-    """On a restarted attempt: which checkpoint it resumes from and which logged steps it trains again."""
+def log_restart(resumed_step: int | None, last_logged: int) -> None:
+    """On a restarted attempt: which checkpoint it resumes from, and which steps the attempt
+    before logged (`last_logged`, metrics.jsonl's last step) that it trains again."""
     count, allowed = attempt()
-    if not count:
-        return
-    logged = [json.loads(line).get("step", 0) for line in _lines(metrics)]
-    last = max(logged, default=0)
     start = resumed_step or 0
-    lost = ("no logged step is lost" if last <= start else f"step {last} is trained again" if last == start + 1
-            else f"steps {start + 1}-{last} are trained again")
+    lost = ("no logged step is lost" if last_logged <= start else f"step {last_logged} is trained again"
+            if last_logged == start + 1 else f"steps {start + 1}-{last_logged} are trained again")
     where = f"resuming from step-{resumed_step}" if resumed_step else "no checkpoint: starting at step 0"
     logger.warning("torchrun restart %d of %d: %s; %s", count, allowed, where, lost)
-
-
-def _lines(path: Path) -> list[str]:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    good = []
-    for line in lines:
-        try:
-            json.loads(line)
-            good.append(line)
-        except ValueError:  # a line torn by the kill
-            pass
-    return good

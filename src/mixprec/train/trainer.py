@@ -17,11 +17,11 @@ import time
 import torch
 
 from mixprec.config import Config, to_toml
-from mixprec.distributed.elastic import check_restartable, log_restart
+from mixprec.distributed.elastic import attempt, check_restartable, log_restart
 from mixprec.errors import TrainingUnstable
 from mixprec.precision import Policy, StepResult
 from mixprec.train.build import build
-from mixprec.train.metrics import MetricsLogger, peak_flops, peak_memory_bytes
+from mixprec.train.metrics import MetricsLogger, peak_flops, peak_memory_bytes, read_metrics
 from mixprec.train.report import progress_bar, report_step, write_summary
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,9 @@ class Trainer:
             logger.info("checkpoint: restored in %.1f s", time.perf_counter() - t0)
         if self.rank == 0:
             check_restartable(config.checkpoint.enable)
-            log_restart(self.step if resumed else None, self.folder / "metrics.jsonl")
+            if attempt()[0]:  # a torchrun restart: what it resumes from, what it trains again
+                logged = read_metrics(self.folder / "metrics.jsonl")  # before this attempt truncates it
+                log_restart(self.step if resumed else None, max((r.get("step", 0) for r in logged), default=0))
 
     def __getattr__(self, name: str):
         # policy, model, raw_model, optimizer, scheduler, loader, device, dims, rank, accum, ...
