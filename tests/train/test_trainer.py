@@ -89,17 +89,21 @@ def test_fp16_run_resumes_exactly_with_its_loss_scale(tmp_path, text_file):
     assert (tmp_path / "run" / "loss_scale.png").stat().st_size > 1000
 
 
-def test_fallback_is_recorded_and_training_goes_on(tmp_path, text_file):
+@pytest.mark.parametrize("log_freq", [1, 10])
+def test_fallback_is_recorded_and_training_goes_on(tmp_path, text_file, log_freq):
     # A scale pinned at 1e9 makes every float16 gradient overflow: at the minimum scale, fall back.
+    # The fallback is decided when the steps are read: at once with log_freq 1; with 10, at
+    # step 10's read, the steps before it having overflowed (skipped on the device) meanwhile.
     records = run_train(tmp_path / "fb", text_file, "--precision.preset", "fp16-master", "--training.steps", "12",
                         "--loss_scale.init_scale", "1e9", "--loss_scale.min_scale", "1e9",
-                        "--loss_scale.max_scale", "1e9", "--loss_scale.fallback_to", "fp32")
+                        "--loss_scale.max_scale", "1e9", "--loss_scale.fallback_to", "fp32",
+                        "--metrics.log_freq", str(log_freq), "--training.eval_interval", "0")
     summary = json.loads((tmp_path / "fb" / "summary.json").read_text())
     assert summary["fallback_triggered"] and summary["fallback_step"] == 1
     assert summary["precision"] == "fp16-master" and summary["precision_final"] == "fp32"
-    assert records[0]["skipped"] and not any(r["skipped"] for r in records[1:])
-    assert [r["precision"] for r in records[1:]] == ["fp32"] * 11
-    assert records[-1]["loss"] < records[1]["loss"]
+    assert [r["skipped"] for r in records] == [True] * log_freq + [False] * (12 - log_freq)
+    assert [r["precision"] for r in records] == ["fp32"] + ["fp16-master"] * (log_freq - 1) + ["fp32"] * (12 - log_freq)
+    assert records[-1]["loss"] < records[log_freq]["loss"]
 
 
 def assert_same(a, b, where="checkpoint"):

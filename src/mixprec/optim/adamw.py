@@ -38,32 +38,76 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One step. With `self.found_inf` set (torch.amp.GradScaler's protocol, as torch's
+        fused AdamW: a 0-dim float tensor on the parameters' device, 1 to skip), the step is
+        taken or skipped on the device; `self.grad_scale`, when not None, unscales the
+        gradients first."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf = getattr(self, "found_inf", None)
+        grad_scale = getattr(self, "grad_scale", None)
+        inv_scale = grad_scale.double().reciprocal().float() if grad_scale is not None else None
         for group in self.param_groups:
-            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.tensor(0.0)  # on the CPU, as torch's: reading it costs no device sync
+                    # on the CPU, as torch's: reading it costs no device sync (on the device
+                    # where a skip is decided there: the count must see it)
+                    device = p.device if found_inf is not None else "cpu"
+                    state["step"] = torch.tensor(0.0, device=device)
                     state["exp_avg"] = torch.zeros_like(p, dtype=self.moments_dtype)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moments_dtype)
-                grad = p.grad
-                state["step"] += 1
-                step = state["step"].item()
-                exp_avg, exp_avg_sq = state["exp_avg"].float(), state["exp_avg_sq"].float()
-                p.mul_(1 - lr * wd)
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                bias_correction1 = 1 - beta1**step
-                bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-                denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-                p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
-                if self.moments_dtype != torch.float32:
-                    state["exp_avg"].copy_(exp_avg)  # rounds to nearest
-                    state["exp_avg_sq"].copy_(exp_avg_sq)
+                grad = p.grad if inv_scale is None else p.grad * inv_scale.to(p.grad.device)
+                if found_inf is None:
+                    self._update(p, grad, state, group)
+                else:
+                    self._update_unless(p, grad, state, group, found_inf)
         return loss
+
+    def _update(self, p, grad, state, group) -> None:
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        if state["step"].device.type != "cpu":  # stepped on the device before: keep reads off the device
+            state["step"] = state["step"].cpu()
+        state["step"] += 1
+        step = state["step"].item()
+        exp_avg, exp_avg_sq = state["exp_avg"].float(), state["exp_avg_sq"].float()
+        p.mul_(1 - lr * wd)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias_correction1 = 1 - beta1**step
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+        if self.moments_dtype != torch.float32:
+            state["exp_avg"].copy_(exp_avg)  # rounds to nearest
+            state["exp_avg_sq"].copy_(exp_avg_sq)
+
+    def _update_unless(self, p, grad, state, group, found_inf: torch.Tensor) -> None:
+        """_update's arithmetic with the step count and bias corrections on the device (the
+        same float64 values: pow, true division), the results kept only where found_inf is 0.
+        Bit-equal to _update on a CPU (tests/optim/test_adamw.py); costs one FP32 copy of
+        the parameter and of each moment."""
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        skip = found_inf.to(p.device) != 0
+        state["step"] = state["step"].to(p.device)
+        state["step"] += 1 - skip.float()
+        step = state["step"].double()
+        bias_correction1 = 1 - torch.pow(beta1, step)
+        bias_correction2_sqrt = torch.pow(1 - torch.pow(beta2, step), torch.tensor(0.5, dtype=step.dtype,
+                                                                                   device=step.device))
+        exp_avg = state["exp_avg"].to(torch.float32, copy=True)
+        exp_avg_sq = state["exp_avg_sq"].to(torch.float32, copy=True)
+        w = p.mul(1 - lr * wd)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        w.add_(exp_avg * (torch.tensor(-lr, dtype=step.dtype, device=step.device) / bias_correction1) / denom)
+        p.copy_(torch.where(skip, p, w))
+        state["exp_avg"].copy_(torch.where(skip, state["exp_avg"], exp_avg))  # rounds to nearest
+        state["exp_avg_sq"].copy_(torch.where(skip, state["exp_avg_sq"], exp_avg_sq))
+
+    _step_supports_amp_scaling = True  # takes found_inf and grad_scale, as torch's fused AdamW

@@ -27,24 +27,28 @@ def _adamw(w, g, m, v, step_size, bias_correction2_sqrt, lr, beta1, beta2, eps, 
     return w - step_size * m32 / denom, m32, v32
 
 
-def adamw_kahan_(p, c, g, m, v, *scalars) -> None:
-    """One AdamW step of weight p + compensation c, in place on p, c, m, v. `scalars`:
+def adamw_kahan_(p, c, g, m, v, skip, *scalars) -> None:
+    """One AdamW step of weight p + compensation c, in place on p, c, m, v, unless `skip`
+    (a 0-dim tensor on p's device) is nonzero: then all four keep their values. `scalars`:
     step_size (lr / bias correction 1), bias correction 2's root, lr, beta1, beta2, eps,
     weight decay, gradient sign."""
     w, m32, v32 = _adamw(p.float() + c.float(), g, m, v, *scalars)
     rounded = round_trip(w, p.dtype)  # compiled with rounding.compile_options(p.dtype)
-    p.copy_(rounded)  # exact: rounded is a value of p's dtype
-    c.copy_(w - rounded)  # exact in FP32: what the rounding dropped
-    m.copy_(m32)
-    v.copy_(v32)
+    keep = skip != 0
+    p.copy_(torch.where(keep, p.float(), rounded))  # exact: rounded is a value of p's dtype
+    c.copy_(torch.where(keep, c.float(), w - rounded))  # exact in FP32: what the rounding dropped
+    m.copy_(torch.where(keep, m.float(), m32))
+    v.copy_(torch.where(keep, v.float(), v32))
 
 
-def adamw_stochastic_(p, g, m, v, key, *scalars) -> None:
-    """One AdamW step of bfloat16 p, the weight stochastically rounded (keyed by `key`)."""
+def adamw_stochastic_(p, g, m, v, key, skip, *scalars) -> None:
+    """One AdamW step of bfloat16 p, the weight stochastically rounded (keyed by `key`),
+    unless `skip` is nonzero."""
     w, m32, v32 = _adamw(p.float(), g, m, v, *scalars)
-    p.copy_(stochastic_round_bf16(w, key))
-    m.copy_(m32)
-    v.copy_(v32)
+    keep = skip != 0
+    p.copy_(torch.where(keep, p, stochastic_round_bf16(w, key)))
+    m.copy_(torch.where(keep, m.float(), m32))
+    v.copy_(torch.where(keep, v.float(), v32))
 
 
 def unsupported(optimizer: torch.optim.Optimizer) -> str | None:
@@ -60,10 +64,19 @@ def unsupported(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
-def scalars(group: dict, step: float) -> tuple[torch.Tensor, ...]:
-    """The kernels' scalars for a parameter of `group` at its `step` (1-based), as 0-dim host
-    tensors, so a compiled kernel is not specialised on their values."""
+def scalars(group: dict, steps: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """The kernels' scalars for parameters of `group` at their `steps` (1-based, a float
+    tensor on their device), each as 0-dim float64 tensors, so a compiled kernel is not
+    specialised on their values. The two that depend on the step are computed where the
+    step count lives (no host read), with the arithmetic Python's floats would do (pow,
+    correctly rounded division: equal to `lr / (1 - beta1**step)` and `(1 - beta2**step)
+    ** 0.5` on a CPU, tests/optim/test_updates.py); the others are host constants."""
     lr, (beta1, beta2) = group["lr"], group["betas"]
-    values = (lr / (1 - beta1**step), (1 - beta2**step) ** 0.5, lr, beta1, beta2, group["eps"], group["weight_decay"],
-              -1.0 if group["maximize"] else 1.0)
-    return tuple(torch.tensor(x, dtype=torch.float64) for x in values)
+    steps = steps.double()
+    half, lr_t = (torch.tensor(x, dtype=torch.float64, device=steps.device) for x in (0.5, lr))
+    step_size = lr_t / (1 - torch.pow(beta1, steps))
+    bias_correction2_sqrt = torch.pow(1 - torch.pow(beta2, steps), half)
+    rest = tuple(torch.tensor(x, dtype=torch.float64) for x in (lr, beta1, beta2, group["eps"],
+                                                                group["weight_decay"],
+                                                                -1.0 if group["maximize"] else 1.0))
+    return [(a, b, *rest) for a, b in zip(step_size.unbind(), bias_correction2_sqrt.unbind())]

@@ -55,14 +55,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "device_mesh") else t.detach()
 
 
-def _nonzero(grad: torch.Tensor) -> bool:
-    """Whether a gradient has a nonzero element; a fake tensor's (mixprec.plan_memory) counts as one."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    grad = _local(grad)
-    return is_fake(grad) or bool(grad.any())
-
-
 class BF16Updates:
     """Kahan-compensated or stochastically rounded updates of the optimizer's bfloat16
     (or, for kahan, any low-precision) parameters; FP32 parameters step as they are.
@@ -155,8 +147,8 @@ class BF16Updates:
         state = optimizer.state
         # DCP's state-dict helpers fill an empty optimizer state by a step with zero gradients
         # at lr 0 (before loading the saved state over it): not a step of the run, not counted
-        self._counted = bool(state) or any(_nonzero(p.grad) for g in optimizer.param_groups
-                                           for p in g["params"] if p.grad is not None)
+        # (told by its learning rates on the host: the gradients would cost a device read)
+        self._counted = bool(state) or any(g["lr"] != 0 for g in optimizer.param_groups)
         for group in optimizer.param_groups:
             params = group["params"]
             if self.fused:  # the optimizer's own step sees only the rest; _after steps these
@@ -204,30 +196,36 @@ class BF16Updates:
         self._working.clear()
 
     def _fused_steps(self, optimizer) -> None:
+        """Each held parameter's kernel, skipped on the device where `optimizer.found_inf`
+        (set by Policy.step, as for torch's fused AdamW) is 1: the step counts live on the
+        parameters' device and count only the steps taken."""
+        found_inf = getattr(optimizer, "found_inf", None)
         for group, params, mine in self._held:
             group["params"] = params
-            made = {}  # step -> the kernels' scalars (a group's parameters mostly share their step)
+            if not mine:
+                continue
             for p in mine:
                 state = optimizer.state[p]
                 if not state:
-                    state["step"] = torch.tensor(0.0)
+                    state["step"] = torch.tensor(0.0, device=p.device)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     if self.method == "kahan":
                         state[COMPENSATION] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if state["step"].device.type != "cpu":  # loaded for a fused torch AdamW: read it without syncs
-                    state["step"] = state["step"].cpu()
-                state["step"] += 1
-                step = state["step"].item()
-                if step not in made:
-                    made[step] = fused_adamw.scalars(group, step)
-                scalars = made[step]
+                if state["step"].device != _local(p).device:  # loaded onto the CPU: keep it beside the parameter
+                    state["step"] = state["step"].to(_local(p).device)
+            device = _local(mine[0]).device
+            skip = found_inf.to(device) if found_inf is not None else torch.zeros((), device=device)
+            steps = [optimizer.state[p]["step"] for p in mine]
+            torch._foreach_add_(steps, 1 - skip)
+            for p, scalars in zip(mine, fused_adamw.scalars(group, torch.stack(steps))):
+                state = optimizer.state[p]
                 tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
                 if self.method == "kahan":
                     self._kernel(fused_adamw.adamw_kahan_, tensors[0], _local(state[COMPENSATION]), *tensors[1:],
-                                 *scalars)
+                                 skip, *scalars)
                 else:
-                    self._kernel(fused_adamw.adamw_stochastic_, *tensors, self._key(p), *scalars)
+                    self._kernel(fused_adamw.adamw_stochastic_, *tensors, self._key(p), skip, *scalars)
         self._held.clear()
 
     # ---- helpers -----------------------------------------------------------------------------

@@ -17,24 +17,31 @@ class LossScaling:
         self.scaler = LossScaler(device, config=config)
         self.monitor = ScaleMonitor()
         self.consecutive = 0  # overflows in a row: fallback_after counts these
+        self._last: float | None = None  # the scale after the last step read (None: the initial one)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss)
 
-    def unscale(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Unscale the gradients in place; whether any overflowed."""
+    def unscale(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Unscale the gradients in place; 1.0 on the device where any overflowed, else 0.0."""
         self.scaler.unscale_(optimizer)
-        return self.scaler.found_inf
+        return torch.stack([s["found_inf"] for s in self.scaler._per_optimizer.values()
+                            if s["found_inf"] is not None]).amax()
+
+    def update(self) -> torch.Tensor:
+        """Move the scale after a step, on the device; the scale tensor (updated in place)."""
+        self.scaler.update()
+        return self.scaler._scale
 
     @property
     def value(self) -> float:
         return self.scaler.get_scale()
 
-    def update(self, step: int, overflow: bool) -> str | None:
-        """Move the scale after a step; the reason to fall back now, or None."""
-        before = self.scaler.get_scale()
-        self.scaler.update()
-        after = self.scaler.get_scale()
+    def record(self, step: int, overflow: bool, after: float) -> str | None:
+        """What a step did to the scale, read on the host (the scaler moved it on the device):
+        the log line, the overflows in a row, and the reason to fall back now, or None."""
+        before = self._last if self._last is not None else self.config.init_scale
+        self._last = after
         self.consecutive = self.consecutive + 1 if overflow else 0
         self.monitor.record(step, overflow, before, after, self.config.growth_interval)
         if not self.fallback_to:
@@ -49,7 +56,8 @@ class LossScaling:
         """Multiply the scale by backoff_factor (after a rewind): (before, after)."""
         before = self.scaler.get_scale()
         self.scaler.update(max(self.config.min_scale, before * self.config.backoff_factor))
-        return before, self.scaler.get_scale()
+        self._last = self.scaler.get_scale()
+        return before, self._last
 
     def state_dict(self) -> dict:
         return {"consecutive": self.consecutive, "scaler": self.scaler.state_dict()}
@@ -59,3 +67,4 @@ class LossScaling:
         self.monitor.load_state_dict(monitor)
         if scaler:
             self.scaler.load_state_dict(scaler)
+        self._last = self.scaler.get_scale()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from dataclasses import replace
 
 import torch
@@ -33,6 +32,7 @@ from mixprec.precision.loss_scaling import LossScaling
 from mixprec.precision.master import MasterWeights, cast_parameters
 from mixprec.precision.presets import FP32, name_of, spec_of_preset
 from mixprec.precision.scaling_config import LossScaleConfig
+from mixprec.precision.skip import device_skip, step_unless
 from mixprec.precision.spec import PrecisionSpec, Update, format_name, parse_format
 from mixprec.precision.step import StepCounts, StepResult
 from mixprec.precision.tf32 import set_tf32, tf32_active
@@ -45,12 +45,14 @@ class Policy:
     """`spec` says what each tensor is in; the keywords are run settings. loss_scale: the
     scaler's settings for a spec with loss scaling; emulate_matmul: None decides at setup;
     tf32: FP32 matmuls on CUDA as TF32; fp8_exclude / fp8_emulate: FP8 layers' filter and
-    GEMM route; update_seed: keys bf16-sr. Without a spec, the spec's fields may be given
+    GEMM route; update_seed: keys bf16-sr; read_every: steps between the policy's own reads of
+    what its steps did (`settle`; 0: only when the caller settles, as the trainer does at
+    its log steps). Without a spec, the spec's fields may be given
     as keywords (Policy(param_dtype="bfloat16"))."""
 
     def __init__(self, spec: PrecisionSpec | None = None, *, loss_scale: LossScaleConfig | None = None,
                  emulate_matmul: bool | None = None, tf32: bool = False, fp8_exclude: tuple[str, ...] = (),
-                 fp8_emulate: bool | None = None, update_seed: int = 0, **fields):
+                 fp8_emulate: bool | None = None, update_seed: int = 0, read_every: int = 10, **fields):
         if spec is None:
             fields.setdefault("loss_scaling", loss_scale is not None)
             if fields.get("update") is None:
@@ -69,6 +71,9 @@ class Policy:
         self.formats = self.scaling = self.masters = self.updates = None
         self.model = self.optimizer = None  # what setup was given: a fallback recasts them
         self.counts = StepCounts()
+        self.read_every = read_every
+        self._pending: list[StepResult] = []  # steps not read yet
+        self._host_skip: str | None = None  # why this optimizer's steps read the skip on the host ("": they do not)
         self.fallback_step: int | None = None
         self.promoted: dict[str, dict] = {}  # FP8 layers taken out of FP8 during the run, with why
         _describe.warn_known_bad(self)
@@ -193,40 +198,71 @@ class Policy:
 
     def step(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None) -> StepResult:
         """Unscale, clip to `max_norm` (when given) on the true gradients, step unless a
-        gradient overflowed, update the loss scale, clear the gradients. A skipped step
-        changes no parameter, optimizer state or step count."""
+        gradient overflowed or the norm is not finite, update the loss scale, clear the
+        gradients. Every decision is made on the device: the host reads nothing here (but
+        for an optimizer that cannot skip on the device, logged at setup). A skipped step
+        changes no parameter, optimizer state or step count. What the step did is read at
+        `settle()` (counts, log lines, the fallback), every `read_every` steps, or when
+        the caller reads a field of the StepResult (the caller's sync)."""
         self.optimizer = optimizer
         if self.masters is not None:
             self.masters.grads_to_master()
-        overflow = self.scaling.unscale(optimizer) if self.scaling is not None else False
+        overflow = self.scaling.unscale(optimizer) if self.scaling is not None else None
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        norm, groups = grad_norm(params)
-        # the one host sync of a step; the norm is the same on every rank, so is the choice
-        norm_value = norm.float().item()
+        total, groups = grad_norm(params)  # in the gradients' dtype: clipping divides by it as it is
+        norm = total.float()  # the norm is the same on every rank, so is every decision below
+        finite = torch.isfinite(norm)
         # Without a loss scaler nothing else guards the weights: an inf or NaN anywhere in
         # the gradients makes the global norm non-finite, and that step is skipped too.
-        nonfinite = not overflow and not math.isfinite(norm_value)
-        applied = not (overflow or nonfinite)
-        clipped = bool(max_norm) and applied and norm_value > max_norm
-        if applied:
-            if max_norm:
-                for group in groups:
-                    torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
-            if self.updates is not None:
-                self.updates.step()  # in chunks: FP32 working copies of part of the model at a time
-            else:
-                optimizer.step()
-            if self.masters is not None:
-                self.masters.master_to_model()
+        nonfinite = ~finite if overflow is None else ~finite & (overflow == 0)
+        skip = (~finite).float() if overflow is None else torch.maximum((~finite).float(), overflow)
+        if max_norm:
+            # torch's clip: coefficient min(1, max_norm / (norm + 1e-6)) on the device; on a
+            # skipped step the gradients it scales are dropped with the step
+            for group in groups:
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+        clipped = (norm > max_norm) & (skip == 0) if max_norm else torch.zeros_like(finite)
+        if self._host_skip is None:
+            self._host_skip = device_skip(optimizer, self.updates) or ""
+            if self._host_skip:
+                logger.warning("precision: each step reads its skip decision on the host: %s", self._host_skip)
+        step_unless(optimizer, skip, self.updates)
+        if self.masters is not None:
+            self.masters.master_to_model()  # a skipped step left the masters as they were
         optimizer.zero_grad(set_to_none=True)
         if self.formats is not None:
             self.formats.after_step()
-        self.counts.record(applied, overflow, nonfinite, norm_value)
-        fallback = self.scaling.update(self.counts.steps, overflow) if self.scaling is not None else None
-        if fallback:
-            fall_back(self, self.scaling.fallback_to, fallback)
-        return StepResult(applied, overflow, nonfinite, clipped, norm_value,
-                          self.scaling.value if self.scaling is not None else None, self.name, fallback)
+        scale = None
+        if self.scaling is not None:
+            scale = self.scaling.update()
+        values = torch.stack([1 - skip, torch.zeros_like(norm) if overflow is None else overflow,
+                              nonfinite.float(), clipped.float(), norm,
+                              torch.zeros_like(norm) if scale is None else scale.to(norm.device)])
+        result = StepResult(values, self.name, scaled=scale is not None)
+        self._pending.append(result)
+        if self.read_every and len(self._pending) >= self.read_every:
+            self.settle()
+        return result
+
+    def settle(self) -> list[StepResult]:
+        """Read what the steps since the last read did, in one device-to-host copy, and act
+        on it in step order: the counts and their log lines, the loss scale's log, and the
+        fallback (which happens here, at the read: a run that falls back after N
+        overflows in a row does so at the first read after the N-th). Returns those steps'
+        results, read."""
+        pending, self._pending = self._pending, []
+        unread = [r for r in pending if not r.is_read]
+        if unread:
+            for r, host in zip(unread, torch.stack([r.values for r in unread]).tolist()):
+                r.read(host)
+        for r in pending:
+            self.counts.record(r.applied, r.overflow, r.nonfinite, r.grad_norm)
+            if r.scaled and self.scaling is not None:
+                reason = self.scaling.record(self.counts.steps, r.overflow, r.loss_scale)
+                if reason:
+                    fall_back(self, self.scaling.fallback_to, reason)
+                    r.precision, r.fallback = self.name, reason
+        return pending
 
     # ---- repairs during a run -----------------------------------------------------------
     def narrow(self, fqn: str) -> bool:
@@ -262,7 +298,8 @@ class Policy:
 
     # ---- reporting and checkpointing ------------------------------------------------
     def summary(self) -> dict:
-        """The run's precision figures, for summary.json."""
+        """The run's precision figures, for summary.json (reads the steps not read yet)."""
+        self.settle()
         return _describe.summary(self)
 
     def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -276,6 +313,7 @@ class Policy:
             model.load_state_dict(state)
 
     def state_dict(self) -> dict:
+        self.settle()
         c, scaling = self.counts, self.scaling.state_dict() if self.scaling is not None else {}
         return {
             "precision": self.requested, "precision_final": self.name, "steps": c.steps,
@@ -290,6 +328,7 @@ class Policy:
     def load_state_dict(self, state: dict) -> None:
         """Restore counters and the loss scale; re-apply a fallback the saved run took.
         Call after setup and before loading the model's and optimizer's state."""
+        self.settle()
         if state.get("precision") != self.requested:
             logger.warning("precision: resuming a %s checkpoint under %s", state.get("precision"), self.requested)
         elif state.get("fallback_step") is not None and self.fallback_step is None:

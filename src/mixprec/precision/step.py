@@ -1,28 +1,65 @@
 """What one optimizer step did: `Policy.step` returns it, the trainer logs it, the stability
 guard reads it. Truthy when the step was applied, so `if policy.step(optimizer): ...` reads
-as before. StepCounts: the policy's running counts of what the steps did."""
+as before. StepCounts: the policy's running counts of what the steps did.
+
+A step decides on the device (mixprec.precision.device_step): its figures are one small
+tensor there, `StepResult.values`, and a field read on the host is a device-to-host copy,
+made on the first access (or by `Policy.settle`, which reads every step since the last
+read in one copy) and kept."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+
+import torch
 
 logger = logging.getLogger("mixprec.precision.policy")  # where these lines have always come from
 
+# StepResult.values, in this order (float32: every figure is a float32 value or a 0/1 flag)
+FIELDS = ("applied", "overflow", "nonfinite", "clipped", "grad_norm", "loss_scale")
 
-@dataclass(frozen=True)
+
 class StepResult:
-    applied: bool  # the optimizer stepped (no overflow, no non-finite gradient)
-    overflow: bool = False  # the loss scaler found an inf/NaN gradient: its business, not an incident
-    nonfinite: bool = False  # without a loss scaler, a non-finite gradient norm skipped the step
-    clipped: bool = False  # clipping scaled the gradients down (their norm was above max_norm)
-    grad_norm: float | None = None  # the global gradient norm, on the host
-    loss_scale: float | None = None  # after the step's update; None without loss scaling
-    precision: str = ""  # the mode the step ran in (after a fallback, the new one)
-    fallback: str | None = None  # the reason a fallback happened at this step
+    """applied: the optimizer stepped (no overflow, no non-finite gradient); overflow: the
+    loss scaler found an inf/NaN gradient (its business, not an incident); nonfinite:
+    without a loss scaler, a non-finite gradient norm skipped the step; clipped: clipping
+    scaled the gradients down; grad_norm: the global gradient norm; loss_scale: after the
+    step's update (None without loss scaling); precision: the mode the step ran in (after
+    a fallback, the new one); fallback: the reason a fallback happened at this step."""
+
+    def __init__(self, values: torch.Tensor | tuple, precision: str = "", fallback: str | None = None,
+                 scaled: bool = True):
+        if isinstance(values, torch.Tensor):
+            self.values, self._host = values, None
+        else:  # already on the host (tests, a loop without a policy)
+            self.values, self._host = None, [float(v) if v is not None else 0.0 for v in values]
+        self.precision, self.fallback, self.scaled = precision, fallback, scaled
+
+    def read(self, host: list[float] | None = None) -> list[float]:
+        """The figures on the host: `host` when the caller read them already, else one copy."""
+        if self._host is None:
+            self._host = host if host is not None else self.values.tolist()
+        return self._host
+
+    @property
+    def is_read(self) -> bool:
+        return self._host is not None
+
+    applied = property(lambda self: bool(self.read()[0]))
+    overflow = property(lambda self: bool(self.read()[1]))
+    nonfinite = property(lambda self: bool(self.read()[2]))
+    clipped = property(lambda self: bool(self.read()[3]))
+    grad_norm = property(lambda self: self.read()[4])
+    loss_scale = property(lambda self: self.read()[5] if self.scaled else None)
 
     def __bool__(self) -> bool:
         return self.applied
+
+    def __repr__(self) -> str:
+        if not self.is_read:
+            return f"StepResult(on {self.values.device}, not read yet, precision={self.precision!r})"
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in FIELDS)
+        return f"StepResult({fields}, precision={self.precision!r}, fallback={self.fallback!r})"
 
 
 class StepCounts:
@@ -39,6 +76,5 @@ class StepCounts:
         if nonfinite:
             self.nonfinite += 1
             if self.nonfinite <= 10 or self.nonfinite % 100 == 0:
-                logger.warning("[NONFINITE] step %d: gradient norm %s: step skipped (weights, optimizer state and "
-                               "learning-rate schedule untouched; %d such steps so far)", self.steps, norm,
-                               self.nonfinite)
+                logger.warning("[NONFINITE] step %d: gradient norm %s: step skipped on the device (weights and "
+                               "optimizer state untouched; %d such steps so far)", self.steps, norm, self.nonfinite)

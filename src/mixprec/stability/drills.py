@@ -57,7 +57,8 @@ class DrillRunner:
 
     def arm(self, step: int) -> None:
         d = self.drill
-        if d is None or self.fired or step != d.step or (d.rank is not None and d.rank != self.rank):
+        if (d is None or self.fired or self._handle is not None or step != d.step
+                or (d.rank is not None and d.rank != self.rank)):
             return
         if d.kind == "fp8scale" and not runs_fp8(self.model.get_submodule(d.fqn)):
             logger.warning("[DRILL] step %d: %s no longer computes in FP8 (promoted): stability.inject %s injects "
@@ -85,12 +86,13 @@ class DrillRunner:
 
     def disarm(self, step: int) -> None:
         """After step `step` (its locator re-run included): the drill is spent once its step has passed, on every rank."""
+        if self.drill is None or step < self.drill.step:
+            return  # a step before the drill's, read after it was armed
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
             torch.compiler.set_stance("default")
-        if self.drill is not None and step >= self.drill.step:
-            self.fired = True
+        self.fired = True
 
     def state_dict(self) -> dict:
         return {"drill": str(self.drill) if self.drill else None, "fired": self.fired}

@@ -61,6 +61,7 @@ class StabilityGuard:
             optimizer.register_step_pre_hook(self._lower_lr)
             optimizer.register_step_post_hook(self._restore_lr)
         self._saved_lrs = None
+        self._ran: int | None = None  # the last step before_step saw (None: none since the start or a rewind)
 
     @classmethod
     def for_loop(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, policy=None, scheduler=None,
@@ -101,15 +102,39 @@ class StabilityGuard:
         if self.config.snapshot_interval:
             self._take(step)
         self.drills.arm(step + 1)
+        self._ran = None
 
-    def after_step(self, step: int, loss: float, result=None, rerun=None, *, grad_norm: float | None = None) -> int:
+    def before_step(self, step: int) -> None:
+        """Before training step `step` (1-based), on the host, reading nothing: the drill armed
+        for its step, and the learning rate's back-off after a rewind moved on by the step
+        taken since (for a loop that reads its steps in arrears; `after_step` does neither)."""
+        if self._ran is not None and self.backoff_left:
+            self.backoff_left -= 1
+            if not self.backoff_left:
+                logger.info("[STABILITY] step %d: learning rate back on its schedule", step - 1)
+        self._ran = step
+        self.drills.arm(step)
+
+    def reads_at(self, step: int) -> bool:
+        """Whether the guard needs step `step` read at once: a snapshot is taken after it (the
+        state must be judged healthy as it stands), or a drill fires in it (its locator re-run
+        needs the drill still armed)."""
+        interval, drill = self.config.snapshot_interval, self.drills.drill
+        return bool(interval and step % interval == 0) or (drill is not None and drill.step == step)
+
+    def after_step(self, step: int, loss: float, result=None, rerun=None, *, grad_norm: float | None = None,
+                   consumed: int | None = None) -> int:
         """Check step `step` (1-based, counted after it ran) and return the step to go on
         from: `step` when healthy (or when only reporting), else the step rewound to.
         loss: the step's loss on the host; result: what Policy.step returned (a StepResult:
         whether it was applied, an overflow the loss scaler handled, the gradient norm, and
         whether clipping bounded it, which makes a gradient-norm spike a logged warning
         rather than an incident); rerun: the step's micro-batches as (forward, backward)
-        pairs, for the locator; grad_norm: the norm, for a loop without a policy."""
+        pairs, for the locator; grad_norm: the norm, for a loop without a policy; consumed:
+        the last step whose data the loop has drawn, where it reads steps in arrears (the
+        trainer reads at its log steps: a rewind then skips the data up to there).
+        A loop that calls `before_step` moves the learning rate's back-off there; in a loop
+        that does not, each healthy step here does."""
         applied = result.applied if result is not None else True
         overflow = result is not None and result.overflow
         clipped = result is not None and result.clipped
@@ -123,7 +148,7 @@ class StabilityGuard:
                            step, health.warning, len(self.clipped_spikes))
         if health.kind is None:
             self.drills.disarm(step)
-            if self.backoff_left:
+            if self.backoff_left and self._ran is None:
                 self.backoff_left -= 1
                 if not self.backoff_left:
                     logger.info("[STABILITY] step %d: learning rate back on its schedule", step)
@@ -131,7 +156,7 @@ class StabilityGuard:
                 self._take(step)
             self.drills.arm(step + 1)
             return step
-        return self._incident(step, loss, grad_norm, health, rerun, applied)
+        return self._incident(step, loss, grad_norm, health, rerun, applied, max(step, consumed or step))
 
     @property
     def lr_factor(self) -> float:
@@ -142,7 +167,7 @@ class StabilityGuard:
         return 1.0 - (1.0 - self.config.lr_backoff) * self.backoff_left / self.config.backoff_steps
 
     # ---- an incident ------------------------------------------------------------------
-    def _incident(self, step, loss, grad_norm, health, rerun, applied: bool) -> int:
+    def _incident(self, step, loss, grad_norm, health, rerun, applied: bool, consumed: int) -> int:
         logger.warning("[STABILITY] step %d: %s", step, health.reason)
         finding = self._locate(rerun) if health.kind == "nonfinite" and rerun else None
         self.drills.disarm(step)
@@ -190,11 +215,12 @@ class StabilityGuard:
                                    "kept on disk: resume from it with a lower training.lr, or see the diagnosis in the log")
         target = self._rewind()
         self.rewinds += 1
-        self.skipped.append([target + 1, step])
+        self.skipped.append([target + 1, consumed])
+        self._ran = None
         self.backoff_left = self.config.backoff_steps if self.config.lr_backoff < 1 else 0
         scale = self.policy.back_off_loss_scale() if self.policy is not None else None
         action = (f"{harm}: rewound to step {target} ({'memory snapshot' if self.config.snapshot_interval else 'checkpoint'}), "
-                  f"the data of steps {target + 1}-{step} is not replayed")
+                  f"the data of steps {target + 1}-{consumed} is not replayed")
         if self.backoff_left:
             action += f", learning rate x{self.config.lr_backoff:g} back up to x1 over {self.backoff_left} steps"
         if scale is not None:

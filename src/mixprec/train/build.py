@@ -210,11 +210,12 @@ def build(config: Config, *, accum: int | None = None) -> Parts:
                 "tokenizer": tokenizer_name}
     parallelize(model, dims, policy, device, pcfg=pcfg, ac_mode=config.activation_checkpoint.mode,
                 compile_components=config.compile.components if config.compile.enable else None)
-    # The fused kernel needs plain tensors; under tensor parallel the parameters mix
-    # DTensors of two meshes (or with plain tensors), which one foreach call cannot take.
-    sharded = dims.fsdp_enabled or dims.tp_enabled
-    optimizer = build_optimizer(model, tcfg, fused=not sharded, foreach=False if dims.tp_enabled else None,
+    # The fused kernel skips an overflowed step on the device (found_inf), FSDP2's DTensor
+    # shards included; under tensor parallel the parameters mix DTensors of two meshes (or
+    # with plain tensors), which one fused or foreach call cannot take.
+    optimizer = build_optimizer(model, tcfg, fused=not dims.tp_enabled, foreach=False if dims.tp_enabled else None,
                                 moments_dtype=policy.optimizer_moments_dtype)
+    policy.read_every = 0  # the loop reads what the steps did at its own read steps (Trainer.read_step)
     model, optimizer = policy.setup(model, optimizer)
     if dims.ddp_enabled:
         logger.info("parallelism: DDP over %d processes", world)

@@ -13,6 +13,7 @@ import logging
 import math
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -30,13 +31,22 @@ logger = logging.getLogger(__name__)
 @torch.no_grad()
 def evaluate(model, policy: Policy, batches) -> float:
     model.eval()
-    total = 0.0
+    losses = []
     for x, y in batches:
         with policy.autocast():
-            total += model(x, y).item()
+            losses.append(model(x, y).float())
     model.train()
-    return total / len(batches)
+    return sum(torch.stack(losses).tolist()) / len(batches)  # one read; the same sum of the same floats
 
+
+@dataclass
+class Pending:
+    """A step taken but not read yet: its figures stay on the device until the next read step."""
+    step: int
+    loss: torch.Tensor  # 0-dim, on the device
+    result: StepResult
+    lr: float
+    batches: list  # its micro-batches (token ids), for the locator
 
 class Trainer:
     """The loop over mixprec.train.build's parts: trainer.policy, .model, .optimizer, .state
@@ -106,59 +116,65 @@ class Trainer:
         speeds, loss, val_loss, stopped_early, start_step = [], math.nan, None, False, self.step
         if self.guard is not None:
             self.guard.start(self.step)
+        pending: list[Pending] = []  # steps since the last read step
+        since, promoted = time.perf_counter(), set(self.policy.promoted)
         while self.step < tcfg.steps:
-            t0 = time.perf_counter()
-            lr = self.scheduler.get_last_lr()[0] * (self.guard.lr_factor if self.guard is not None else 1.0)
-            promoted = set(self.policy.promoted)
-            with self.replanner.watch(self.step + 1) if self.replanner is not None else contextlib.nullcontext():
-                loss, result = self.train_step()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            dt = time.perf_counter() - t0
-            self.step += 1
-            speeds.append(tokens_per_step / dt)
             if self.guard is not None:
-                try:
-                    step = self.step
-                    if self.guard.after_step(step, loss, result, self._rerun()) != step:
-                        self._after_rewind()  # self.step is now the step gone back to
-                        if bar is not None:
-                            bar.n = self.step
-                        continue
-                except TrainingUnstable:
-                    self._write_summary(self._summary(loss, None, False, start_step, speeds, unstable=True))
-                    raise
-            matmul = self.policy.matmul_dtype
-            if matmul not in peaks:
-                peaks[matmul] = peak_flops(self.device, self.policy)
-            peak = peaks[matmul]
-            record = {
-                "step": self.step, "loss": loss, "lr": lr, "grad_norm": result.grad_norm,
-                "tokens_per_sec": speeds[-1],
-                "mfu": flops_per_token * speeds[-1] / peak if peak else None,
-                "peak_memory_bytes": peak_memory_bytes(self.device),
-                "precision": result.precision, "skipped": not result.applied, "loss_scale": result.loss_scale,
-                **(self.guard.health if self.guard is not None else {}),
-            }
-            if set(self.policy.promoted) - promoted:  # layers taken out of FP8 at this step (re-planning, the guard)
-                record["promoted"] = sorted(set(self.policy.promoted) - promoted)
-            last = self.step == tcfg.steps
-            if last or (tcfg.eval_interval and self.step % tcfg.eval_interval == 0):
-                val_loss = evaluate(self.model, self.policy, self.val)
-                record.update(val_loss=val_loss, val_perplexity=math.exp(val_loss))
-                state = self.state
-                if val_loss < state.best_val:
-                    state.best_val, state.bad_evals = val_loss, 0
-                else:
-                    state.bad_evals += 1
-                if tcfg.early_stopping_patience and state.bad_evals >= tcfg.early_stopping_patience:
-                    logger.info("early stopping at step %d: validation loss has not improved below %.4f "
-                                "for %d evaluations", self.step, state.best_val, state.bad_evals)
-                    stopped_early = last = True
-            if metrics is not None:
-                metrics.log(record)
-            report_step(bar, record, self.step % cfg.metrics.log_freq == 0 or last)
-            if self.state.checkpoints and (last or self.step % cfg.checkpoint.interval == 0):
+                self.guard.before_step(self.step + 1)
+            lr = self.scheduler.get_last_lr()[0] * (self.guard.lr_factor if self.guard is not None else 1.0)
+            with self.replanner.watch(self.step + 1) if self.replanner is not None else contextlib.nullcontext():
+                micro_loss, result = self.train_step()
+            self.step += 1
+            pending.append(Pending(self.step, micro_loss, result, lr, self._batches))
+            if not self.read_step(self.step):
+                continue  # nothing read: the host queues the next step while the device works
+            # ---- the read: the one place the loop waits for the device ----
+            losses = torch.stack([p.loss for p in pending]).tolist()
+            self.policy.settle()  # what the steps did, in one copy: counts, loss-scale log, fallback
+            now = time.perf_counter()
+            speed = tokens_per_step * len(pending) / (now - since)  # over the steps read: each step's own is not seen
+            steps, pending, since = pending, [], now
+            rewound = False
+            for p, loss in zip(steps, losses):
+                speeds.append(speed)
+                if self.guard is not None:
+                    try:
+                        if self.guard.after_step(p.step, loss, p.result, self._rerun(p.batches),
+                                                 consumed=steps[-1].step) != p.step:
+                            self._after_rewind()  # self.step is now the step gone back to
+                            rewound = True
+                            break
+                    except TrainingUnstable:
+                        self._write_summary(self._summary(loss, None, False, start_step, speeds, unstable=True))
+                        raise
+                matmul = self.policy.matmul_dtype
+                if matmul not in peaks:
+                    peaks[matmul] = peak_flops(self.device, self.policy)
+                peak = peaks[matmul]
+                r = p.result
+                record = {
+                    "step": p.step, "loss": loss, "lr": p.lr, "grad_norm": r.grad_norm, "tokens_per_sec": speed,
+                    "mfu": flops_per_token * speed / peak if peak else None,
+                    "peak_memory_bytes": peak_memory_bytes(self.device),
+                    "precision": r.precision, "skipped": not r.applied, "loss_scale": r.loss_scale,
+                    **(self.guard.health if self.guard is not None else {}),
+                }
+                if p is steps[-1] and set(self.policy.promoted) - promoted:  # taken out of FP8 at this read
+                    record["promoted"] = sorted(set(self.policy.promoted) - promoted)
+                if p is steps[-1]:
+                    stopped_early, val_loss = self._evaluate_if_due(record, val_loss)
+                if metrics is not None:
+                    metrics.log(record)
+                last = p.step == tcfg.steps or stopped_early
+                report_step(bar, record, p.step % cfg.metrics.log_freq == 0 or last)
+            promoted = set(self.policy.promoted)
+            if rewound:
+                if bar is not None:
+                    bar.n = self.step
+                since = time.perf_counter()
+                continue
+            if self.state.checkpoints and (self.step == tcfg.steps or stopped_early
+                                           or self.step % cfg.checkpoint.interval == 0):
                 self.state.save()
             if stopped_early:
                 break
@@ -169,6 +185,36 @@ class Trainer:
         if val_loss is None:  # resumed at the end: nothing trained, evaluate what is there
             val_loss = evaluate(self.model, self.policy, self.val)
         return self._write_summary(self._summary(loss, val_loss, stopped_early, start_step, speeds))
+
+    def read_step(self, step: int) -> bool:
+        """Whether the loop reads from the device after step `step`: a log line
+        (metrics.log_freq), the last step, an evaluation, a checkpoint, a stability-guard
+        snapshot or drill, a re-planning. Between read steps the host reads nothing: each
+        step's loss and figures wait on the device, and are read, logged and acted on (the
+        guard, the fallback) together at the next read step."""
+        cfg, tcfg = self.config, self.config.training
+        return (step % cfg.metrics.log_freq == 0 or step >= tcfg.steps
+                or bool(tcfg.eval_interval and step % tcfg.eval_interval == 0)
+                or bool(self.state.checkpoints and step % cfg.checkpoint.interval == 0)
+                or (self.guard is not None and self.guard.reads_at(step))
+                or (self.replanner is not None and self.replanner.due(step)))
+
+    def _evaluate_if_due(self, record: dict, val_loss):
+        """Validation on an evaluation step and the last one, into `record`; (stop early, validation loss)."""
+        tcfg, state = self.config.training, self.state
+        if not (self.step == tcfg.steps or (tcfg.eval_interval and self.step % tcfg.eval_interval == 0)):
+            return False, val_loss
+        val_loss = evaluate(self.model, self.policy, self.val)
+        record.update(val_loss=val_loss, val_perplexity=math.exp(val_loss))
+        if val_loss < state.best_val:
+            state.best_val, state.bad_evals = val_loss, 0
+        else:
+            state.bad_evals += 1
+        if tcfg.early_stopping_patience and state.bad_evals >= tcfg.early_stopping_patience:
+            logger.info("early stopping at step %d: validation loss has not improved below %.4f "
+                        "for %d evaluations", self.step, state.best_val, state.bad_evals)
+            return True, val_loss
+        return False, val_loss
 
     def _write_summary(self, summary: dict) -> dict:
         """summary.json and the plots, from the one process that writes files."""
@@ -208,9 +254,10 @@ class Trainer:
             summary["replanning"] = self.replanner.summary()
         return summary
 
-    def train_step(self, before_step=None) -> tuple[float, StepResult]:
-        """One optimizer step over `accum` micro-batches: (mean loss, what the step did).
-        `before_step(micro)`, when given, is called after each micro-batch's backward."""
+    def train_step(self, before_step=None) -> tuple[torch.Tensor, StepResult]:
+        """One optimizer step over `accum` micro-batches: (mean loss, what the step did),
+        both on the device, read by nobody here. `before_step(micro)`, when given, is
+        called after each micro-batch's backward."""
         accum = self.accum
         loss_sum = torch.zeros((), device=self.device)
         self._batches = []  # this rank's micro-batches, for the locator should this step go non-finite
@@ -229,12 +276,13 @@ class Trainer:
             torch.distributed.all_reduce(loss_sum)
             loss_sum /= self.dims.world_size
         result = self.policy.step(self.optimizer, self.config.training.max_norm)
-        if result.applied:
-            self.scheduler.step()
-        return loss_sum.item(), result
+        # torch.amp's convention: the schedule advances every iteration, a skipped step's too
+        # (deciding otherwise would read the skip on the host)
+        self.scheduler.step()
+        return loss_sum, result
 
-    def _rerun(self) -> list:
-        """The last step's micro-batches as (forward, backward) pairs for the locator: the
+    def _rerun(self, batches: list | None = None) -> list:
+        """A step's micro-batches (default: the last step's) as (forward, backward) pairs for the locator: the
         same forward and backward as train_step. Gradients are reduced as on a last
         micro-batch (every rank re-runs, so the collectives match; the guard clears them):
         FSDP2 would keep a no-sync pass's gradients apart, where zero_grad does not reach."""
@@ -248,7 +296,7 @@ class Trainer:
                     self.policy.backward(loss)
             return forward, backward
 
-        return [pair(x, y) for x, y in self._batches]
+        return [pair(x, y) for x, y in (self._batches if batches is None else batches)]
 
     def _gradient_sync(self, last: bool):
         """Reduce gradients across ranks only on the last micro-batch of a step."""
