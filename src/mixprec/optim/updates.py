@@ -217,7 +217,7 @@ class BF16Updates:
             device = _local(mine[0]).device
             skip = found_inf.to(device) if found_inf is not None else torch.zeros((), device=device)
             steps = [optimizer.state[p]["step"] for p in mine]
-            torch._foreach_add_(steps, 1 - skip)
+            torch._foreach_add_(steps, [1 - skip] * len(steps))  # a list: the one-tensor overload reads it on the host
             for p, scalars in zip(mine, fused_adamw.scalars(group, torch.stack(steps))):
                 state = optimizer.state[p]
                 tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]

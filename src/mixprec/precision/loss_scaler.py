@@ -220,16 +220,19 @@ class LossScaler:
         if not self._enabled:
             return {}
         c = self.config
+        # one read of the three device values (float64 holds the float32 scale and the int32 counts exactly)
+        scale, tracker, left = torch.stack([self._scale.double(), self._growth_tracker.double(),
+                                            self._hysteresis_left.double()]).tolist()
         return {
-            "scale": self.get_scale(),
+            "scale": scale,
             "growth_factor": c.growth_factor,
             "backoff_factor": c.backoff_factor,
             "growth_interval": c.growth_interval,
-            "_growth_tracker": int(self._growth_tracker.item()),
+            "_growth_tracker": int(tracker),
             "min_scale": c.min_scale,
             "max_scale": c.max_scale,
             "hysteresis": c.hysteresis,
-            "_hysteresis_left": int(self._hysteresis_left.item()),
+            "_hysteresis_left": int(left),
         }
 
     def load_state_dict(self, state: dict) -> None:

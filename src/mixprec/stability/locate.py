@@ -51,9 +51,11 @@ def _json_float(x: float):
 
 
 def _floats(tree) -> list[torch.Tensor]:
-    # FP8 tensors widened: torch has no isfinite for them
+    # FP8 tensors widened: torch has no isfinite for them. Packed FP4 (two e2m1 codes a byte)
+    # has no cast at all, and no code for an infinity or a NaN: never a non-finite value.
     return [t.detach().float() if t.element_size() == 1 else t.detach() for t in tree_leaves(tree)
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
+            and t.dtype is not torch.float4_e2m1fn_x2]
 
 
 def _dtype(t: torch.Tensor) -> tuple[str, float]:
