@@ -8,6 +8,14 @@ import random
 import torch
 
 
+def seed_all(seed: int) -> None:
+    """Seed every stream rng_state saves (as Lightning's seed_everything): torch's generators
+    and Python's random, which otherwise starts each process from the OS's entropy, so that a
+    run resumed in a new process holds the same state at each step as the run never stopped."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+
+
 def rng_state(device: torch.device) -> dict:
     """Every random stream a run may draw from: torch's CPU generator, this device's CUDA
     generator, Python's random. (The data order has its own state: TrainLoader's.)"""

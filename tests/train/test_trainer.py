@@ -1,4 +1,6 @@
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -150,6 +152,23 @@ def test_a_resumed_run_writes_the_uninterrupted_runs_checkpoint_bit_for_bit(tmp_
         assert {t.dtype for s in states for k, t in s.items() if k != "step"} == {torch.bfloat16}
         assert all(("kahan_compensation" in s) == (preset == "bf16-kahan") for s in states)
         assert full["policy"]["updates"]["steps"] == 6
+
+
+def test_a_run_resumed_in_a_new_process_holds_the_same_random_streams(tmp_path, text_file):
+    # each process starts Python's random from the OS's entropy unless the run seeds it: the
+    # uninterrupted run and the one resumed in another process must save the same states
+    def train(folder, steps):
+        subprocess.run([sys.executable, "-m", "mixprec", *tiny_args(folder, text_file, "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
+                                                                    "--training.steps", str(steps))],
+                       check=True, capture_output=True)
+
+    train(tmp_path / "full", 6)
+    train(tmp_path / "cut", 2)
+    train(tmp_path / "cut", 6)  # resumed at 2, in a new process
+    for step in (2, 4, 6):
+        full, cut = (torch.load(tmp_path / run / "checkpoint" / f"step-{step}.pt", weights_only=False)
+                     for run in ("full", "cut"))
+        assert_same(cut["rng"], full["rng"], f"rng at step {step}")
 
 
 def test_a_finished_run_stays_finished(tmp_path, text_file, capsys):

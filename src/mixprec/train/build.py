@@ -32,6 +32,7 @@ from mixprec.models.llama import ModelArgs, build_model, model_args, resolve_att
 from mixprec.models.loss import loss_chunk
 from mixprec.optim import AdamW
 from mixprec.precision import Policy
+from mixprec.rng import seed_all
 from mixprec.plan.live import Replanner
 from mixprec.stability.guard import StabilityGuard
 from mixprec.train.checkpoint import CheckpointManager
@@ -178,7 +179,7 @@ def build(config: Config, *, accum: int | None = None) -> Parts:
     check_writable(folder, "job.dump_folder")
     if config.checkpoint.enable:
         check_writable(folder / config.checkpoint.folder, "checkpoint.folder")
-    torch.manual_seed(tcfg.seed)
+    seed_all(tcfg.seed)
     pcfg = config.parallelism
     rank, world = init_distributed(device, pcfg.timeout_s)
     dims = ParallelDims.resolve(pcfg.data_parallel_replicate_degree, pcfg.data_parallel_shard_degree,
