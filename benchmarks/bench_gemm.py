@@ -21,7 +21,6 @@ import torch
 
 from mixprec.fp8 import RECIPES, quantize, scaled_mm
 from mixprec.fp8.gemm import probe
-from mixprec.fp8.linear import Tiles
 from mixprec.precision.emulation import EmulatedMatmul
 
 # (M, K, N): tokens x dim @ dim x out, for the small flavor's batch of 4 x 256 tokens and the 1B flavor's
@@ -66,7 +65,7 @@ def cases(m: int, k: int, n: int, device: torch.device) -> dict:
     for name, recipe in RECIPES.items():
         if name == "delayed":  # the same GEMM as tensorwise; only where the scale comes from differs
             continue
-        tiles = Tiles.of(recipe)
+        tiles = recipe.tiles
         a8, _ = quantize(a32, E4M3, tiles.x, power_of_2=recipe.power_of_2_scales)
         w8, _ = quantize(w32, E4M3, tiles.w, power_of_2=recipe.power_of_2_scales)
         kernel = probe(device.type, tiles.x, (tiles.w[1], tiles.w[0]), E4M3, E4M3, torch.bfloat16) is None
