@@ -54,6 +54,15 @@ def test_log_freq_1_reads_every_step(tmp_path, text_file):
     assert sorted(label[1] for label in counts if label) == list(range(1, 13))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp16-mixed", "fp8-rowwise", "bf16-kahan"])
+def test_no_step_reads_the_gpu(tmp_path, text_file, preset):
+    # on CUDA a read is a copy to the CPU (tolist included) or a _local_scalar_dense: both counted
+    trainer, reads = counted_run(overrides(tmp_path, text_file, preset, **{"training.device": "cuda"}))
+    check(trainer, reads, AT_MOST)
+    assert records(tmp_path)[NAN_STEP - 1]["skipped"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["fp32", "bf16-mixed"])
 def test_no_compiled_step_reads_the_device(tmp_path, text_file, preset):
