@@ -16,7 +16,6 @@ import statistics
 import tempfile
 import time
 
-
 from mixprec.config import load_config
 from mixprec.train.trainer import Trainer
 
