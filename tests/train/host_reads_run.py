@@ -3,6 +3,7 @@ labelled by where the loop was. Imported by tests/train/test_host_reads.py, and 
 script under torchrun by it (one JSON file of reads per rank).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/train/host_reads_run.py OUT KEY=VALUE ...
+    (precision.preset=a,b,c trains each in turn in the same process group)
 """
 
 from __future__ import annotations
@@ -76,15 +77,17 @@ def check(trainer: Trainer, reads: HostReads, at_most: int) -> dict:
     return counts
 
 
-if __name__ == "__main__":  # under torchrun: OUT KEY=VALUE ...
+if __name__ == "__main__":  # under torchrun: OUT KEY=VALUE ... (precision.preset may list several: a,b,c)
     logging.disable(logging.WARNING)
     out, pairs = Path(sys.argv[1]), dict(a.split("=", 1) for a in sys.argv[2:])
-    trainer, reads = counted_run(pairs)
-    rank = trainer.rank
-    (out / f"rank{rank}.json").write_text(json.dumps({
-        "events": [[list(label) if label else None, op, where] for label, op, where in reads.events],
-        "read_steps": [s for s in range(1, trainer.config.training.steps + 1) if trainer.read_step(s)],
-        "incidents": [i["step"] for i in trainer.guard.incidents] if trainer.guard is not None else [],
-        "skipped": [r for r in (json.loads(x) for x in (Path(pairs["job.dump_folder"]) / "metrics.jsonl")
-                                .read_text().splitlines()) if r["skipped"]] if rank == 0 else None,
-    }))
+    for preset in pairs["precision.preset"].split(","):  # one process group for them all
+        run = {**pairs, "precision.preset": preset, "job.dump_folder": str(Path(pairs["job.dump_folder"]) / preset)}
+        trainer, reads = counted_run(run)
+        rank = trainer.rank
+        (out / f"{preset}-rank{rank}.json").write_text(json.dumps({
+            "events": [[list(label) if label else None, op, where] for label, op, where in reads.events],
+            "read_steps": [s for s in range(1, trainer.config.training.steps + 1) if trainer.read_step(s)],
+            "incidents": [i["step"] for i in trainer.guard.incidents] if trainer.guard is not None else [],
+            "skipped": [r["step"] for r in (json.loads(x) for x in (Path(run["job.dump_folder"]) / "metrics.jsonl")
+                                            .read_text().splitlines()) if r["skipped"]] if rank == 0 else None,
+        }))

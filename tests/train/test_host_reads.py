@@ -78,27 +78,33 @@ def test_no_compiled_step_reads_the_device(tmp_path, text_file, preset):
         assert torch._dynamo.utils.counters["frames"]["ok"] > 0  # the blocks ran compiled
 
 
-@pytest.mark.parametrize("preset,layout", [
-    ("fp16-mixed", {"parallelism.data_parallel_shard_degree": "2"}),  # FSDP2: fused AdamW on DTensor shards
-    ("bf16-kahan", {"parallelism.data_parallel_shard_degree": "2"}),
-    ("fp8-delayed", {"parallelism.data_parallel_replicate_degree": "2",  # DDP
-                     "parallelism.data_parallel_shard_degree": "1"}),
-])
-def test_no_step_reads_the_device_on_two_ranks(tmp_path, text_file, preset, layout):
+# each distinct step path on two ranks (every preset is counted in one process above): the
+# fused AdamW on FSDP2's shards, the loss scaler's all-reduced flag, FP32 shards as masters,
+# the bf16 kernels, the delayed amaxes' all-reduce, mixprec's AdamW, a microscaled format
+@pytest.mark.parametrize("layout,presets", [
+    ({"parallelism.data_parallel_shard_degree": "2"},
+     ["fp32", "fp16-mixed", "fp16-master", "bf16-kahan", "bf16-sr", "fp8-delayed", "fp8-blockwise", "nvfp4"]),
+    ({"parallelism.data_parallel_replicate_degree": "2", "parallelism.data_parallel_shard_degree": "1"},
+     # (not fp16-master: under DDP its first snapshot or checkpoint fails, DCP's get_state_dict
+     # not knowing the optimizer's master copies; a known gap, not this test's subject)
+     ["bf16-mixed", "fp16-mixed", "fp8-blockwise"]),
+], ids=["fsdp2", "ddp"])
+def test_no_step_reads_the_device_on_two_ranks(tmp_path, text_file, layout, presets):
     # Collectives (the gradient reduction, the overflow flag's all-reduce, the norm of DTensor
     # gradients, the delayed-scaling amaxes' all-reduce) make a rank wait for its peers; none
-    # reads a value to the host.
-    run = overrides(tmp_path / "run", text_file, preset, **{"training.local_batch_size": "1", **layout})
+    # reads a value to the host. Every preset in one process group, one after the other.
+    run = overrides(tmp_path / "run", text_file, ",".join(presets), **{"training.local_batch_size": "1", **layout})
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     script = Path(__file__).with_name("host_reads_run.py")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(script), str(tmp_path), *(f"{k}={v}" for k, v in run.items())],
-                          capture_output=True, text=True, env=env, timeout=300)
+                          capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for rank in (0, 1):
-        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        inside = [e for e in seen["events"] if e[0] and e[0][0] == "in"]
-        stray = [e for e in seen["events"] if e[0] and e[0][1] not in seen["read_steps"]]
-        assert not inside and not stray, (inside + stray)[:5]
-        assert seen["incidents"] == [NAN_STEP]
-    assert NAN_STEP in [r["step"] for r in json.loads((tmp_path / "rank0.json").read_text())["skipped"]]
+    for preset in presets:
+        for rank in (0, 1):
+            seen = json.loads((tmp_path / f"{preset}-rank{rank}.json").read_text())
+            inside = [e for e in seen["events"] if e[0] and e[0][0] == "in"]
+            stray = [e for e in seen["events"] if e[0] and e[0][1] not in seen["read_steps"]]
+            assert not inside and not stray, (preset, (inside + stray)[:5])
+            assert seen["incidents"] == [NAN_STEP], preset
+        assert NAN_STEP in json.loads((tmp_path / f"{preset}-rank0.json").read_text())["skipped"], preset
