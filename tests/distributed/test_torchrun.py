@@ -221,3 +221,18 @@ def test_fp8_with_tensor_parallel_is_refused_before_any_work():
     with pytest.raises(UserError, match="FP8 layers are not tensor-parallel"):
         parallelize(torch.nn.Module(), ParallelDims.resolve(1, 1, 2, 2), policy, torch.device("cpu"),
                     pcfg=cfg.parallelism, ac_mode="none", compile_components=None)
+
+
+@pytest.mark.parametrize("preset", ["fp16-master", "bf16-mixed"])
+def test_ddp_saves_one_file_and_resumes_exactly(tmp_path, text_file, preset):
+    # under DDP every rank holds the whole state, the masters of fp16-master included (which
+    # DCP's state-dict helpers cannot name): rank 0 writes one file, as one process does; the
+    # guard's snapshots (every 3 steps here) are each rank's own copy
+    ddp = ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+           "--precision.preset", preset, "--stability.snapshot_interval", "3")
+    full = torchrun_ckpt(tmp_path / "run", text_file, *ddp)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoint").iterdir()) == ["step-3.pt", "step-6.pt"]
+    (tmp_path / "run" / "checkpoint" / "step-6.pt").unlink()
+    resumed = torchrun_ckpt(tmp_path / "run", text_file, *ddp)  # 2 -> 2 from step 3
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps_this_run"] == 3
+    assert [r["loss"] for r in resumed[3:]] == [r["loss"] for r in full[3:]]

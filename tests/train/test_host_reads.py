@@ -80,14 +80,13 @@ def test_no_compiled_step_reads_the_device(tmp_path, text_file, preset):
 
 # each distinct step path on two ranks (every preset is counted in one process above): the
 # fused AdamW on FSDP2's shards, the loss scaler's all-reduced flag, FP32 shards as masters,
-# the bf16 kernels, the delayed amaxes' all-reduce, mixprec's AdamW, a microscaled format
+# the bf16 kernels, the delayed amaxes' all-reduce, mixprec's AdamW, a microscaled format,
+# DDP's replicated masters
 @pytest.mark.parametrize("layout,presets", [
     ({"parallelism.data_parallel_shard_degree": "2"},
      ["fp32", "fp16-mixed", "fp16-master", "bf16-kahan", "bf16-sr", "fp8-delayed", "fp8-blockwise", "nvfp4"]),
     ({"parallelism.data_parallel_replicate_degree": "2", "parallelism.data_parallel_shard_degree": "1"},
-     # (not fp16-master: under DDP its first snapshot or checkpoint fails, DCP's get_state_dict
-     # not knowing the optimizer's master copies; a known gap, not this test's subject)
-     ["bf16-mixed", "fp16-mixed", "fp8-blockwise"]),
+     ["bf16-mixed", "fp16-master", "fp8-blockwise"]),
 ], ids=["fsdp2", "ddp"])
 def test_no_step_reads_the_device_on_two_ranks(tmp_path, text_file, layout, presets):
     # Collectives (the gradient reduction, the overflow flag's all-reduce, the norm of DTensor

@@ -51,14 +51,27 @@ class TrainingState:
             "stability": self.guard.state_dict() if self.guard is not None else None,
         }
 
+    @property
+    def sharded(self) -> bool:
+        """Whether ranks hold different parts of the state (FSDP2, tensor parallel); under DDP
+        every rank holds all of it, as one process does."""
+        return self.parts.dims.fsdp_enabled or self.parts.dims.tp_enabled
+
     def save(self) -> None:
-        """One file from one process; sharded DCP folders from torchrun runs."""
+        """Sharded DCP folders from sharded runs; one file otherwise, written by rank 0 (under
+        DDP every rank holds the whole state: the masters of fp16-master and bf16-master too,
+        which DCP's state-dict helpers cannot name, being no parameter of the model)."""
         p = self.parts
-        if p.dims.world_size > 1:
+        if self.sharded:
             self.checkpoints.save_sharded(self.step, p.model, p.optimizer, self._extras(), p.rank)
-        else:
-            self.checkpoints.save(self.step, {**self._extras(), "model": p.policy.model_state_dict(p.model),
+            return
+        if p.rank == 0:
+            self.checkpoints.save(self.step, {**self._extras(), "model": p.policy.model_state_dict(p.raw_model),
                                               "optimizer": p.optimizer.state_dict()})
+        if p.dims.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()  # no rank reads a checkpoint rank 0 has not finished
 
     def resume(self, load_step: int) -> bool:
         """Restore the chosen checkpoint (-1: the latest); False when there is none."""
@@ -108,7 +121,7 @@ class TrainingState:
     def snapshot(self) -> dict:
         """Everything a rewind puts back, copied (to CPU memory, or sharded on the device)."""
         p = self.parts
-        if p.dims.world_size > 1:
+        if self.sharded:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
             # get_state_dict fills an empty optimizer state by a step with zero gradients (its

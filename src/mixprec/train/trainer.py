@@ -48,6 +48,7 @@ class Pending:
     lr: float
     batches: list  # its micro-batches (token ids), for the locator
 
+
 class Trainer:
     """The loop over mixprec.train.build's parts: trainer.policy, .model, .optimizer, .state
     (a TrainingState: trainer.step and what checkpoints hold), .guard, ... are the parts' own."""
