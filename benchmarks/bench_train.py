@@ -21,7 +21,11 @@ process (so each peak memory is its own): mixprec's Trainer.train_step and a pla
 loop on the identical model and batch (autocast where the preset has it, a GradScaler
 for the fp16 presets, fused AdamW, clipping, the full-logits loss), each eager and compiled (mixprec:
 [compile] per block and loss; plain: torch.compile(model)). MFU is against the GPU's
-data-sheet peak for what the matmuls compute in (Policy.matmul_dtype).
+data-sheet peak for what the matmuls compute in (Policy.matmul_dtype). Each run is timed
+over a window of --steps steps with one wait for the device at its end and a read (the
+loss; mixprec: and its steps' figures) every 10 steps, as the loops run: a per-step
+synchronize would hide whether a step waits for the host. With --profile, a Chrome trace
+beside the table shows the gaps between steps.
 
     python benchmarks/bench_train.py --device cuda --flavor 1B --batch 4 --seq-len 2048 \
         --presets bf16-mixed,fp16-mixed,bf16-true [--section.key value ...]
@@ -42,6 +46,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+
+READ_EVERY = 10  # --modes: the host reads every this many steps, as the trainer at metrics.log_freq 10
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_gemm import SHAPES, cases, gflops  # noqa: E402
@@ -160,7 +166,12 @@ def one_mode(preset: str, impl: str, compiled: bool, flavor: str, device: str, b
     dev, policy = trainer.device, trainer.policy
     flops = trainer.raw_model.flops_per_token(seq_len)
     if impl == "mixprec":
-        step = trainer.train_step
+        def step():
+            return trainer.train_step()[0]
+
+        def read(loss):  # what the trainer's read step reads: the losses and the steps' figures
+            loss.item()
+            policy.settle()
     else:  # the plain loop on a fresh copy of the same model; the trainer's is dropped first
         args, storage, x, y = trainer.args, policy.storage_dtype, *trainer.loader.next_batch()
         del trainer
@@ -183,27 +194,36 @@ def one_mode(preset: str, impl: str, compiled: bool, flavor: str, device: str, b
             opt.zero_grad(set_to_none=True)
             return loss
 
-    def synced():
-        out = step()
+        def read(loss):  # a plain loop logs its loss (TorchTitan: on its log steps)
+            loss.item()
+
+    def window(n: int) -> float:
+        """Seconds for n steps as a training loop runs them: the host reads every READ_EVERY
+        steps (the trainer's metrics.log_freq) and waits for the device only there and at the
+        end, so a loop whose steps do not stop to read overlaps its host work with the device."""
+        start = time.perf_counter()
+        for i in range(n):
+            loss = step()
+            if (i + 1) % READ_EVERY == 0 or i == n - 1:
+                read(loss)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        return out
+        return time.perf_counter() - start
 
-    for _ in range(3):  # compile and allocator warm-up
-        synced()
+    window(3)  # compile and allocator warm-up
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    times = _timed(synced, steps, warmup=0)
+    seconds = window(steps)
     if profile:  # a few steps under torch.profiler: the kernels by device time, to a text file
         from torch.profiler import ProfilerActivity, profile as torch_profile
 
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                synced()
+            window(3)
         sort = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
         Path(profile).write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
+        prof.export_chrome_trace(str(Path(profile).with_suffix(".trace.json")))  # the gaps between steps, to look at
     tokens = batch * seq_len
-    tps = tokens / statistics.median(times)
+    tps = tokens * steps / seconds
     peak = peak_flops(dev, policy)
     return {"preset": preset, "impl": impl, "compiled": compiled, "tokens_per_sec": tps,
             "mfu": flops * tps / peak if peak else None, "peak_memory_bytes": peak_memory_bytes(dev),
