@@ -200,7 +200,7 @@ class Policy:
         """Unscale, clip to `max_norm` (when given) on the true gradients, step unless a
         gradient overflowed or the norm is not finite, update the loss scale, clear the
         gradients. Every decision is made on the device: the host reads nothing here (but
-        for an optimizer that cannot skip on the device, logged at setup). A skipped step
+        for an optimizer that cannot skip on the device: logged at its first step). A skipped step
         changes no parameter, optimizer state or step count. What the step did is read at
         `settle()` (counts, log lines, the fallback), every `read_every` steps, or when
         the caller reads a field of the StepResult (the caller's sync)."""
