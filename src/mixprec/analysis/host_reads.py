@@ -35,32 +35,61 @@ def _cpu(device) -> bool:
     return device is not None and torch.device(device).type == "cpu"
 
 
-class HostReads(TorchDispatchMode):
-    """Counts reads of a value to the host (`Tensor.tolist` included: on a CPU tensor it reads
-    the memory without dispatching an op, so it is counted where it is called). `label` (set by the caller as it goes, e.g. the
-    step number) is recorded with each read, with the innermost mixprec or test frame that
-    issued it. A copy counts when its source is not on the CPU and its destination is; a
-    scalar read counts on any device (on a CPU run, the reads a GPU run would make)."""
+class _Reads:
+    """The record both counters keep: (label, op, where) per read. `label` (set by the caller
+    as it goes, e.g. the step number) is recorded with each read, with the innermost mixprec
+    or test frame that issued it."""
 
     def __init__(self):
         super().__init__()
         self.events: list[tuple[object, str, str]] = []
         self.label: object = None
+        self._saved: dict = {}
+
+    def _record(self, op: str) -> None:
+        frames = [f for f in traceback.extract_stack() if ("mixprec" in f.filename or "/tests/" in f.filename)
+                  and not f.filename.endswith("host_reads.py")]
+        where = f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"
+        self.events.append((self.label, op, where))
+
+    def _patch(self, names: tuple[str, ...], counts) -> None:
+        """Count the Tensor methods `names` where `counts(name, tensor)` says so. Tracing
+        (dynamo's fake tensors) reads nothing."""
+        self._saved = {name: getattr(torch.Tensor, name) for name in names}
+
+        def counted(name, method):
+            def read(t, *args, **kwargs):
+                if not (torch.compiler.is_compiling() or is_fake(t)) and counts(name, t):
+                    self._record(name.strip("_"))
+                return method(t, *args, **kwargs)
+            return read
+
+        for name, method in self._saved.items():
+            setattr(torch.Tensor, name, counted(name, method))
+
+    def _unpatch(self) -> None:
+        for name, method in self._saved.items():
+            setattr(torch.Tensor, name, method)
+
+    def by_label(self) -> dict:
+        counts: dict = {}
+        for label, _, _ in self.events:
+            counts[label] = counts.get(label, 0) + 1
+        return counts
+
+
+class HostReads(_Reads, TorchDispatchMode):
+    """Counts reads of a value to the host: a scalar read on any device (on a CPU run, the
+    reads a GPU run would make), a copy whose source is not on the CPU and whose destination
+    is, and `Tensor.tolist` of a CPU tensor (it reads the memory without dispatching an op;
+    a device tensor's tolist dispatches the copy counted above)."""
 
     def __enter__(self):
-        self._tolist = torch.Tensor.tolist
-        mode = self
-
-        def tolist(t):
-            if _cpu(t.device):  # a device tensor's copy to the CPU is counted as the copy it dispatches
-                mode._record("tolist")
-            return mode._tolist(t)
-
-        torch.Tensor.tolist = tolist
+        self._patch(("tolist",), lambda name, t: _cpu(t.device))
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
+        self._unpatch()
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -74,41 +103,16 @@ class HostReads(TorchDispatchMode):
                 self._record("copy to cpu")
         return func(*args, **kwargs)
 
-    def _record(self, op: str) -> None:
-        frames = [f for f in traceback.extract_stack() if ("mixprec" in f.filename or "/tests/" in f.filename)
-                  and not f.filename.endswith("host_reads.py")]
-        where = f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"
-        self.events.append((self.label, op, where))
 
-    def by_label(self) -> dict:
-        counts: dict = {}
-        for label, _, _ in self.events:
-            counts[label] = counts.get(label, 0) + 1
-        return counts
-
-
-class PythonReads(HostReads):
-    """HostReads at the Tensor methods instead of a dispatch mode (see the module's note)."""
-
-    _METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu")
+class PythonReads(_Reads):
+    """The same reads at the Tensor methods that make them, no dispatch mode (see the module's
+    note): `.cpu()` of a CPU tensor moves nothing and is not counted."""
 
     def __enter__(self):
-        self._saved = {name: getattr(torch.Tensor, name) for name in self._METHODS}
-        mode = self
-
-        def counted(name, method):
-            def read(t, *args, **kwargs):
-                # tracing (dynamo's fake tensors) reads nothing; .cpu() of a CPU tensor moves nothing
-                if not (torch.compiler.is_compiling() or is_fake(t)) and (name != "cpu" or not _cpu(t.device)):
-                    mode._record(name.strip("_"))
-                return method(t, *args, **kwargs)
-            return read
-
-        for name, method in self._saved.items():
-            setattr(torch.Tensor, name, counted(name, method))
+        self._patch(("item", "tolist", "__bool__", "__float__", "__int__", "cpu"),
+                    lambda name, t: name != "cpu" or not _cpu(t.device))
         return self
 
     def __exit__(self, *exc):
-        for name, method in self._saved.items():
-            setattr(torch.Tensor, name, method)
+        self._unpatch()
         return False

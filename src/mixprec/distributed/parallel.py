@@ -119,6 +119,12 @@ class ParallelDims:
         return self.tp > 1
 
     @property
+    def sharded(self) -> bool:
+        """Whether ranks hold different parts of the state (FSDP2, tensor parallel); under DDP
+        every rank holds all of it, as one process does."""
+        return self.fsdp_enabled or self.tp_enabled
+
+    @property
     def dp_degree(self) -> int:
         return self.dp_replicate * self.dp_shard
 

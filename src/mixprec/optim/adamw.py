@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from mixprec.optim import fused_adamw
+
 
 class AdamW(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -95,17 +97,14 @@ class AdamW(torch.optim.Optimizer):
         skip = found_inf.to(p.device) != 0
         state["step"] = state["step"].to(p.device)
         state["step"] += 1 - skip.float()
-        step = state["step"].double()
-        bias_correction1 = 1 - torch.pow(beta1, step)
-        bias_correction2_sqrt = torch.pow(1 - torch.pow(beta2, step), torch.tensor(0.5, dtype=step.dtype,
-                                                                                   device=step.device))
+        step_size, bias_correction2_sqrt = fused_adamw.bias_corrections(group, state["step"])
         exp_avg = state["exp_avg"].to(torch.float32, copy=True)
         exp_avg_sq = state["exp_avg_sq"].to(torch.float32, copy=True)
         w = p.mul(1 - lr * wd)
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        w.add_(exp_avg * (torch.tensor(-lr, dtype=step.dtype, device=step.device) / bias_correction1) / denom)
+        w.add_(exp_avg * -step_size / denom)  # -(lr / bc1) == -lr / bc1 exactly: addcdiv's value
         p.copy_(torch.where(skip, p, w))
         state["exp_avg"].copy_(torch.where(skip, state["exp_avg"], exp_avg))  # rounds to nearest
         state["exp_avg_sq"].copy_(torch.where(skip, state["exp_avg_sq"], exp_avg_sq))

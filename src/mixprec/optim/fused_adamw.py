@@ -71,12 +71,19 @@ def scalars(group: dict, steps: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
     step count lives (no host read), with the arithmetic Python's floats would do (pow,
     correctly rounded division: equal to `lr / (1 - beta1**step)` and `(1 - beta2**step)
     ** 0.5` on a CPU, tests/optim/test_updates.py); the others are host constants."""
+    step_size, bias_correction2_sqrt = bias_corrections(group, steps)
     lr, (beta1, beta2) = group["lr"], group["betas"]
-    steps = steps.double()
-    half, lr_t = (torch.tensor(x, dtype=torch.float64, device=steps.device) for x in (0.5, lr))
-    step_size = lr_t / (1 - torch.pow(beta1, steps))
-    bias_correction2_sqrt = torch.pow(1 - torch.pow(beta2, steps), half)
     rest = tuple(torch.tensor(x, dtype=torch.float64) for x in (lr, beta1, beta2, group["eps"],
                                                                 group["weight_decay"],
                                                                 -1.0 if group["maximize"] else 1.0))
     return [(a, b, *rest) for a, b in zip(step_size.unbind(), bias_correction2_sqrt.unbind())]
+
+
+def bias_corrections(group: dict, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """AdamW's `lr / (1 - beta1**step)` and `(1 - beta2**step) ** 0.5` for step counts on the
+    device, in float64 there: pow and correctly rounded division, the values Python's floats
+    give (bit-equal on a CPU)."""
+    lr, (beta1, beta2) = group["lr"], group["betas"]
+    steps = steps.double()
+    half, lr_t = (torch.tensor(x, dtype=torch.float64, device=steps.device) for x in (0.5, lr))
+    return lr_t / (1 - torch.pow(beta1, steps)), torch.pow(1 - torch.pow(beta2, steps), half)

@@ -145,10 +145,7 @@ class LossScaler:
         if new_scale is not None:
             self._scale.fill_(float(new_scale))
         else:
-            founds = [s["found_inf"] for s in self._per_optimizer.values() if s["found_inf"] is not None]
-            if not founds:
-                raise AssertionError("No inf checks were recorded prior to update.")
-            found = torch.stack(founds).sum().clamp(max=1.0)
+            found = self._found_inf_async()
             if c.hysteresis == 1:
                 torch._amp_update_scale_(self._scale, self._growth_tracker, found,
                                          c.growth_factor, c.backoff_factor, c.growth_interval)
@@ -170,6 +167,18 @@ class LossScaler:
         self._scale.copy_(torch.where(backoff, self._scale * c.backoff_factor, torch.where(grow, grown, self._scale)))
         self._growth_tracker.copy_(torch.where(tracker >= c.growth_interval, 0, tracker))
         self._hysteresis_left.copy_(torch.where(grow, c.hysteresis, left.clamp(min=0)))
+
+    def _found_inf_async(self) -> torch.Tensor:
+        """1.0 where a gradient recorded since the last update() was inf/NaN, else 0.0, on the
+        scale's device: no host read (as GradScaler's _get_scale_async)."""
+        founds = [s["found_inf"] for s in self._per_optimizer.values() if s["found_inf"] is not None]
+        if not founds:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        return torch.stack(founds).sum().clamp(max=1.0)
+
+    def _get_scale_async(self) -> torch.Tensor:
+        """The scale tensor itself, on its device (GradScaler's name): no host read."""
+        return self._scale
 
     def get_scale(self) -> float:
         return self._scale.item() if self._enabled else 1.0

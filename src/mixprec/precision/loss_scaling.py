@@ -25,13 +25,12 @@ class LossScaling:
     def unscale(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Unscale the gradients in place; 1.0 on the device where any overflowed, else 0.0."""
         self.scaler.unscale_(optimizer)
-        return torch.stack([s["found_inf"] for s in self.scaler._per_optimizer.values()
-                            if s["found_inf"] is not None]).amax()
+        return self.scaler._found_inf_async()
 
     def update(self) -> torch.Tensor:
         """Move the scale after a step, on the device; the scale tensor (updated in place)."""
         self.scaler.update()
-        return self.scaler._scale
+        return self.scaler._get_scale_async()
 
     @property
     def value(self) -> float:

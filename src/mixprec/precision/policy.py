@@ -226,7 +226,7 @@ class Policy:
             self._host_skip = device_skip(optimizer, self.updates) or ""
             if self._host_skip:
                 logger.warning("precision: each step reads its skip decision on the host: %s", self._host_skip)
-        step_unless(optimizer, skip, self.updates)
+        step_unless(optimizer, skip, self.updates, on_host=bool(self._host_skip))
         if self.masters is not None:
             self.masters.master_to_model()  # a skipped step left the masters as they were
         optimizer.zero_grad(set_to_none=True)

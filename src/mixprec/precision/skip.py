@@ -7,7 +7,7 @@ reading it (torch.amp.GradScaler's protocol for fused optimizers).
   unscaled) into their kernels, which skip and take the step count back on the device;
 - bf16-kahan and bf16-sr's kernels (mixprec.optim.updates) take it as an argument;
 - any other optimizer cannot: its step reads the decision on the host, one sync a step,
-  logged once when the policy is set up (`device_skip` says why).
+  logged at its first step (`device_skip` says why).
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ def device_skip(optimizer: torch.optim.Optimizer, updates=None) -> str | None:
             "and mixprec's AdamW have one")
 
 
-def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor, updates=None) -> None:
+def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor, updates=None, on_host: bool = False) -> None:
     """optimizer.step() (through `updates` where given), or nothing where `skip` (a 0-dim
-    float tensor, 0 or 1) is 1."""
+    float tensor, 0 or 1) is 1. on_host: the optimizer cannot skip on the device
+    (`device_skip` said why)."""
     stepper = updates if updates is not None else optimizer
-    if device_skip(optimizer, updates) is not None:
-        if not skip.item():  # the one host read of such an optimizer's step (logged at setup)
+    if on_host:
+        if not skip.item():  # the one host read of such an optimizer's step (logged at its first step)
             stepper.step()
         return
     optimizer.grad_scale, optimizer.found_inf = None, skip

@@ -2,7 +2,7 @@
 guard reads it. Truthy when the step was applied, so `if policy.step(optimizer): ...` reads
 as before. StepCounts: the policy's running counts of what the steps did.
 
-A step decides on the device (mixprec.precision.device_step): its figures are one small
+A step decides on the device (mixprec.precision.skip): its figures are one small
 tensor there, `StepResult.values`, and a field read on the host is a device-to-host copy,
 made on the first access (or by `Policy.settle`, which reads every step since the last
 read in one copy) and kept."""
@@ -27,12 +27,8 @@ class StepResult:
     step's update (None without loss scaling); precision: the mode the step ran in (after
     a fallback, the new one); fallback: the reason a fallback happened at this step."""
 
-    def __init__(self, values: torch.Tensor | tuple, precision: str = "", fallback: str | None = None,
-                 scaled: bool = True):
-        if isinstance(values, torch.Tensor):
-            self.values, self._host = values, None
-        else:  # already on the host (tests, a loop without a policy)
-            self.values, self._host = None, [float(v) if v is not None else 0.0 for v in values]
+    def __init__(self, values: torch.Tensor, precision: str = "", fallback: str | None = None, scaled: bool = True):
+        self.values, self._host = values, None  # values: FIELDS, on the device
         self.precision, self.fallback, self.scaled = precision, fallback, scaled
 
     def read(self, host: list[float] | None = None) -> list[float]:

@@ -51,18 +51,12 @@ class TrainingState:
             "stability": self.guard.state_dict() if self.guard is not None else None,
         }
 
-    @property
-    def sharded(self) -> bool:
-        """Whether ranks hold different parts of the state (FSDP2, tensor parallel); under DDP
-        every rank holds all of it, as one process does."""
-        return self.parts.dims.fsdp_enabled or self.parts.dims.tp_enabled
-
     def save(self) -> None:
         """Sharded DCP folders from sharded runs; one file otherwise, written by rank 0 (under
         DDP every rank holds the whole state: the masters of fp16-master and bf16-master too,
         which DCP's state-dict helpers cannot name, being no parameter of the model)."""
         p = self.parts
-        if self.sharded:
+        if p.dims.sharded:
             self.checkpoints.save_sharded(self.step, p.model, p.optimizer, self._extras(), p.rank)
             return
         if p.rank == 0:
@@ -112,7 +106,7 @@ class TrainingState:
                 set_model_state_dict(p.model, model_sd)
             else:
                 set_state_dict(p.model, p.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-        elif p.dims.fsdp_enabled or p.dims.tp_enabled:  # a single file into shards
+        elif p.dims.sharded:  # a single file into shards
             load_full_into_sharded(p.model, p.optimizer, state["model"], state["optimizer"])
         else:  # one process, or DDP: every rank loads the whole file
             p.policy.load_model_state_dict(p.raw_model, state["model"])
@@ -121,7 +115,7 @@ class TrainingState:
     def snapshot(self) -> dict:
         """Everything a rewind puts back, copied (to CPU memory, or sharded on the device)."""
         p = self.parts
-        if self.sharded:
+        if p.dims.sharded:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
             # get_state_dict fills an empty optimizer state by a step with zero gradients (its

@@ -160,9 +160,9 @@ class Trainer:
                     "precision": r.precision, "skipped": not r.applied, "loss_scale": r.loss_scale,
                     **(self.guard.health if self.guard is not None else {}),
                 }
-                if p is steps[-1] and set(self.policy.promoted) - promoted:  # taken out of FP8 at this read
-                    record["promoted"] = sorted(set(self.policy.promoted) - promoted)
-                if p is steps[-1]:
+                if p is steps[-1]:  # the read step
+                    if set(self.policy.promoted) - promoted:  # taken out of FP8 since the last read
+                        record["promoted"] = sorted(set(self.policy.promoted) - promoted)
                     stopped_early, val_loss = self._evaluate_if_due(record, val_loss)
                 if metrics is not None:
                     metrics.log(record)
