@@ -95,6 +95,29 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--text-field", default="text", help="the text's field in .jsonl records")
     prepare.add_argument("--shard-mb", type=float, default=128.0, help="MB of text a shard (and a worker's unit)")
     prepare.add_argument("--workers", type=int, default=0, help="worker processes (0: one a core)")
+    export = sub.add_parser(
+        "export", help="write a run's weights as a Hugging Face folder that transformers loads",
+        description="Write the latest checkpoint of a run folder (or a given step-N.pt file or DCP step-N folder, of "
+                    "any world size) as a Hugging Face folder: config.json, safetensors (sharded above --max-shard-gb, "
+                    "with model.safetensors.index.json) and the run's tokenizer.json. The optimizer state is never "
+                    "read. OUT must be new or an empty folder.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    export.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="a run folder, step-N.pt or a step-N folder")
+    export.add_argument("out", metavar="OUT", help="the folder to write (new, or empty)")
+    export.add_argument("--dtype", default="bfloat16", help="dtype of the floating-point tensors: bfloat16, "
+                        "float32 (exact), float16")
+    export.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file, GB")
+    generate = sub.add_parser(
+        "generate", help="print what a model writes after a prompt",
+        description="Load a run folder (its latest checkpoint), a checkpoint or a Hugging Face folder and sample a "
+                    "continuation of --prompt token by token (FP32).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    generate.add_argument("source", metavar="RUN_OR_FOLDER", help="a run folder, checkpoint or Hugging Face folder")
+    generate.add_argument("--prompt", required=True, help="the text to continue")
+    generate.add_argument("--max-new-tokens", type=int, default=100)
+    generate.add_argument("--temperature", type=float, default=0.8, help="0: always the likeliest token")
+    generate.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens; 0: all")
+    generate.add_argument("--seed", type=int, default=0)
     formats = sub.add_parser("formats", help="limits of FP32, TF32, FP16, BF16, FP8 E4M3 and E5M2")
     formats.add_argument("--json", action="store_true", help="print JSON")
     memory = sub.add_parser("memory", help="plan per-device memory and per-step communication",
@@ -278,6 +301,35 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from mixprec.dtypes import parse_dtype
+    from mixprec.interop.export import export
+
+    if not args.max_shard_gb > 0:
+        raise UserError(f"--max-shard-gb: bad value {args.max_shard_gb}; accepted: a positive number")
+    dtype = parse_dtype(args.dtype, "--dtype")
+    result = export(args.source, args.out, dtype=dtype, max_shard_bytes=int(args.max_shard_gb * 1e9))
+    print(f"exported step {result['step']} to {args.out}: {len(result['files'])} safetensors file(s), "
+          f"{result['bytes'] / 1e6:.1f} MB in {result['seconds']:.1f} s; load it with "
+          f"transformers.AutoModelForCausalLM.from_pretrained({str(args.out)!r})")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from mixprec.interop.generate import generate, load_model
+
+    for flag, ok, accepted in (("--max-new-tokens", args.max_new_tokens > 0, "a positive integer"),
+                               ("--temperature", args.temperature >= 0, "a number >= 0"),
+                               ("--top-k", args.top_k >= 0, "an integer >= 0")):
+        if not ok:
+            raise UserError(f"{flag}: bad value {getattr(args, flag[2:].replace('-', '_'))}; accepted: {accepted}")
+    model, tokenizer = load_model(args.source)
+    text = generate(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    print(args.prompt + text)
+    return 0
+
+
 def cmd_formats(args: argparse.Namespace) -> int:
     from mixprec.analysis.formats import FORMATS, format_table
 
@@ -371,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _setup_logging("stderr" if getattr(args, "json", False) else "stdout")  # --json: stdout is the JSON
     commands = {"train": cmd_train, "compare": cmd_compare, "audit": cmd_audit, "plan": cmd_plan, "formats": cmd_formats, "memory": cmd_memory,
-                "prepare": cmd_prepare,
+                "prepare": cmd_prepare, "export": cmd_export, "generate": cmd_generate,
                 "analyze": cmd_analyze, "demo": cmd_demo}
     try:
         code = commands[args.command](args)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from mixprec.errors import UserError
 from mixprec.errors import check_value as _check
+from mixprec.data.tokenizer import tokenizer_path
 from mixprec.plan.config import PlanConfig
 from mixprec.precision.scaling_config import LossScaleConfig
 from mixprec.stability.config import StabilityConfig
@@ -57,14 +58,15 @@ class Data:
     """Training text: stdlib (this Python's standard-library sources, no download), a text file or folder (read and
     tokenized at start), or a folder of token shards written by mixprec prepare (read a window at a time)."""
     tokenizer: str = "byte"
-    """byte (UTF-8 bytes, vocabulary 256) or bpe (trained on the training split, cached in the run folder)."""
+    """byte (UTF-8 bytes, vocabulary 256), bpe (trained on the training split, cached in the run folder), or a Hugging Face tokenizer.json (or the model folder that holds it: a pretrained model's own tokens)."""
     bpe_vocab_size: int = 4096
     """Vocabulary size of the BPE tokenizer."""
     val_fraction: float = 0.05
     """Share of the files (or of the text, for one file) held out for validation."""
 
     def __post_init__(self):
-        _check(self.tokenizer in ("byte", "bpe"), "data.tokenizer", self.tokenizer, "byte, bpe")
+        _check(self.tokenizer in ("byte", "bpe") or tokenizer_path(self.tokenizer).is_file(), "data.tokenizer",
+               self.tokenizer, "byte, bpe, or a tokenizer.json file (or a folder holding one)")
         _check(self.bpe_vocab_size >= 260, "data.bpe_vocab_size", self.bpe_vocab_size, "an integer >= 260")
         _check(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "a number in (0, 1)")
         _check(bool(self.source.strip()), "data.source", self.source, "stdlib, or a path to a text file or folder")
@@ -239,6 +241,8 @@ class Checkpoint:
     """Keep this many newest checkpoints; 0 keeps all."""
     load_step: int = -1
     """Resume from this step's checkpoint; -1: the latest, if any."""
+    initial_load: str = ""
+    """Weights to start from when the run folder has no checkpoint yet (TorchTitan's initial_load_path): a Hugging Face folder (config.json and safetensors, sharded or not; a Llama becomes mixprec's own Llama, shaped by its config.json, unless model.hf_config names the architecture) or a mixprec checkpoint (step-N.pt or a step-N folder; its weights only). Empty: random initialisation."""
 
     def __post_init__(self):
         _check(self.interval > 0, "checkpoint.interval", self.interval, "a positive integer")

@@ -23,6 +23,20 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
+    @staticmethod
+    def tokenizer_json() -> str:
+        """The same tokens as a Hugging Face tokenizer.json (id = byte value), for exported models:
+        a byte-level BPE without merges, each byte spelt by GPT-2's printable character for it."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+        others = [b for b in range(256) if b not in printable]
+        char = {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+        tok = Tokenizer(models.BPE(vocab={char[b]: b for b in range(256)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        return tok.to_str()
+
 
 class BPETokenizer:
     def __init__(self, tokenizer):
@@ -89,7 +103,26 @@ def _chunks(text: str, size: int = 1 << 16):
         start = end
 
 
+def tokenizer_path(value: str) -> Path:
+    """data.tokenizer as a path: a tokenizer.json, or the folder that holds one."""
+    p = Path(value).expanduser()
+    return p / "tokenizer.json" if p.is_dir() else p
+
+
+def load_tokenizer_file(path: Path) -> "BPETokenizer":
+    """A Hugging Face tokenizer.json (a pretrained model's), read by the tokenizers library."""
+    try:
+        from tokenizers import Tokenizer
+
+        return BPETokenizer(Tokenizer.from_file(str(path)))
+    except Exception as e:  # the library raises a bare Exception on a bad file
+        raise UserError(f"{path} is not a tokenizer.json the tokenizers library reads ({str(e)[:80]}); accepted: a "
+                        "Hugging Face tokenizer.json") from None
+
+
 def build_tokenizer(kind: str, train_text: str, vocab_size: int, cache: Path):
     if kind == "byte":
         return ByteTokenizer()
+    if kind != "bpe":
+        return load_tokenizer_file(tokenizer_path(kind))
     return BPETokenizer.train_or_load(train_text, vocab_size, cache)

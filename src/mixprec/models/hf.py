@@ -33,7 +33,6 @@ def _transformers():
 def load_hf_config(path: str):
     """The transformers config of a causal LM from `path` (a config.json or its folder);
     one clear error for a missing file, bad JSON, or a model that is not a causal LM."""
-    transformers = _transformers()
     file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
     if not file.is_file():
         raise UserError(f"model.hf_config: no file {str(file)!r}; accepted: a Hugging Face config.json, or the "
@@ -42,19 +41,26 @@ def load_hf_config(path: str):
         fields = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"model.hf_config: {file} is not JSON ({e}); accepted: a Hugging Face config.json") from None
-    model_type = fields.pop("model_type", None) if isinstance(fields, dict) else None
+    return hf_config_from_dict(fields, f"model.hf_config: {file}")
+
+
+def hf_config_from_dict(fields: dict, where: str):
+    """The transformers config of a causal LM from config.json's fields (a checkpoint records them)."""
+    transformers = _transformers()
+    fields = dict(fields) if isinstance(fields, dict) else {}
+    model_type = fields.pop("model_type", None)
     if not model_type:
-        raise UserError(f"model.hf_config: {file} has no model_type; accepted: a Hugging Face config.json "
+        raise UserError(f"{where} has no model_type; accepted: a Hugging Face config.json "
                         "(model_type llama, gpt2, qwen2, mistral, ...)")
     try:
         config = transformers.AutoConfig.for_model(model_type, **fields)
     except (ValueError, KeyError) as e:
-        raise UserError(f"model.hf_config: model_type {model_type!r} is unknown to transformers "
+        raise UserError(f"{where}: model_type {model_type!r} is unknown to transformers "
                         f"{transformers.__version__} ({str(e).splitlines()[0][:120]})") from None
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise UserError(f"model.hf_config: model_type {model_type!r} is not a causal language model; accepted: a "
+        raise UserError(f"{where}: model_type {model_type!r} is not a causal language model; accepted: a "
                         "decoder with an LM head (llama, gpt2, qwen2, mistral, gemma, phi3, ...)")
     return config
 

@@ -12,7 +12,7 @@ Precision contract (checked by tests/precision/test_op_dtypes.py):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,7 @@ class ModelArgs:
     tie_embeddings: bool = False
     attention: str = "eager"  # or "sdpa": F.scaled_dot_product_attention, fused, no (T, T) tensors kept
     loss_chunk: int = 0  # tokens per chunk of the output projection and loss; 0: the full logits at once
+    hidden_dim: int | None = None  # the SwiGLU hidden size as given (a pretrained model's); None: Llama's rule
 
     # How the model computes, not what it is: a checkpoint resumes under other values.
     RUNTIME_FIELDS = ("attention", "loss_chunk")
@@ -51,12 +52,24 @@ class ModelArgs:
         if (self.dim // self.n_heads) % 2:
             raise UserError(f"model: head dim {self.dim // self.n_heads} must be even for RoPE")
 
+    def architecture(self) -> dict:
+        """What a checkpoint records of the model (hidden_dim only where given: older checkpoints lack it)."""
+        return {k: v for k, v in asdict(self).items()
+                if k not in self.RUNTIME_FIELDS and not (k == "hidden_dim" and v is None)}
+
+    @classmethod
+    def from_architecture(cls, fields: dict) -> "ModelArgs":
+        """The shape a checkpoint recorded (its other entries, such as the tokenizer, ignored)."""
+        return cls(**{k: v for k, v in fields.items() if k in cls.__dataclass_fields__})
+
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
     @property
     def ffn_dim(self) -> int:
+        if self.hidden_dim is not None:
+            return self.hidden_dim
         # Llama's rule: 2/3 of 4*dim, times an optional multiplier, rounded up.
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
@@ -258,9 +271,11 @@ class Llama(nn.Module):
         return 6 * self.num_params(exclude_embedding=True) + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
 
 
-def build_model(args: ModelArgs, *, device: torch.device | str, storage_dtype: torch.dtype, seed: int) -> Llama:
+def build_model(args: ModelArgs, *, device: torch.device | str, storage_dtype: torch.dtype,
+                seed: int | None) -> Llama:
     """Build on the meta device under the storage dtype (no memory touched), then
-    materialise on `device` and initialise."""
+    materialise on `device` and initialise. seed None: left on the meta device, for weights
+    that come from a checkpoint (`mixprec.interop.load`: sharded first, then materialised)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(storage_dtype)
     try:
@@ -268,6 +283,8 @@ def build_model(args: ModelArgs, *, device: torch.device | str, storage_dtype: t
             model = Llama(args)
     finally:
         torch.set_default_dtype(previous)
+    if seed is None:
+        return model
     model.to_empty(device=device)
     if args.tie_embeddings:  # to_empty makes one tensor per module, re-tie them
         model.output.weight = model.tok_embeddings.weight

@@ -11,10 +11,11 @@ Checks that can fail on bad input run before anything is written or built.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -23,11 +24,14 @@ from mixprec.config import Config, build_policy
 from mixprec.data.corpus import load_corpus
 from mixprec.data.loader import TrainLoader, val_batches
 from mixprec.data.shards import is_prepared, open_prepared
-from mixprec.data.tokenizer import build_tokenizer
+from mixprec.data.tokenizer import build_tokenizer, tokenizer_path
 from mixprec.distributed.parallel import ParallelDims, init_distributed, resolve_device
 from mixprec.distributed.tensor_parallel import check_tensor_parallel
 from mixprec.dtypes import dtype_name
 from mixprec.errors import UserError
+from mixprec.interop.adapters import llama_fields
+from mixprec.interop.hf_folder import HFFolder, is_hf_folder
+from mixprec.interop.load import empty_parameters, load_weights, materialize, open_source
 from mixprec.models.llama import ModelArgs, build_model, model_args, resolve_attention
 from mixprec.models.loss import loss_chunk
 from mixprec.optim import AdamW
@@ -94,20 +98,31 @@ def lr_lambda(cfg):
     return factor
 
 
-def model_shape(config: Config, vocab_size: int, device_type: str, log: bool = False) -> ModelArgs:
-    """The model the trainer builds: the flavor with [model]'s attention, heads, tying and
-    loss choices resolved for this device and micro-batch."""
+def model_shape(config: Config, vocab_size: int, device_type: str, log: bool = False,
+                pretrained: dict | None = None) -> ModelArgs:
+    """The model the trainer builds: the flavor (or `pretrained`, the shape of a Hugging Face
+    Llama's config.json) with [model]'s attention, heads, tying and loss choices resolved for
+    this device and micro-batch."""
     mcfg, tcfg = config.model, config.training
     if mcfg.hf_config:
         raise UserError("model_shape describes mixprec's own Llama, not model.hf_config")
     overrides = {"attention": resolve_attention(mcfg.attention, device_type)}
     if log and mcfg.attention == "auto":
         logger.info("model.attention auto: %s on %s", overrides["attention"], device_type)
+    if pretrained is not None and (mcfg.n_kv_heads or mcfg.tie_embeddings != "flavor"):
+        raise UserError("model.n_kv_heads and model.tie_embeddings do not apply to pretrained weights (their "
+                        "config.json fixes them); accepted: leave them at their defaults")
     if mcfg.n_kv_heads:
         overrides["n_kv_heads"] = mcfg.n_kv_heads
     if mcfg.tie_embeddings != "flavor":
         overrides["tie_embeddings"] = mcfg.tie_embeddings == "true"
-    args = model_args(mcfg.flavor, vocab_size, **overrides)
+    if pretrained is not None:
+        args = replace(ModelArgs(**pretrained), **overrides)
+        if vocab_size > args.vocab_size:
+            raise UserError(f"checkpoint.initial_load: the tokenizer has {vocab_size} token ids, the model "
+                            f"{args.vocab_size}; accepted: data.tokenizer set to the model's own tokenizer.json")
+    else:
+        args = model_args(mcfg.flavor, vocab_size, **overrides)
     tokens, vocab = tcfg.local_batch_size * tcfg.seq_len, args.vocab_size
     args = replace(args, loss_chunk=loss_chunk(mcfg.loss, vocab, tokens))
     if log and args.loss_chunk:
@@ -115,14 +130,16 @@ def model_shape(config: Config, vocab_size: int, device_type: str, log: bool = F
                     "micro-batch's full logits would be %.0f MiB)", mcfg.loss, args.loss_chunk,
                     args.loss_chunk * vocab * 4 / 2**20, tokens * vocab * 4 / 2**20)
     if tcfg.seq_len > args.max_seq_len:
-        raise UserError(f"training.seq_len {tcfg.seq_len} exceeds the {mcfg.flavor} flavor's "
-                        f"max_seq_len {args.max_seq_len}")
+        where = "pretrained model" if pretrained is not None else f"{mcfg.flavor} flavor"
+        raise UserError(f"training.seq_len {tcfg.seq_len} exceeds the {where}'s max_seq_len {args.max_seq_len}")
     return args
 
 
-def hf_model(config: Config, vocab_size: int, tokenizer_name: str, dims: ParallelDims, device: torch.device):
+def hf_model(config: Config, vocab_size: int, tokenizer_name: str, dims: ParallelDims, device: torch.device,
+             pretrained: bool = False):
     """(its config, the model, checkpoint meta) for model.hf_config, or one line saying what
-    this first version does not do with such a model."""
+    this first version does not do with such a model. pretrained: parameters left on the meta
+    device (materialised after sharding, then loaded)."""
     from mixprec.models.hf import HFCausalLM, load_hf_config, max_positions, meta_of
 
     hf = load_hf_config(config.model.hf_config)
@@ -140,9 +157,13 @@ def hf_model(config: Config, vocab_size: int, tokenizer_name: str, dims: Paralle
     if positions is not None and config.training.seq_len > positions:
         raise UserError(f"training.seq_len {config.training.seq_len} exceeds the config's {positions} positions")
     torch.manual_seed(config.training.seed)
-    model = HFCausalLM(hf).to(device)
-    logger.info("model: %s from %s (random init), %d decoder layers", type(model.hf).__name__,
-                config.model.hf_config, len(model.layers))
+    if pretrained:
+        with empty_parameters():
+            model = HFCausalLM(hf)
+    else:
+        model = HFCausalLM(hf).to(device)
+    logger.info("model: %s from %s (%s), %d decoder layers", type(model.hf).__name__, config.model.hf_config,
+                "weights from checkpoint.initial_load" if pretrained else "random init", len(model.layers))
     return hf, model, {"hf_config": meta_of(hf), "tokenizer": tokenizer_name}
 
 
@@ -159,11 +180,39 @@ def load_tokens(data, folder: Path):
         return prepared.tokenizer(), prepared.tokenizer_name, prepared.train, prepared.val
     corpus = load_corpus(data.source, data.val_fraction)
     tokenizer = build_tokenizer(data.tokenizer, corpus.train, data.bpe_vocab_size, folder / "tokenizer.json")
+    # a tokenizer.json is named by its digest, as mixprec prepare names it: moving the file keeps its runs
+    name = data.tokenizer if data.tokenizer in ("byte", "bpe") else \
+        f"file {hashlib.sha256(tokenizer_path(data.tokenizer).read_bytes()).hexdigest()[:16]}"
     train_tokens, val_tokens = tokenizer.encode(corpus.train), tokenizer.encode(corpus.val)
     logger.info("data: %s: %d training and %d validation tokens (%s tokenizer, vocabulary %d) in %.1f s",
                 corpus.name, len(train_tokens), len(val_tokens), data.tokenizer, tokenizer.vocab_size,
                 time.perf_counter() - t0)
-    return tokenizer, data.tokenizer, train_tokens, val_tokens
+    return tokenizer, name, train_tokens, val_tokens
+
+
+def initial_load(ccfg, checkpoints: CheckpointManager | None) -> str:
+    """checkpoint.initial_load, unless the run folder has a checkpoint to resume (TorchTitan's rule)."""
+    if not ccfg.initial_load:
+        return ""
+    if checkpoints is not None and checkpoints.steps():
+        logger.info("checkpoint.initial_load: not loaded, the run folder has checkpoints (resuming)")
+        return ""
+    path = Path(ccfg.initial_load).expanduser()
+    if not path.exists():
+        raise UserError(f"checkpoint.initial_load {ccfg.initial_load}: no such file or folder; accepted: a Hugging "
+                        "Face model folder or a mixprec checkpoint (step-N.pt or a step-N folder)")
+    return str(path)
+
+
+def load_initial(path: str, model: torch.nn.Module, policy: Policy) -> None:
+    """The weights of `path` into the (sharded, materialised) model and its FP32 masters."""
+    t0 = time.perf_counter()
+    source, adapter = open_source(path, model)
+    masters = policy.masters.named_masters(model) if policy.masters is not None else {}
+    load_weights(model, source, adapter, extra={n: [m] for n, m in masters.items()})
+    tokenizer = Path(path) / "tokenizer.json"
+    logger.info("checkpoint.initial_load: weights of %s loaded in %.1f s%s", path, time.perf_counter() - t0,
+                f" (its tokenizer: --data.tokenizer {path})" if tokenizer.is_file() else "")
 
 
 def build(config: Config, *, accum: int | None = None) -> Parts:
@@ -199,18 +248,27 @@ def build(config: Config, *, accum: int | None = None) -> Parts:
                          rows=slice(dp_rank * lbs, (dp_rank + 1) * lbs))
     val = val_batches(val_tokens, tcfg.seq_len, lbs * dp, tcfg.eval_batches, device)
 
+    ccfg, scfg = config.checkpoint, config.stability
+    checkpoints = CheckpointManager(folder / ccfg.folder, ccfg.keep_latest_k) if ccfg.enable else None
+    initial = initial_load(ccfg, checkpoints)
     if config.model.hf_config:
-        args, model, meta = hf_model(config, tokenizer.vocab_size, tokenizer_name, dims, device)
+        args, model, meta = hf_model(config, tokenizer.vocab_size, tokenizer_name, dims, device, bool(initial))
         raw_model = model
     else:
-        args = model_shape(config, tokenizer.vocab_size, device.type, log=True)
+        pretrained = None
+        if initial and is_hf_folder(initial):
+            pretrained = llama_fields(HFFolder(initial).config, "checkpoint.initial_load")
+            logger.info("model: mixprec's Llama shaped by %s/config.json (model.flavor does not apply)", initial)
+        args = model_shape(config, tokenizer.vocab_size, device.type, log=True, pretrained=pretrained)
         if dims.tp_enabled:
             check_tensor_parallel(args, dims.tp)
-        model = raw_model = build_model(args, device=device, storage_dtype=policy.storage_dtype, seed=tcfg.seed)
-        meta = {**{k: v for k, v in asdict(args).items() if k not in ModelArgs.RUNTIME_FIELDS},
-                "tokenizer": tokenizer_name}
+        model = raw_model = build_model(args, device=device, storage_dtype=policy.storage_dtype,
+                                        seed=None if initial else tcfg.seed)
+        meta = {**args.architecture(), "tokenizer": tokenizer_name}
     parallelize(model, dims, policy, device, pcfg=pcfg, ac_mode=config.activation_checkpoint.mode,
                 compile_components=config.compile.components if config.compile.enable else None)
+    if initial:  # sharded first: each rank allocates only what it holds
+        materialize(model, device)
     # The fused kernel skips an overflowed step on the device (found_inf), FSDP2's DTensor
     # shards included; under tensor parallel the parameters mix DTensors of two meshes (or
     # with plain tensors), which one fused or foreach call cannot take.
@@ -218,17 +276,18 @@ def build(config: Config, *, accum: int | None = None) -> Parts:
                                 moments_dtype=policy.optimizer_moments_dtype)
     policy.read_every = 0  # the loop reads what the steps did at its own read steps (Trainer.read_step)
     model, optimizer = policy.setup(model, optimizer)
+    if initial:
+        load_initial(initial, raw_model, policy)
     if dims.ddp_enabled:
         logger.info("parallelism: DDP over %d processes", world)
         model = torch.nn.parallel.DistributedDataParallel(model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tcfg))
-    name = config.model.hf_config or f"{config.model.flavor} flavor"
+    name = config.model.hf_config or (f"Llama of {initial}" if initial and is_hf_folder(initial)
+                                      else f"{config.model.flavor} flavor")
     logger.info("model: %s, %.2fM parameters, %s, built in %.1f s", name, raw_model.num_params() / 1e6, policy,
                 time.perf_counter() - t0)
     parts = Parts(config, folder, device, policy, rank, dims, accum, tokenizer, loader, val, args, raw_model,
                   model, optimizer, scheduler, meta)
-    ccfg, scfg = config.checkpoint, config.stability
-    checkpoints = CheckpointManager(folder / ccfg.folder, ccfg.keep_latest_k) if ccfg.enable else None
     parts.state = TrainingState(parts, checkpoints, first_checkpoint_step=ccfg.interval)
     if config.plan.interval and policy.layout.fp8():
         parts.replanner = Replanner(config.plan, policy, raw_model, dims.world_size)

@@ -1,0 +1,159 @@
+"""State-dict adapters: one per architecture, between mixprec's parameter names and layouts
+and a Hugging Face folder's, used by the initial load and by export alike.
+
+    adapter = adapter_for(model)                  # mixprec's Llama, or a transformers model
+    adapter.hf_name("layers.0.attention.wq.weight")       # model.layers.0.self_attn.q_proj.weight
+    adapter.to_hf(name, tensor)                   # the tensor as the folder stores it
+    adapter.read(name, folder.read, rows)         # rows of a parameter, read from the folder's layout
+
+mixprec's Llama rotates the pairs (x[2i], x[2i+1]) of each head by RoPE's i-th frequency;
+Hugging Face's Llama rotates (x[i], x[i + hd/2]) (`rotate_half`). The two compute the same
+attention once the rows of each q and k head are reordered: mixprec's row 2i + c of a head
+is Hugging Face's row i + c * hd/2.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from mixprec.errors import UserError
+
+# mixprec Llama name -> Hugging Face Llama name ({i}: the layer)
+_LLAMA = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "layers.{i}.attention.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "layers.{i}.attention.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "layers.{i}.attention.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+}
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def _halves_to_pairs(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    # (heads * hd, D) rows [x_0..x_{hd/2-1}, y_0..] per head -> [x_0, y_0, x_1, y_1, ...]
+    return w.unflatten(0, (-1, 2, head_dim // 2)).transpose(1, 2).flatten(0, 2)
+
+
+def _pairs_to_halves(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    return w.unflatten(0, (-1, head_dim // 2, 2)).transpose(1, 2).flatten(0, 2)
+
+
+class LlamaAdapter:
+    """mixprec's Llama <-> transformers' LlamaForCausalLM."""
+
+    def __init__(self, args):
+        self.args = args
+        self.names = {}
+        for ours, theirs in _LLAMA.items():
+            for i in range(args.n_layers) if "{i}" in ours else [None]:
+                self.names[ours.format(i=i)] = theirs.format(i=i)
+
+    def hf_name(self, name: str) -> str:
+        if name not in self.names:
+            raise KeyError(name)
+        return self.names[name]
+
+    def tied(self, name: str) -> bool:
+        """Stored once in the folder: the output projection shares the embeddings."""
+        return self.args.tie_embeddings and name == "output.weight"
+
+    def _rotated(self, name: str) -> bool:
+        return name.endswith(("attention.wq.weight", "attention.wk.weight"))
+
+    def to_hf(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return _pairs_to_halves(tensor, self.args.head_dim) if self._rotated(name) else tensor
+
+    def read(self, name: str, read, rows: slice | None = None) -> torch.Tensor:
+        """Parameter `name` (or its `rows`) from a folder's `read(hf_name, rows)`. A rotated q/k
+        row range is read as the whole heads that cover it, reordered, then cut."""
+        hf = self.hf_name("tok_embeddings.weight" if self.tied(name) else name)
+        if not self._rotated(name):
+            return read(hf, rows)
+        hd = self.args.head_dim
+        if rows is None:
+            return _halves_to_pairs(read(hf, None), hd)
+        first = rows.start // hd
+        heads = _halves_to_pairs(read(hf, slice(first * hd, math.ceil(rows.stop / hd) * hd)), hd)
+        return heads[rows.start - first * hd: rows.stop - first * hd]
+
+    def hf_config(self, dtype: str) -> dict:
+        a = self.args
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": a.dim,
+                "intermediate_size": a.ffn_dim, "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
+                "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim, "vocab_size": a.vocab_size,
+                "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta, "rope_scaling": None,
+                "max_position_embeddings": a.max_seq_len, "tie_word_embeddings": a.tie_embeddings,
+                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "initializer_range": 0.02,
+                "torch_dtype": dtype}
+
+
+def llama_fields(config: dict, where: str) -> dict:
+    """ModelArgs fields of a Hugging Face Llama config.json; one line for what mixprec's Llama
+    does not compute (biases, RoPE scaling, another activation or head size)."""
+    c = config
+    if c.get("model_type") != "llama":
+        raise UserError(f"{where}: model_type {c.get('model_type')!r} is not a Llama; accepted: model_type llama "
+                        "for mixprec's own Llama, or model.hf_config set to the folder to train it as a transformers "
+                        "model (qwen2, gpt2, mistral, ...)")
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    unsupported = [(c.get("attention_bias") or c.get("mlp_bias"), "biases"),
+                   (c.get("hidden_act", "silu") != "silu", f"hidden_act {c.get('hidden_act')}"),
+                   (rope.get("rope_type", rope.get("type", "default")) != "default",
+                    f"RoPE scaling {rope.get('rope_type', rope.get('type'))}"),
+                   (c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+                    != c["hidden_size"] // c["num_attention_heads"], f"head_dim {c.get('head_dim')}")]
+    for bad, what in unsupported:
+        if bad:
+            raise UserError(f"{where}: this Llama has {what}, which mixprec's Llama does not compute; accepted: set "
+                            "model.hf_config to the same folder to train it as a transformers model")
+    return dict(dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
+                n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"], vocab_size=c["vocab_size"],
+                hidden_dim=c["intermediate_size"], norm_eps=c.get("rms_norm_eps", 1e-6),
+                rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+                max_seq_len=c.get("max_position_embeddings", 2048),
+                tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+
+
+class HFAdapter:
+    """A transformers model trained by mixprec (`HFCausalLM`): the same names under `hf.`, the
+    same layouts; the tensors the model ties to another are stored once."""
+
+    def __init__(self, tied: set[str]):
+        self._tied = tied  # names (ours) of parameters that share another's tensor
+
+    def hf_name(self, name: str) -> str:
+        if not name.startswith("hf."):
+            raise KeyError(name)
+        return name.removeprefix("hf.")
+
+    def tied(self, name: str) -> bool:
+        return name in self._tied
+
+    def to_hf(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def read(self, name: str, read, rows: slice | None = None) -> torch.Tensor:
+        return read(self.hf_name(name), rows)
+
+
+def tied_names(model: torch.nn.Module) -> set[str]:
+    """Parameter names that repeat a tensor another name already holds (lm_head.weight when tied)."""
+    return {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+
+
+def adapter_for(model: torch.nn.Module):
+    from mixprec.models.hf import HFCausalLM
+
+    if isinstance(model, HFCausalLM):
+        return HFAdapter(tied_names(model))
+    return LlamaAdapter(model.args)

@@ -1,0 +1,67 @@
+"""What a path names for export and generate: a run folder (its latest checkpoint), a
+checkpoint (step-N.pt or a DCP step-N folder), or a Hugging Face model folder; and the
+tokenizer.json a run trained with, where it has one."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from mixprec.data.tokenizer import tokenizer_path
+from mixprec.errors import UserError
+from mixprec.interop.hf_folder import is_hf_folder
+
+logger = logging.getLogger(__name__)
+
+RUN_CONFIG = "config.toml"
+
+
+def _run_config(folder: Path):
+    from mixprec.config import load_config
+
+    return load_config(str(folder / RUN_CONFIG)) if (folder / RUN_CONFIG).is_file() else None
+
+
+def resolve(path: str | Path) -> tuple[str, Path, Path | None]:
+    """(kind, path, run folder): kind "hf" (a Hugging Face folder) or "checkpoint" (the path of one,
+    a run folder's latest), with the run folder the checkpoint belongs to where there is one."""
+    from mixprec.train.checkpoint import CheckpointManager
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise UserError(f"{path}: no such file or folder; accepted: a run folder, a checkpoint "
+                        "(step-N.pt or a step-N folder) or a Hugging Face model folder")
+    if p.is_dir() and is_hf_folder(p):
+        return "hf", p, None
+    if p.is_dir() and (p / RUN_CONFIG).is_file():
+        config = _run_config(p)
+        steps = CheckpointManager(p / config.checkpoint.folder, 0).steps()
+        if not steps:
+            raise UserError(f"run folder {p} has no checkpoint in {config.checkpoint.folder}/; "
+                            "accepted: a run that saved one (checkpoint.enable true)")
+        return "checkpoint", CheckpointManager(p / config.checkpoint.folder, 0).path(steps[-1]), p
+    run = p.parent.parent if (p.parent.parent / RUN_CONFIG).is_file() else None
+    if p.is_file() or (p / "extras.pt").is_file():
+        return "checkpoint", p, run
+    raise UserError(f"{path} is neither a run folder (config.toml), a checkpoint nor a Hugging "
+                    "Face folder (config.json); accepted: one of those")
+
+
+def tokenizer_file(run: Path | None) -> Path | None:
+    """The tokenizer.json the run in `run` trained with: a prepared data folder's, the BPE trained
+    into the run folder, or the file data.tokenizer names; None for UTF-8 bytes (or no run)."""
+    config = _run_config(run) if run is not None else None
+    if config is None:
+        return None
+    from mixprec.data.shards import is_prepared
+
+    data = config.data
+    if is_prepared(data.source):
+        file = Path(data.source).expanduser() / "tokenizer.json"
+    elif data.tokenizer == "bpe":
+        file = run / "tokenizer.json"
+    elif data.tokenizer != "byte":
+        file = tokenizer_path(data.tokenizer)
+    else:
+        return None
+    return file if file.is_file() else None
