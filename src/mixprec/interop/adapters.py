@@ -147,8 +147,13 @@ class HFAdapter:
 
 
 def tied_names(model: torch.nn.Module) -> set[str]:
-    """Parameter names that repeat a tensor another name already holds (lm_head.weight when tied)."""
-    return {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    """Names of parameters that another module already holds (lm_head.weight when tied); a module
+    reached by two paths (HFCausalLM.layers is its decoder's list) is not a tie."""
+    seen, tied = set(), set()
+    for fqn, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            (tied.add(f"{fqn}.{name}" if fqn else name) if id(p) in seen else seen.add(id(p)))
+    return tied
 
 
 def adapter_for(model: torch.nn.Module):

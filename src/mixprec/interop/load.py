@@ -208,9 +208,8 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 def _tie_pairs(model: nn.Module) -> list[tuple[str, str]]:
     """(name, the name that first holds the same Parameter) for each tied parameter."""
     first, pairs = {}, []
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            pairs.append((name, first[id(p)]))
-        else:
-            first[id(p)] = name
+    for fqn, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            full = f"{fqn}.{name}" if fqn else name
+            pairs.append((full, first[id(p)])) if id(p) in first else first.setdefault(id(p), full)
     return pairs
