@@ -125,18 +125,21 @@ class Conversion:
 
 def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.dtype,
                    exclude=DEFAULT_EXCLUDE, module_filter_fn=None, emulate: bool | None = None,
-                   modules=None) -> Conversion:
+                   modules=None, device_type: str | None = None) -> Conversion:
     """Replace the chosen nn.Linear modules of `model` in place by FP8Linear modules that
     hold the same parameters. Returns the Conversion (and logs it).
 
     modules: the FQNs to convert, already chosen (a precision layout's); the filters and
     the left-out log lines are then the chooser's business.
 
+    device_type: where the GEMMs will run (default: the parameters' device; a model built on
+    the meta device to be loaded later says where it will be materialised).
+
     emulate: True runs every GEMM on the emulation (FP32 GEMMs on the FP8 values, the same
     numerics); False or None: torch's kernel wherever the probe finds one. On this project's
     CPUs both ran at the same speed, 0.6-0.7x an FP32 GEMM (benchmarks/bench_gemm.py)."""
     conversion = Conversion(recipe)
-    device = next(model.parameters()).device.type
+    device = device_type or next(model.parameters()).device.type
     cls = linear_class(recipe)
     conversion.routes = ({g: "fp8.emulate = true" for g in GEMMS} if emulate
                          else cls.routes(recipe, device, compute_dtype))

@@ -190,15 +190,18 @@ def empty_parameters():
         nn.Module.register_parameter = register
 
 
+@torch.no_grad()
 def materialize(model: nn.Module, device: torch.device) -> None:
     """Storage on `device` for a model built by `empty_parameters` or on the meta device (after
-    sharding: each rank allocates its shard only), buffers kept, ties restored."""
-    buffers = {n: b.clone() for n, b in model.named_buffers() if b.device.type != "meta"}
-    tied = [(n, m) for n, m in _tie_pairs(model)]
+    sharding: each rank allocates its shard only), buffers kept, ties restored. Buffers made on
+    the meta device start at zero: the FP8 layers' delayed-scaling state, zeros at start."""
+    buffers = {n: b.clone() if b.device.type != "meta" else None for n, b in model.named_buffers()}
+    tied = _tie_pairs(model)
     model.to_empty(device=device)
     for name, value in buffers.items():
         owner, _, attr = name.rpartition(".")
-        getattr(model.get_submodule(owner), attr).copy_(value)
+        buffer = getattr(model.get_submodule(owner), attr)
+        buffer.zero_() if value is None else buffer.copy_(value)
     for name, first in tied:
         owner, _, attr = name.rpartition(".")
         first_owner, _, first_attr = first.rpartition(".")

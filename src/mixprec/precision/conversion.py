@@ -46,7 +46,7 @@ class ModuleFormats:
         for recipe in self.layout.recipes():
             chosen = self.layout.fp8(recipe)
             self.conversions.append(convert_to_fp8(model, recipe, compute_dtype=spec.param_dtype, modules=chosen,
-                                                   emulate=self.emulate_fp8))
+                                                   emulate=self.emulate_fp8, device_type=device_type))
         for fqn, reason in self.layout.left_out().items():
             logger.info("fp8: %s stays in %s: %s", fqn, self.layout.modules[fqn].compute_name, reason)
         for fqn, dtype in self.layout.dtype_overrides().items():

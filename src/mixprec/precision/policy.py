@@ -143,13 +143,14 @@ class Policy:
         return _describe.policy_repr(self)
 
     # ---- hooks ----------------------------------------------------------------------
-    def prepare_model(self, model: torch.nn.Module) -> Layout:
+    def prepare_model(self, model: torch.nn.Module, device_type: str | None = None) -> Layout:
         """Resolve the spec against `model` into its per-module layout and apply it (FP8
         conversion, per-module compute) before anything wraps the model (compile,
-        fully_shard). Runs once; setup calls it when nobody did."""
+        fully_shard). Runs once; setup calls it when nobody did. device_type: where the model
+        will compute (default: its parameters' device; a model on the meta device names it)."""
         if self.layout is None:
             first = next(model.parameters(), None)
-            self.device_type = first.device.type if first is not None else "cpu"
+            self.device_type = device_type or (first.device.type if first is not None else "cpu")
             self.layout = resolve(self.spec, model, exclude=self.fp8_exclude, sharded=self.sharded)
             self.formats = ModuleFormats(self.layout, self.fp8_emulate)
             self.formats.apply(model, self.device_type)

@@ -109,7 +109,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, policy: Policy, device: to
     if dims.tp_enabled and any(not isinstance(f, torch.dtype) for f in policy.spec.compute_formats):
         raise UserError(f"{policy.name} with parallelism.tensor_parallel_degree {dims.tp}: the FP8 layers are not "
                         "tensor-parallel; accepted: tensor_parallel_degree 1 (FSDP2 and DDP shard or replicate them)")
-    policy.prepare_model(model)
+    policy.prepare_model(model, device.type)
     mesh = dims.mesh(device.type) if dims.world_size > 1 and not dims.ddp_enabled else None
     if dims.tp_enabled:
         apply_tensor_parallel(model, mesh["tp"])
