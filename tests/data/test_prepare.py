@@ -228,3 +228,32 @@ def test_kill_9_mid_run_then_resume_reads_the_same_tokens_in_the_same_order(tmp_
     assert again.returncode == 0, again.stderr[-2000:]
     keys = ("step", "loss", "grad_norm", "val_loss")
     assert [[r.get(k) for k in keys] for r in _records(run)] == [[r.get(k) for k in keys] for r in _records(full)]
+
+
+@pytest.mark.parametrize("eos, config", [("<|endoftext|>", None), ("<doc_end>", {"eos_token": {"content": "<doc_end>"}})])
+def test_a_pretrained_tokenizers_eos_separates_documents(tmp_path, text_file, eos, config):
+    from mixprec.data.tokenizer import train_bpe
+
+    text = text_file.read_text()
+    tok = train_bpe([text[:50_000]], 300)
+    tok.add_special_tokens([eos, "<pad>"])
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    if config:
+        (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(config))
+    docs = [d for d in text.split("\n\n") if d.strip()][:200]
+    source = tmp_path / "docs.jsonl"
+    source.write_text("\n".join(json.dumps({"text": d}) for d in docs) + "\n")
+    index = run_prepare(str(source), tmp_path / "out", tokenizer=str(tmp_path / "tok" / "tokenizer.json"),
+                        shard_mb=0.004, workers=1)  # units of ~4 KB: flushes fall inside and between documents
+    eos_id = tok.token_to_id(eos)
+    assert index["separator"] == eos
+    data = open_prepared(tmp_path / "out")
+    ids = everything(data.train).tolist() + [eos_id] + everything(data.val).tolist()
+    pieces, start = [], 0
+    for i, t in enumerate(ids + [eos_id]):
+        if t == eos_id:
+            pieces.append(ids[start:i])
+            start = i + 1
+    # every document's own tokens, each exactly once, between end-of-text tokens
+    assert sorted(map(tuple, pieces)) == sorted(tuple(tok.encode(d, add_special_tokens=False).ids) for d in docs)

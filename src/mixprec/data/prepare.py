@@ -5,8 +5,12 @@ The input is cut into units of about `shard_mb` of text (`mixprec.data.units`: w
 holds and which split each document goes to); each unit is tokenized by one worker process,
 streaming, into one training and one validation shard, then marked done. A re-run skips the
 units already done; index.json, written last, is what makes the folder trainable. Documents
-of a split are joined by a newline, as `data.source` joins a folder's files, so a folder
-prepared with the byte tokenizer gives the tokens the trainer makes of the same folder in memory.
+of a split are separated by the tokenizer's end-of-text token where it has one (a pretrained
+model's tokenizer.json: `eos_token` of the tokenizer_config.json beside it, else a special
+token named as Llama, GPT-2 or Gemma name theirs), so that the model sees where a document
+ends as it did in pretraining; otherwise by a newline, as `data.source` joins a folder's files,
+so a folder prepared with the byte tokenizer gives the tokens the trainer makes of the same
+folder in memory.
 """
 
 from __future__ import annotations
@@ -52,9 +56,42 @@ class _FileEncoder:
         self.vocab_size = self.tok.get_vocab_size()
 
     def encode(self, text: str) -> np.ndarray:
+        return self.encode_documents([text], None)
+
+    def encode_documents(self, texts: list[str], eos: int | None) -> np.ndarray:
+        """The tokens of each text, `eos` between two (in one batch call for all of them)."""
         batch = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)  # fast: no offsets (tokenizers 0.20+)
-        encodings = batch(_pieces(text), add_special_tokens=False)
-        return np.concatenate([np.asarray(e.ids, dtype=np.int64) for e in encodings] or [np.zeros(0, np.int64)])
+        pieces = [_pieces(t) for t in texts]
+        encodings = iter(batch([p for ps in pieces for p in ps], add_special_tokens=False))
+        parts = []
+        for i, ps in enumerate(pieces):
+            if i and eos is not None:
+                parts.append(np.array([eos], dtype=np.int64))
+            parts.extend(np.asarray(next(encodings).ids, dtype=np.int64) for _ in ps)
+        return np.concatenate(parts or [np.zeros(0, np.int64)])
+
+
+END_OF_TEXT = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")  # Llama 3, GPT-2 and Qwen, Llama 2, Gemma
+
+
+def eos_token(tokenizer_json: Path) -> tuple[str, int] | None:
+    """(content, id) of the tokenizer's end-of-text token: tokenizer_config.json's eos_token
+    beside the file, else a special token of the usual names; None when it has neither."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    config = tokenizer_json.with_name("tokenizer_config.json")
+    names = list(END_OF_TEXT)
+    try:
+        named = json.loads(config.read_text()).get("eos_token") if config.is_file() else None
+        names.insert(0, named.get("content") if isinstance(named, dict) else named)
+    except (ValueError, AttributeError):
+        pass
+    special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    for name in names:
+        if name and name in special:
+            return name, tok.token_to_id(name)
+    return None
 
 
 def _pieces(text: str, size: int = 8192) -> list[str]:
@@ -123,8 +160,10 @@ def _unit_names(index: int) -> dict[str, str]:
     return {split: f"{split}-{index:05d}.bin" for split in ("train", "val")}
 
 
-def prepare_unit(unit: Unit, out: Path, kind: str, fingerprint: str, text_field: str, val_fraction: float) -> dict:
-    """Tokenize one unit into its training and validation shards, then mark it done."""
+def prepare_unit(unit: Unit, out: Path, kind: str, fingerprint: str, text_field: str, val_fraction: float,
+                 eos: int | None = None) -> dict:
+    """Tokenize one unit into its training and validation shards, then mark it done; `eos`
+    separates documents (None: a newline)."""
     tokenizer = _load_tokenizer(out, kind)
     writers = {split: ShardWriter(out / name, tokenizer.vocab_size, fingerprint)
                for split, name in _unit_names(unit.index).items()}
@@ -134,7 +173,13 @@ def prepare_unit(unit: Unit, out: Path, kind: str, fingerprint: str, text_field:
     skipped = 0
 
     def flush(split: str) -> None:
-        tokens = tokenizer.encode("".join(pending[split]))
+        if eos is None:
+            tokens = tokenizer.encode("".join(pending[split]))
+        else:  # a None stands where a document ends
+            docs = [[]]
+            for t in pending[split]:
+                docs.append([]) if t is None else docs[-1].append(t)
+            tokens = tokenizer.encode_documents(["".join(d) for d in docs], eos)
         writers[split].append(tokens)
         if _PROGRESS is not None:
             _PROGRESS.put((read[split], len(tokens)))
@@ -148,7 +193,7 @@ def prepare_unit(unit: Unit, out: Path, kind: str, fingerprint: str, text_field:
             if not text:
                 continue
             if has_doc[split] and (piece.jsonl or starts_doc):
-                pending[split].append("\n")
+                pending[split].append("\n" if eos is None else None)
             starts_doc, has_doc[split] = False, True
             pending[split].append(text)
             read[split] += nbytes
@@ -245,6 +290,13 @@ def run_prepare(source: str, out: str | Path, tokenizer: str = "byte", bpe_vocab
     t0 = time.perf_counter()
     units = plan_units(source, val_fraction, max(1, int(shard_mb * 1e6)))
     settings = _settings(source, tokenizer, bpe_vocab_size, bpe_sample_mb, val_fraction, text_field, shard_mb, units)
+    eos = eos_token(Path(tokenizer).expanduser()) if kind == "file" else None
+    if eos is not None:
+        settings["separator"] = eos[0]  # older preparations (a newline) keep their settings
+        logger.info("prepare: documents separated by the tokenizer's %s (id %d)", *eos)
+    elif kind == "file":
+        logger.info("prepare: the tokenizer has no end-of-text token (no eos_token in a tokenizer_config.json beside "
+                    "it, none of %s); documents separated by a newline", ", ".join(END_OF_TEXT))
     out.mkdir(parents=True, exist_ok=True)
     if (out / SETTINGS).is_file():
         before = json.loads((out / SETTINGS).read_text())
@@ -275,11 +327,12 @@ def run_prepare(source: str, out: str | Path, tokenizer: str = "byte", bpe_vocab
                 "tokenizer, vocabulary %d, %s shards)", source, out, len(units), shard_mb, total / 1e6, n,
                 tokenizer, vocab, token_dtype(vocab).name)
     if todo:
-        records.update(_run_units(todo, out, kind, fingerprint, n, text_field, val_fraction, total))
+        records.update(_run_units(todo, out, kind, fingerprint, n, text_field, val_fraction, total,
+                                  eos[1] if eos else None))
     shards = {split: [records[u.index]["shards"][split] for u in units] for split in ("train", "val")}
     index = {"format": FORMAT, "version": VERSION, "source": source,
              "tokenizer": {"kind": kind, "vocab_size": vocab, "fingerprint": fingerprint},
-             "dtype": token_dtype(vocab).name, "separator": "\n", "val_fraction": val_fraction,
+             "dtype": token_dtype(vocab).name, "separator": eos[0] if eos else "\n", "val_fraction": val_fraction,
              "tokens": {split: sum(s["tokens"] for s in shards[split]) for split in shards},
              "skipped_bytes": sum(r["skipped_bytes"] for r in records.values()), "splits": shards}
     tmp = out / (INDEX + ".tmp")
@@ -293,9 +346,9 @@ def run_prepare(source: str, out: str | Path, tokenizer: str = "byte", bpe_vocab
 
 
 def _run_units(todo: list[Unit], out: Path, kind: str, fingerprint: str, workers: int, text_field: str,
-               val_fraction: float, total: int) -> dict[int, dict]:
+               val_fraction: float, total: int, eos: int | None) -> dict[int, dict]:
     """The units on `workers` processes, progress logged as their blocks finish."""
-    report, records, args = _Progress(total), {}, (out, kind, fingerprint, text_field, val_fraction)
+    report, records, args = _Progress(total), {}, (out, kind, fingerprint, text_field, val_fraction, eos)
     if workers == 1:  # this process, no pool
         for unit in todo:
             record = records[unit.index] = prepare_unit(unit, *args)
