@@ -36,6 +36,7 @@ SURFACE = """
 --activation_checkpoint.mode
 --compile.enable --compile.components
 --checkpoint.enable --checkpoint.folder --checkpoint.interval --checkpoint.keep_latest_k --checkpoint.load_step
+--checkpoint.initial_load
 --metrics.log_freq --metrics.enable_tensorboard --metrics.plot --metrics.progress_bar
 --stability.enable --stability.window --stability.threshold --stability.snapshot_interval --stability.max_rewinds
 --stability.lr_backoff --stability.backoff_steps --stability.inject
@@ -53,7 +54,8 @@ def test_cli_surface_is_frozen():
 
 def test_commands():
     sub = build_parser()._subparsers._group_actions[0].choices
-    assert sorted(sub) == ["analyze", "audit", "compare", "demo", "formats", "memory", "plan", "prepare", "train"]
+    assert sorted(sub) == ["analyze", "audit", "compare", "demo", "export", "formats", "generate", "memory", "plan",
+                           "prepare", "train"]
 
 
 def test_help_lists_every_key_with_doc_and_default():
