@@ -39,7 +39,7 @@ def test_first_step_loss_is_transformers_and_training_lowers_it(finetuned, text_
     root, hf = finetuned
     records = _records(root, preset)
     reference = hf_loss(hf, first_batch(text_file))  # both ranks' rows: one global batch of 4
-    tolerance = {"fp32": 1e-5, "bf16-mixed": 2e-2, "fp8-rowwise": 5e-2}[preset]  # relative
+    tolerance = {"fp32": 1e-5, "bf16-mixed": 1e-3, "fp8-rowwise": 5e-3}[preset]  # relative; measured 0, 4e-5, 6e-4
     assert abs(records[0]["loss"] - reference) / reference < tolerance
     assert records[-1]["loss"] < records[0]["loss"] - 0.1
 
