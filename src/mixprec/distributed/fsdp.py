@@ -28,13 +28,15 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, policy: Policy, *, reshard_af
     kwargs = dict(mesh=mesh, mp_policy=mp_policy,
                   reshard_after_forward=reshard_after_forward != "never",
                   offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
-    if hasattr(model, "tok_embeddings"):  # mixprec's Llama; another model's embeddings and head stay in the root
+    # Tied embeddings and output (the 1B flavor's): one tensor can be in one FSDP group only, the root's
+    tied = hasattr(model, "output") and model.output.weight is model.tok_embeddings.weight
+    if hasattr(model, "tok_embeddings") and not tied:  # mixprec's Llama; another model's stay in the root
         fully_shard(model.tok_embeddings, **kwargs)
     from mixprec.models.hf import decoder_layers
 
     for block in getattr(model, "layers", None) or decoder_layers(model):
         fully_shard(block, **kwargs)
-    if hasattr(model, "output"):
+    if hasattr(model, "output") and not tied:
         fully_shard([model.norm, model.output], **kwargs)
     fully_shard(model, **{**kwargs, "reshard_after_forward": reshard_after_forward == "always"})
     return model
