@@ -146,14 +146,20 @@ class HFAdapter:
         return read(self.hf_name(name), rows)
 
 
-def tied_names(model: torch.nn.Module) -> set[str]:
-    """Names of parameters that another module already holds (lm_head.weight when tied); a module
-    reached by two paths (HFCausalLM.layers is its decoder's list) is not a tie."""
-    seen, tied = set(), set()
+def tie_pairs(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """(name, the name that first holds the same Parameter) for each parameter another module
+    already holds (lm_head.weight when tied); a module reached by two paths (HFCausalLM.layers
+    is its decoder's list) is not a tie."""
+    first, pairs = {}, []
     for fqn, module in model.named_modules():
         for name, p in module.named_parameters(recurse=False):
-            (tied.add(f"{fqn}.{name}" if fqn else name) if id(p) in seen else seen.add(id(p)))
-    return tied
+            full = f"{fqn}.{name}" if fqn else name
+            pairs.append((full, first[id(p)])) if id(p) in first else first.setdefault(id(p), full)
+    return pairs
+
+
+def tied_names(model: torch.nn.Module) -> set[str]:
+    return {name for name, _ in tie_pairs(model)}
 
 
 def adapter_for(model: torch.nn.Module):

@@ -21,7 +21,7 @@ from torch import nn
 
 from mixprec.dtypes import dtype_name
 from mixprec.errors import UserError
-from mixprec.interop.adapters import adapter_for, tied_names
+from mixprec.interop.adapters import adapter_for, tie_pairs, tied_names
 from mixprec.interop.hf_folder import HFFolder, is_hf_folder
 
 logger = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     sharding: each rank allocates its shard only), buffers kept, ties restored. Buffers made on
     the meta device start at zero: the FP8 layers' delayed-scaling state, zeros at start."""
     buffers = {n: b.clone() if b.device.type != "meta" else None for n, b in model.named_buffers()}
-    tied = _tie_pairs(model)
+    tied = tie_pairs(model)
     model.to_empty(device=device)
     for name, value in buffers.items():
         owner, _, attr = name.rpartition(".")
@@ -207,12 +207,3 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         first_owner, _, first_attr = first.rpartition(".")
         setattr(model.get_submodule(owner), attr, getattr(model.get_submodule(first_owner), first_attr))
 
-
-def _tie_pairs(model: nn.Module) -> list[tuple[str, str]]:
-    """(name, the name that first holds the same Parameter) for each tied parameter."""
-    first, pairs = {}, []
-    for fqn, module in model.named_modules():
-        for name, p in module.named_parameters(recurse=False):
-            full = f"{fqn}.{name}" if fqn else name
-            pairs.append((full, first[id(p)])) if id(p) in first else first.setdefault(id(p), full)
-    return pairs

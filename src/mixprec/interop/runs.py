@@ -34,12 +34,12 @@ def resolve(path: str | Path) -> tuple[str, Path, Path | None]:
     if p.is_dir() and is_hf_folder(p):
         return "hf", p, None
     if p.is_dir() and (p / RUN_CONFIG).is_file():
-        config = _run_config(p)
-        steps = CheckpointManager(p / config.checkpoint.folder, 0).steps()
-        if not steps:
-            raise UserError(f"run folder {p} has no checkpoint in {config.checkpoint.folder}/; "
-                            "accepted: a run that saved one (checkpoint.enable true)")
-        return "checkpoint", CheckpointManager(p / config.checkpoint.folder, 0).path(steps[-1]), p
+        folder = _run_config(p).checkpoint.folder
+        checkpoints = CheckpointManager(p / folder, 0)
+        if not checkpoints.steps():
+            raise UserError(f"run folder {p} has no checkpoint in {folder}/; accepted: a run that saved one "
+                            "(checkpoint.enable true)")
+        return "checkpoint", checkpoints.path(checkpoints.steps()[-1]), p
     run = p.parent.parent if (p.parent.parent / RUN_CONFIG).is_file() else None
     if p.is_file() or (p / "extras.pt").is_file():
         return "checkpoint", p, run
