@@ -293,6 +293,8 @@ class Parallelism:
     """Free the all-gathered parameters after forward: default (yes, but not the root), always, never."""
     enable_cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer states in CPU memory (FSDP2's CPUOffloadPolicy)."""
+    lowp_all_gather: bool = True
+    """FSDP2 all-gathers the weights of FP8 and microscaled Linear layers in their own format with their scales (1 byte an element, ~0.56 for FP4) instead of bfloat16; a layer where that cannot hold gathers bfloat16, logged with the reason."""
     timeout_s: float = 300.0
     """Under torchrun, the longest wait of the process group (forming it, a collective, a store barrier) before the run ends with one line: a lost rank never hangs a job."""
 

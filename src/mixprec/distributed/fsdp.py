@@ -3,28 +3,46 @@
 Sharded parameters and optimizer states stay in the storage dtype (FP32 for the mixed
 modes); each unit's parameters are all-gathered in param_dtype for compute; gradients
 are reduce-scattered in reduce_dtype. The policy then does no autocast of its own:
-autocast on top of FSDP's casts would cast twice.
+autocast on top of FSDP's casts would cast twice. The FP8 and microscaled Linear layers'
+weights are all-gathered in their own formats instead (mixprec.fp8.all_gather).
 """
 
 from __future__ import annotations
+
+import logging
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+from mixprec.dtypes import dtype_name
+from mixprec.fp8 import all_gather
+from mixprec.fp8.linear import FP8Linear
 from mixprec.precision import Policy
 from mixprec.precision.master import cast_parameters
 
+logger = logging.getLogger(__name__)
+
+
+def recomputes_forward(block) -> bool:
+    """Whether a block recomputes its forward in backward (activation checkpointing)."""
+    return bool(getattr(block, "checkpointed", False) or getattr(block, "mixprec_recomputes", False))
+
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, policy: Policy, *, reshard_after_forward: str = "default",
-               cpu_offload: bool = False) -> nn.Module:
+               cpu_offload: bool = False, lowp_all_gather: bool = True) -> nn.Module:
     """Shard the token embeddings, each transformer block, the final norm together with
     the output layer, and the root (TorchTitan's layout), under `policy`; any other model,
     each of its decoder layers (`layers`, else its longest nn.ModuleList) and the root. A 2-D mesh
     (replicate, shard) gives HSDP. reshard_after_forward: default (every unit but the
-    root, whose parameters the backward needs first), always, never."""
+    root, whose parameters the backward needs first), always, never. lowp_all_gather: the
+    FP8 and microscaled Linear layers' weights travel in their own format (mixprec.fp8.all_gather)."""
+    from mixprec.models.hf import decoder_layers
+
     mp_policy = policy.fsdp_mixed_precision()  # first: it may change the storage dtype (master weights)
     cast_parameters(model, policy.storage_dtype)
+    blocks = list(getattr(model, "layers", None) or decoder_layers(model))
+    _narrow_gathers(model, blocks, mesh.shape[-1], reshard_after_forward, lowp_all_gather, mp_policy.param_dtype)
     kwargs = dict(mesh=mesh, mp_policy=mp_policy,
                   reshard_after_forward=reshard_after_forward != "never",
                   offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
@@ -32,11 +50,38 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, policy: Policy, *, reshard_af
     tied = hasattr(model, "output") and model.output.weight is model.tok_embeddings.weight
     if hasattr(model, "tok_embeddings") and not tied:  # mixprec's Llama; another model's stay in the root
         fully_shard(model.tok_embeddings, **kwargs)
-    from mixprec.models.hf import decoder_layers
-
-    for block in getattr(model, "layers", None) or decoder_layers(model):
+    for block in blocks:
         fully_shard(block, **kwargs)
     if hasattr(model, "output") and not tied:
         fully_shard([model.norm, model.output], **kwargs)
     fully_shard(model, **{**kwargs, "reshard_after_forward": reshard_after_forward == "always"})
+    all_gather.attach_units(model)
     return model
+
+
+def _narrow_gathers(model: nn.Module, blocks: list[nn.Module], world: int, reshard_after_forward: str, enabled: bool,
+                    param_dtype) -> None:
+    """Low-precision all-gathers for the FP8 and microscaled Linear layers, or the line that says they gather
+    in param_dtype."""
+    narrow = [fqn for fqn, m in model.named_modules() if isinstance(m, FP8Linear)]
+    if not narrow:
+        return
+    base = param_dtype or next(model.parameters()).dtype
+    if not enabled:
+        logger.info("fsdp: parallelism.lowp_all_gather = false: the %d FP8/microscaled Linear layers all-gather their "
+                    "weights in %s and quantise them after the gather", len(narrow), dtype_name(base))
+        return
+    names = {m: fqn for fqn, m in model.named_modules()}
+    in_block = {f"{names[b]}.": b for b in blocks}
+
+    def block_of(fqn: str):
+        return next((b for prefix, b in in_block.items() if fqn.startswith(prefix)), None)
+
+    def reshards(fqn: str) -> bool:  # blocks follow reshard_after_forward; the root reshards only "always"
+        return reshard_after_forward != "never" if block_of(fqn) is not None else reshard_after_forward == "always"
+
+    def recomputes(fqn: str) -> bool:
+        return recomputes_forward(block_of(fqn))
+
+    decided = all_gather.shard_narrow(model, world, reshards=reshards, recomputes=recomputes)
+    all_gather.log_decisions(model, decided, base)

@@ -7,7 +7,8 @@ gradient) run on scaled FP8 operands.
 
 Saved for backward: the FP8 input and its scales (half the bytes of a bfloat16 input)
 and the weight as the module holds it (alive anyway: the parameter, or FSDP2's
-all-gathered copy, which fully_shard gathers again for backward). The input's FP8 copy
+all-gathered copy, which fully_shard gathers again for backward; gathered in FP8 by
+mixprec.fp8.all_gather, the copy is read as it is instead of cast). The input's FP8 copy
 is cast along K; a recipe whose weight-gradient GEMM scales along M (row- and block-wise)
 re-casts it from its dequantised value, as DeepSeek-V3 does with its cached activations.
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mixprec.fp8.gathered import BACKWARD, FORWARD, gathered_copy
 from mixprec.fp8.gemm import probe, scaled_mm
 from mixprec.fp8.recipe import E4M3, FP8Recipe, Tiles
 from mixprec.fp8.scaling import DelayedScales, Quantized, amax_to_scale, cast, quantize, resolve_tile, tile_amax
@@ -38,12 +40,13 @@ class _FP8Matmul(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, plan: Plan, state):
         r, t = plan.recipe, plan.tiles
         pow2 = r.power_of_2_scales
+        wq = gathered_copy(weight, FORWARD)  # all-gathered in FP8 already (its amax recorded there)
         if r.delayed:
             xq = _delayed_cast(x, state, DelayedScales.INPUT, E4M3)
-            wq = _delayed_cast(weight, state, DelayedScales.WEIGHT, E4M3)
+            wq = wq or _delayed_cast(weight, state, DelayedScales.WEIGHT, E4M3)
         else:
             xq, _ = quantize(x, E4M3, t.x, power_of_2=pow2)
-            wq, _ = quantize(weight, E4M3, t.w, power_of_2=pow2)
+            wq = wq or quantize(weight, E4M3, t.w, power_of_2=pow2)[0]
         ctx.plan, ctx.state, ctx.x_dtype = plan, state, x.dtype
         ctx.save_for_backward(xq.data, xq.scale_inv, weight, wq.data, wq.scale_inv)
         ctx.x_tile, ctx.w_tile = xq.tile, wq.tile
@@ -61,7 +64,10 @@ class _FP8Matmul(torch.autograd.Function):
             gq = _delayed_cast(dy, state, DelayedScales.GRAD, r.grad_dtype)
         else:
             gq, _ = quantize(dy, r.grad_dtype, t.g, power_of_2=pow2)
-        wq_d = quantize(weight, E4M3, t.w_dgrad, power_of_2=pow2)[0] if t.w_dgrad else wq
+        if t.w_dgrad:  # W scaled along N: the backward's gathered copy, or a cast of the weight
+            wq_d = gathered_copy(weight, BACKWARD) or quantize(weight, E4M3, t.w_dgrad, power_of_2=pow2)[0]
+        else:
+            wq_d = wq
         dx = scaled_mm(gq, wq_d, plan.compute_dtype, kernel=plan.kernels[1]).to(ctx.x_dtype)
         gq_w = quantize(dy, r.grad_dtype, t.g_wgrad, power_of_2=pow2)[0] if t.g_wgrad else gq
         xq_w = quantize(xq.dequantize(), E4M3, t.x_wgrad, power_of_2=pow2)[0] if t.x_wgrad else xq

@@ -221,18 +221,21 @@ def nvfp4_tensor_scale(amax: torch.Tensor, top: float = 6.0) -> torch.Tensor:
 
 
 def quantize_nvfp4(x: torch.Tensor, *, block: tuple[int, int] = (1, 16), tensor_scale: bool = True,
-                   key: torch.Tensor | None = None, four_over_six: bool = False) -> Blocked:
+                   key: torch.Tensor | None = None, four_over_six: bool = False,
+                   amax: torch.Tensor | None = None) -> Blocked:
     """x (R, C) in e2m1 blocks of 1x16 (or 16x16 for weights), an E4M3 scale per block
     mapping its amax to 6, and (tensor_scale) one FP32 scale for the whole tensor.
 
     four_over_six: each block also tries mapping its amax to 4 instead of 6 (a finer grid
     for its large values: 4/6 of the step) and keeps whichever reconstructs the block with the
     smaller squared error. The tensor scale then maps the tensor's amax to 448 x 4, so both
-    choices fit e4m3. key: as quantize_mx's, for stochastic rounding."""
+    choices fit e4m3. key: as quantize_mx's, for stochastic rounding. amax: the tensor's amax
+    when x is a shard of it (the low-precision all-gather casts each rank's rows alone)."""
     shape = tuple(x.shape)
     x = _pad(x, block)
+    tensor_amax = x.abs().amax() if amax is None else amax
     amax = _block_amax(x, block)
-    ts = nvfp4_tensor_scale(x.abs().amax(), 4.0 if four_over_six else 6.0) if tensor_scale else None
+    ts = nvfp4_tensor_scale(tensor_amax, 4.0 if four_over_six else 6.0) if tensor_scale else None
     tops = (6.0, 4.0) if four_over_six else (6.0,)
     best = None
     for top in tops:

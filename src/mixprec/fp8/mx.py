@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.errors import UserError
+from mixprec.fp8.gathered import BACKWARD, FORWARD, gathered_copy
 from mixprec.fp8.linear import FP8Linear, Plan, register_linear
 from mixprec.fp8.microscaling import (E2M1, E4M3, E5M2, ROUNDINGS, Blocked, hadamard_signs, quantize_mx,
                                       quantize_nvfp4, rotate)
@@ -166,13 +167,14 @@ class MXRecipe(FP8Recipe):
 
     # ---- the casts -------------------------------------------------------------------------
     def quantize(self, x: torch.Tensor, *, gradient: bool = False, key: torch.Tensor | None = None,
-                 square: bool = False) -> Blocked:
+                 square: bool = False, amax: torch.Tensor | None = None) -> Blocked:
         """x (R, C) in blocks along C (square: block x block tiles); gradient: the gradient's
-        format, stochastically rounded with `key` where the recipe says so."""
+        format, stochastically rounded with `key` where the recipe says so; amax: NVFP4's
+        tensor amax when x is a shard of the tensor."""
         key = key if gradient and self.stochastic_gradients else None
         if self.nv:
             return quantize_nvfp4(x, block=(self.block,) * 2 if square else (1, self.block), key=key,
-                                  four_over_six=self.four_over_six)
+                                  four_over_six=self.four_over_six, amax=amax)
         dtype = self.grad_dtype if gradient and self.element != E2M1 else self.element
         return quantize_mx(x, dtype, block=self.block, rounding=self.scale_rounding, key=key)
 
@@ -229,7 +231,7 @@ class _MXMatmul(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, plan: Plan, salt: int):
         r = plan.recipe
         xq = r.quantize(x)  # (M, K) along K
-        wq = r.quantize(weight, square=r.weight_2d)  # (N, K) along K
+        wq = gathered_copy(weight, FORWARD) or r.quantize(weight, square=r.weight_2d)  # (N, K) along K
         h = r.transform(x.device)
         xt = _pad_rows(x, HADAMARD_SIZE).t() if h is not None else x.t()
         xt_q = r.quantize(rotate(xt, h) if h is not None else xt)  # (K, M) along M, for the weight gradient
@@ -252,7 +254,7 @@ class _MXMatmul(torch.autograd.Function):
         if r.weight_2d:  # the forward's 16x16 blocks, transposed
             wq_t = Blocked(w_data, w_scale, w_block, w_ts, w_shape).t()
         else:
-            wq_t = r.quantize(weight.t())  # (K, N) along N
+            wq_t = gathered_copy(weight, BACKWARD) or r.quantize(weight.t())  # (K, N) along N
         dx = mx_mm(gq, wq_t, plan.compute_dtype).to(ctx.x_dtype)
         h = r.transform(dy.device)
         gt = _pad_rows(dy, HADAMARD_SIZE).t() if h is not None else dy.t()

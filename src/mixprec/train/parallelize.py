@@ -60,6 +60,7 @@ def _checkpoint_forward(block: nn.Module) -> None:
         return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     block.forward = checkpointed
+    block.mixprec_recomputes = True  # what the low-precision all-gather asks (distributed.fsdp.recomputes_forward)
 
 
 def apply_compile(model: nn.Module, components: tuple[str, ...], policy: Policy, device_type: str) -> None:
@@ -120,7 +121,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, policy: Policy, device: to
         apply_compile(model, compile_components, policy, device.type)
     if dims.fsdp_enabled:
         apply_fsdp(model, dims.dp_mesh(mesh), policy, reshard_after_forward=pcfg.fsdp_reshard_after_forward,
-                   cpu_offload=pcfg.enable_cpu_offload)
+                   cpu_offload=pcfg.enable_cpu_offload, lowp_all_gather=pcfg.lowp_all_gather)
     elif dims.tp_enabled and policy.param_dtype != policy.storage_dtype:
         # Without fully_shard there is no MixedPrecisionPolicy: autocast over the DTensor
         # model casts each sharded matmul instead of leaving it in float32.
