@@ -1,0 +1,127 @@
+"""Two gloo ranks: each scenario trained with FSDP2 gathering the FP8/microscaled weights in
+bfloat16 (quantised after the gather) and in their own format; losses, final weights, the
+bytes of every collective and the log lines, written to a JSON file (tests/distributed/test_lowp_gather.py)."""
+
+import json
+import logging
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mixprec import Policy, build_model, model_args
+from mixprec.distributed import apply_fsdp
+from mixprec.distributed.comm_bytes import CommBytes
+from mixprec.distributed.parallel import end_spawned_worker
+
+WORLD = 2
+BATCHES = [(torch.randint(0, 64, (4, 1), generator=torch.Generator().manual_seed(i)) + 3 * torch.arange(33)) % 64
+           for i in range(8)]
+SHAPES = {"debug": {}, "aligned": dict(dim=256, n_kv_heads=4, multiple_of=256)}  # aligned: 128-row shards
+
+
+def train(rank, preset, lowp, *, shape="debug", steps=8, recompute=False, promote_at=None, revert_at=None,
+          compile=False, save=None, load=None):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    policy = Policy.from_preset(preset)
+    model = build_model(model_args("debug", 256, **SHAPES[shape]), device="cpu", storage_dtype=torch.float32, seed=0)
+    policy.prepare_model(model, "cpu")
+    for block in model.layers:
+        block.checkpointed = recompute
+        if compile:
+            block.forward = torch.compile(block.forward)
+    apply_fsdp(model, init_device_mesh("cpu", (WORLD,)), policy, lowp_all_gather=lowp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    policy.setup(model, opt)
+    first = 0
+    if load is not None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=load)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        first = 4
+    losses, gathered = [], []
+    for i in range(first, steps):
+        if i == promote_at:
+            policy.promote("layers.0.attention.wq", i, "test")
+        if i == revert_at:
+            policy.unpromote("layers.0.attention.wq")
+        comm = CommBytes()
+        with comm:
+            local = BATCHES[i].chunk(WORLD)[rank]
+            with policy.autocast():
+                loss = model(local[:, :-1], local[:, 1:])
+            policy.backward(loss)
+        policy.step(opt, max_norm=1.0)
+        losses.append(loss.item())
+        gathered.append(comm.bytes["all_gather"])
+        if save is not None and i == 3:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_sd, optim_sd = get_state_dict(model, opt)
+            dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=save)
+    weights = {n: p.full_tensor() for n, p in model.named_parameters()}
+    return {"losses": losses, "gathered": gathered}, weights
+
+
+def compare(rank, name, off, on, out):
+    """off, on: (record, weights); a resumed run (on) has the last steps only."""
+    (a, wa), (b, wb) = off, on
+    same = all(torch.equal(wa[n], wb[n]) for n in wa)
+    n = len(b["losses"])
+    out[name] = {"off": {k: v[-n:] for k, v in a.items()}, "on": b, "weights_equal": same}
+
+
+def _worker(rank, store_path, path):
+    store = dist.FileStore(store_path, WORLD)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("mixprec").addHandler(handler)
+    logging.getLogger("mixprec").setLevel(logging.INFO)
+    out = {}
+    tmp = tempfile.mkdtemp() if rank == 0 else None
+    box = [tmp]
+    dist.broadcast_object_list(box)
+    tmp = box[0]
+    if True:
+        for preset in ("fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8", "nvfp4", "mxfp4"):
+            compare(rank, preset, train(rank, preset, False), train(rank, preset, True), out)
+        compare(rank, "fp8-blockwise aligned", train(rank, "fp8-blockwise", False, shape="aligned"),
+                train(rank, "fp8-blockwise", True, shape="aligned"), out)
+        for preset in ("fp8-tensorwise", "fp8-rowwise"):
+            compare(rank, f"{preset} recompute", train(rank, preset, False, steps=4, recompute=True),
+                    train(rank, preset, True, steps=4, recompute=True), out)
+        compare(rank, "promote", train(rank, "fp8-rowwise", False, steps=7, promote_at=3, revert_at=5),
+                train(rank, "fp8-rowwise", True, steps=7, promote_at=3, revert_at=5), out)
+        # DCP: written with narrow gathers, resumed with them off and on
+        ckpt = os.path.join(tmp, "dcp")
+        whole = train(rank, "fp8-rowwise", True, save=ckpt)
+        compare(rank, "resume off", whole, train(rank, "fp8-rowwise", False, load=ckpt), out)
+        compare(rank, "resume on", whole, train(rank, "fp8-rowwise", True, load=ckpt), out)
+        for preset in ("fp8-tensorwise", "fp8-rowwise"):  # eager against compiled blocks, both gathering narrow
+            compare(rank, f"{preset} compiled", train(rank, preset, True, steps=4),
+                    train(rank, preset, True, steps=4, compile=True), out)
+        if rank == 0:
+            out["log"] = messages
+            with open(path, "w") as f:
+                json.dump(out, f)
+    end_spawned_worker()
+
+
+def run(path: str) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(os.path.join(d, "store"), path), nprocs=WORLD)
+
+
+if __name__ == "__main__":
+    run(sys.argv[1])
