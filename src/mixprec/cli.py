@@ -141,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--attention", default="eager", help="eager or sdpa (model.attention)")
     memory.add_argument("--loss", default="full", help="full or chunked (model.loss)")
     memory.add_argument("--no-reshard", action="store_true", help="keep all-gathered parameters after forward")
+    memory.add_argument("--no-lowp-all-gather", action="store_true",
+                        help="FP8/microscaled weights all-gathered in bfloat16 (parallelism.lowp_all_gather = false)")
     memory.add_argument("--bandwidth-gbps", type=float, default=100.0, help="per-device link, GB/s")
     memory.add_argument("--json", action="store_true", help="print JSON")
     analyze = sub.add_parser("analyze", help="numerics experiments and a gradient census of a real step",
@@ -247,7 +249,8 @@ def _memory_advice(config, error: BaseException) -> str:
         args = model_shape(config, vocab, device_type)  # the trainer's own choices of attention and loss
         setup = Setup(args, policy.spec, t.local_batch_size, t.seq_len, checkpointing=config.activation_checkpoint.mode,
                       dp_shard=max(1, config.parallelism.data_parallel_shard_degree), attention=args.attention,
-                      loss="chunked" if args.loss_chunk else "full")
+                      loss="chunked" if args.loss_chunk else "full",
+                      lowp_all_gather=config.parallelism.lowp_all_gather)
         b = plan(setup)["bytes"]
         need = (f"the plan for {config.model.flavor} in {policy_name} is {b['peak'] / 2**30:.1f} GiB per device "
                 f"(parameters {b['parameters'] / 2**30:.1f}, optimizer states {b['optimizer_states'] / 2**30:.1f}, "
@@ -348,7 +351,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
     setup = Setup(model_args(args.flavor, args.vocab_size), resolve_preset_name(args.preset, "--preset"),
                   overrides=tuple(r for r in args.override.split(",") if r.strip()), batch=args.batch, seq_len=args.seq_len, optimizer=args.optimizer, checkpointing=args.checkpointing,
                   dp_shard=args.dp_shard, dp_replicate=args.dp_replicate, tp=args.tp,
-                  reshard_after_forward=not args.no_reshard, attention=args.attention, loss=args.loss,
+                  reshard_after_forward=not args.no_reshard, lowp_all_gather=not args.no_lowp_all_gather,
+                  attention=args.attention, loss=args.loss,
                   bandwidth_gbps=args.bandwidth_gbps)
     result = plan(setup)
     if args.json:

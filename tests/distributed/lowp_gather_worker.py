@@ -72,6 +72,32 @@ def train(rank, preset, lowp, *, shape="debug", steps=8, recompute=False, promot
     return {"losses": losses, "gathered": gathered}, weights
 
 
+def audited(rank, preset, own_fully_shard: bool) -> dict:
+    """mixprec.audit of one step; own_fully_shard: the blocks wrapped by torch's fully_shard directly (the
+    silent bfloat16 fallback), else by mixprec's apply_fsdp."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from mixprec import audit, format_audit
+
+    policy = Policy.from_preset(preset)
+    model = build_model(model_args("debug", 256), device="cpu", storage_dtype=torch.float32, seed=0)
+    policy.prepare_model(model, "cpu")
+    mesh = init_device_mesh("cpu", (WORLD,))
+    if own_fully_shard:
+        mp_policy = policy.fsdp_mixed_precision()
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    else:
+        apply_fsdp(model, mesh, policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    policy.setup(model, opt)
+    batches = [(b.chunk(WORLD)[rank][:, :-1], b.chunk(WORLD)[rank][:, 1:]) for b in BATCHES[:2]]
+    report = audit(model, policy, opt, batches)
+    return {"ok": report["ok"], "text": format_audit(report)}
+
+
 def compare(rank, name, off, on, out):
     """off, on: (record, weights); a resumed run (on) has the last steps only."""
     (a, wa), (b, wb) = off, on
@@ -111,6 +137,8 @@ def _worker(rank, store_path, path):
         for preset in ("fp8-tensorwise", "fp8-rowwise"):  # eager against compiled blocks, both gathering narrow
             compare(rank, f"{preset} compiled", train(rank, preset, True, steps=4),
                     train(rank, preset, True, steps=4, compile=True), out)
+        out["audit ok"] = audited(rank, "fp8-rowwise", own_fully_shard=False)
+        out["audit silent"] = audited(rank, "fp8-rowwise", own_fully_shard=True)
         if rank == 0:
             out["log"] = messages
             with open(path, "w") as f:

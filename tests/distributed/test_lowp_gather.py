@@ -102,3 +102,28 @@ def test_the_sharded_weight_is_a_plain_tensor_to_everything_else(tmp_path):
     torch.save(s, tmp_path / "w.pt")  # checkpoints hold the plain values
     loaded = torch.load(tmp_path / "w.pt", weights_only=True)
     assert type(loaded) is torch.Tensor and torch.equal(loaded, w * 2)
+
+
+@pytest.mark.slow
+def test_the_audit_reads_each_weights_gather_off_fsdp2(runs):
+    good, silent = runs["audit ok"], runs["audit silent"]
+    assert good["ok"], good["text"]
+    assert "weights all-gathered (per module, FSDP2's buffers)" in good["text"]
+    line = next(x for x in good["text"].splitlines() if x.startswith("weights all-gathered"))
+    assert "14 float8_e4m3fn" in line and line.rstrip().endswith("ok")
+    # torch's fully_shard alone gathers the FP8 layers in bfloat16: the audit fails and names them
+    assert not silent["ok"]
+    assert "module layers.0.attention.wq: its weight was all-gathered in bfloat16, not float8_e4m3fn" in silent["text"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["fp8-tensorwise", "fp8-rowwise", "mxfp8", "nvfp4", "mxfp4"])
+def test_the_memory_planner_plans_the_measured_bytes(runs, preset):
+    from mixprec.analysis.memory import Setup, plan
+    from mixprec.models.llama import model_args
+
+    for lowp, side in ((True, "on"), (False, "off")):
+        planned = plan(Setup(model_args("debug", 256), preset, dp_shard=2, lowp_all_gather=lowp))
+        # the plan counts what a ring moves, (n-1)/n of the gathered bytes
+        assert planned["communication_bytes"]["all_gather"] / 0.5 == pytest.approx(runs[preset][side]["gathered"][0],
+                                                                                     rel=0.1)

@@ -107,7 +107,9 @@ def promises(policy) -> dict[str, set[torch.dtype] | None]:
         "optimizer states": {FP32 if policy.sharded and policy.master_weights else policy.spec.moments_dtype},
         "master weights": {FP32} if policy.master_weights else None,
         "Kahan compensation": {storage} if policy.spec.update is Update.KAHAN else None,
-        "all-gather traffic": {compute} if policy.sharded else None,
+        # uint8: FSDP2 gathers a unit whose tensors differ in dtype (FP8 elements, FP32 scales) as bytes
+        "all-gather traffic": ({compute, torch.uint8} if policy.layout is not None and policy.layout.fp8() else {compute})
+        if policy.sharded else None,
         "reduce-scatter traffic": {policy.reduce_dtype} if policy.sharded else None,
     }
 
@@ -234,6 +236,10 @@ def observe_step(model: torch.nn.Module, policy, optimizer: torch.optim.Optimize
         fp8, fp8_notes = fp8_rows(tracker, policy, micro_batches=micro_batches)
         rows += fp8
         notes += fp8_notes
+    if policy.sharded and policy.layout.fp8():
+        gather_row, gather_notes = all_gather_row(model, policy.param_dtype)
+        rows.append(gather_row)
+        notes += gather_notes
     path = ("fully_shard (FSDP2's MixedPrecisionPolicy)" if policy.sharded
             else "torch.autocast" if policy.uses_autocast else "none: parameters are already in the compute dtype")
     return {"precision": policy.name, "path": path, "world_size": world_size,
@@ -279,6 +285,31 @@ def per_module_rows(tracker: FP8Tracker, layout, micro_batches: int) -> tuple[li
                      "observed": [f"{n} layers with {k}" for k, n in sorted(
                          _counts(len(tracker.backward_by_module.get(f, ())) for f in fp8_layers).items())]})
     return rows, notes
+
+
+def all_gather_row(model: torch.nn.Module, param_dtype: torch.dtype) -> tuple[dict, list[str]]:
+    """The dtype each low-precision Linear's weight was all-gathered in, read off FSDP2's own
+    buffers, against its narrow format (or param_dtype where a reason was logged): a layer
+    planned narrow that gathered wide fails, however it came to."""
+    from mixprec.fp8.all_gather import gathers
+
+    promised, observed, notes, reasons, ok = {}, {}, [], {}, True
+    for fqn, (got, want, why) in gathers(model, param_dtype).items():
+        promised[dtype_name(want)] = promised.get(dtype_name(want), 0) + 1
+        seen = dtype_name(got) if got is not None else "not gathered"
+        observed[seen] = observed.get(seen, 0) + 1
+        if why is not None:
+            reasons.setdefault(why, []).append(fqn)
+        if got != want:
+            ok = False
+            notes.append(f"module {fqn}: its weight was all-gathered in {seen}, not {dtype_name(want)}"
+                         + ("" if why else " (its layer computes in a narrow format and no reason was logged)"))
+    for why, fqns in reasons.items():
+        notes.append(f"{len(fqns)} layer(s) all-gather in {dtype_name(param_dtype)} ({why}): {', '.join(fqns[:3])}"
+                     + (", ..." if len(fqns) > 3 else ""))
+    count = lambda d: [f"{n} {k}" for k, n in sorted(d.items())]  # noqa: E731
+    return ({"stage": "weights all-gathered (per module, FSDP2's buffers)", "promised": count(promised),
+             "observed": count(observed), "ok": ok}, notes)
 
 
 def _counts(values) -> dict[int, int]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from mixprec.errors import UserError
+from mixprec.fp8.all_gather import copy_bytes, why_not
 from mixprec.fp8.recipe import FP8Recipe
 from mixprec.models.llama import Llama, ModelArgs
 from mixprec.models.loss import chunk_tokens
@@ -33,6 +34,7 @@ from mixprec.precision.spec import Override, PrecisionSpec, Update
 from mixprec.train.parallelize import AC_MODES, checkpointed_blocks
 
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}  # state tensors per parameter (SGD: momentum)
+_COLUMN_WISE, _ROW_WISE = ("wq", "wk", "wv", "w1", "w3"), ("wo", "w2")  # tensor parallel's split of the projections
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class Setup:
     dp_replicate: int = 1
     tp: int = 1
     reshard_after_forward: bool = True
+    lowp_all_gather: bool = True  # FP8/microscaled weights all-gathered in their own format (mixprec.fp8.all_gather)
     attention: str = "eager"  # or "sdpa": no (T, T) tensors saved
     loss: str = "full"  # or "chunked": model.loss, the full logits never exist
     bandwidth_gbps: float = 100.0  # per device, for the communication time
@@ -155,9 +158,24 @@ def plan(s: Setup) -> dict:
         fp8_share.append(sum(n for f, n in rows if isinstance(f, FP8Recipe)) / total)
         fp32_share.append(sum(n for f, n in rows if f == FP32) / total if c != 4 else 0.0)
     block_params = sum(w.numel() for w in model.layers[0].parameters())
+    recomputed = checkpointed_blocks(a.n_layers, s.checkpointing)
+    # Bytes of one all-gather of each parameter: param_dtype, or a low-precision Linear's narrow copy
+    gathered = {id(w): w.numel() / s.tp * c for w in model.parameters()}
+    if sharded and s.lowp_all_gather:
+        for fqn, module in model.named_modules():
+            compute = layout[fqn].compute if fqn in layout else None
+            if not isinstance(compute, FP8Recipe):
+                continue
+            block = int(fqn.split(".")[1]) if fqn.startswith("layers.") else None
+            rows, cols = module.weight.shape
+            rows = rows // s.tp if fqn.endswith(_COLUMN_WISE) else rows
+            cols = cols // s.tp if fqn.endswith(_ROW_WISE) else cols
+            if why_not(compute, (rows, cols), s.dp_shard, recomputes=block in recomputed,
+                       reshards=s.reshard_after_forward if block is not None else False) is None:
+                gathered[id(module.weight)] = copy_bytes(compute, rows, cols)
     unsharded = 0
-    if sharded:  # all-gathered units in param_dtype: the current block and the prefetched next
-        per_block = block_params / s.tp * c
+    if sharded:  # all-gathered units: the current block and the prefetched next
+        per_block = max(sum(gathered[id(w)] for w in block.parameters()) for block in model.layers)
         unsharded = (2 * per_block) if s.reshard_after_forward else (per_block * a.n_layers)
 
     B, T = s.batch, s.seq_len
@@ -175,7 +193,6 @@ def plan(s: Setup) -> dict:
     inputs = r * B * T * a.dim  # what a checkpointed block keeps: its input
     # Saved through the forward: each block's activations, or only its input where it
     # recomputes in backward (selective: every other block, 1, 3, 5, ...; full: all).
-    recomputed = checkpointed_blocks(a.n_layers, s.checkpointing)
     saved = [inputs if i in recomputed else blocks[i] for i in range(a.n_layers)]
     layers = sum(saved)
     norm = (4 + r) * B * T * a.dim  # the final norm's FP32 input and output
@@ -222,7 +239,7 @@ def plan(s: Setup) -> dict:
     if sharded:
         frac = (s.dp_shard - 1) / s.dp_shard
         gathers = 2 if s.reshard_after_forward else 1  # again in backward after a reshard
-        comm["all_gather"] = gathers * full_params * c * frac
+        comm["all_gather"] = gathers * sum(gathered.values()) * frac
         comm["reduce_scatter"] = full_params * 4 * frac
     if s.dp_replicate > 1:
         size = full_params * 4 / s.dp_shard

@@ -42,7 +42,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, policy: Policy, *, reshard_af
     mp_policy = policy.fsdp_mixed_precision()  # first: it may change the storage dtype (master weights)
     cast_parameters(model, policy.storage_dtype)
     blocks = list(getattr(model, "layers", None) or decoder_layers(model))
-    _narrow_gathers(model, blocks, mesh.shape[-1], reshard_after_forward, lowp_all_gather, mp_policy.param_dtype)
+    policy.narrow_gathers = _narrow_gathers(model, blocks, mesh.shape[-1], reshard_after_forward, lowp_all_gather,
+                                            mp_policy.param_dtype)
     kwargs = dict(mesh=mesh, mp_policy=mp_policy,
                   reshard_after_forward=reshard_after_forward != "never",
                   offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
@@ -60,17 +61,19 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, policy: Policy, *, reshard_af
 
 
 def _narrow_gathers(model: nn.Module, blocks: list[nn.Module], world: int, reshard_after_forward: str, enabled: bool,
-                    param_dtype) -> None:
+                    param_dtype) -> str:
     """Low-precision all-gathers for the FP8 and microscaled Linear layers, or the line that says they gather
-    in param_dtype."""
+    in param_dtype. Returns what the startup line says of them."""
     narrow = [fqn for fqn, m in model.named_modules() if isinstance(m, FP8Linear)]
     if not narrow:
-        return
+        return ""
     base = param_dtype or next(model.parameters()).dtype
     if not enabled:
+        for fqn in narrow:
+            model.get_submodule(fqn).gather_why = "parallelism.lowp_all_gather = false"
         logger.info("fsdp: parallelism.lowp_all_gather = false: the %d FP8/microscaled Linear layers all-gather their "
                     "weights in %s and quantise them after the gather", len(narrow), dtype_name(base))
-        return
+        return f"the {len(narrow)} low-precision Linear weights too: parallelism.lowp_all_gather = false"
     names = {m: fqn for fqn, m in model.named_modules()}
     in_block = {f"{names[b]}.": b for b in blocks}
 
@@ -85,3 +88,21 @@ def _narrow_gathers(model: nn.Module, blocks: list[nn.Module], world: int, resha
 
     decided = all_gather.shard_narrow(model, world, reshards=reshards, recomputes=recomputes)
     all_gather.log_decisions(model, decided, base)
+    formats = sorted({dtype_name(all_gather.element_format(model.get_submodule(f).plan.recipe))
+                      for f, why in decided.items() if why is None})
+    wide = sum(why is not None for why in decided.values())
+    return (f"{len(decided) - wide} low-precision Linear weights in {', '.join(formats) or '-'} with their scales"
+            + (f", {wide} in {dtype_name(base)} (logged why)" if wide else ""))
+
+
+def unsharded_bytes(model: nn.Module) -> int:
+    """Bytes FSDP2 holds right now in all-gathered parameters: the storage of every
+    parameter's all-gather buffers that is allocated (a resharded unit's is freed)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    total = 0
+    for unit in model.modules():
+        group = unit._get_fsdp_state()._fsdp_param_group if isinstance(unit, FSDPModule) else None
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            total += sum(t.untyped_storage().nbytes() for t in fsdp_param.all_gather_outputs)
+    return total

@@ -101,6 +101,8 @@ def _scale_slots(rows: int, cols: int) -> int:
 def why_not(recipe: FP8Recipe, shape: tuple[int, int], world: int, *, recomputes: bool, reshards: bool) -> str | None:
     """Why a weight of `shape` in `recipe` is gathered in bfloat16 over `world` shards, or None."""
     rows, cols = shape
+    if world == 1:  # torch 2.13's FSDP2 copies the first all-gather input alone on one rank
+        return "one rank: FSDP2 copies the shard instead of all-gathering it, so nothing crosses a wire"
     if rows % world:
         return f"its {rows} rows do not split evenly over {world} ranks (FSDP2 pads the last shard)"
     b = block_rows(recipe)
@@ -248,7 +250,8 @@ class NarrowGather:
 def _all_max(t: torch.Tensor, group) -> torch.Tensor:
     """The elementwise max of `t` over the shard group (amaxes: max is exact in any order)."""
     t = t.float().clone()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    if group is not None:  # None: the whole weight is here (a test's single shard)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t
 
 
@@ -274,7 +277,7 @@ def shard_narrow(model: nn.Module, world: int, *, reshards, recomputes) -> dict[
             continue
         shape = tuple(m.weight.shape)
         why = why_not(m.plan.recipe, shape, world, recomputes=recomputes(fqn), reshards=reshards(fqn))
-        decided[fqn] = why
+        decided[fqn] = m.gather_why = why
         if why is None:
             m.weight = nn.Parameter(NarrowShard(m.weight.data), requires_grad=m.weight.requires_grad)
             m.narrow_gather = NarrowGather(m, m.plan.recipe, shape)
@@ -315,3 +318,35 @@ def log_decisions(model: nn.Module, decided: dict[str, str | None], base: torch.
                else "one copy for the forward and the input gradient")
         logger.info("fsdp: %d Linear layers all-gather their weights in %s (%s; %s): %.2fx the bytes of %s",
                     len(shapes), recipe.label, recipe.name, how, narrow / wide, dtype_name(base))
+
+
+# ---- what the audit reads ---------------------------------------------------------------------
+def element_format(recipe: FP8Recipe) -> torch.dtype:
+    """The dtype of a gathered copy's elements."""
+    return getattr(recipe, "element", E4M3)
+
+
+def gathers(model: nn.Module, param_dtype: torch.dtype) -> dict[str, tuple[torch.dtype | None, torch.dtype, str | None]]:
+    """Each FP8/microscaled Linear under FSDP2: (the dtype FSDP2's own buffers last gathered its
+    weight's elements in, None if never; the dtype it should have: its narrow format unless a
+    reason was logged for `param_dtype`; that reason)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    observed = {}
+    for unit in model.modules():
+        group = unit._get_fsdp_state()._fsdp_param_group if isinstance(unit, FSDPModule) else None
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            info = fsdp_param._module_info
+            if isinstance(info.module, FP8Linear) and info.param_name == "weight":
+                outputs = fsdp_param.all_gather_outputs
+                observed[info.module] = outputs[0].dtype if outputs else None
+    out = {}
+    for fqn, m in model.named_modules():
+        if m not in observed:
+            continue
+        # a layer that never went through apply_fsdp's choice is expected narrow: gathering it wide is the silent
+        # fallback the audit exists to catch
+        why = "promoted out of its low-precision format" if not m.fp8_enabled else getattr(m, "gather_why", None)
+        planned = element_format(m.plan.recipe) if why is None else param_dtype
+        out[fqn] = (observed[m], planned, why)
+    return out

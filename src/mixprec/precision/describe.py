@@ -62,9 +62,10 @@ def log_path(policy) -> None:
     """Which mechanism applies the mode: fully_shard, autocast, or none."""
     if policy.sharded:
         logger.info("Mixed precision training is handled by fully_shard: %s parameters sharded in %s%s, "
-                    "all-gathered in %s, gradients reduced in %s", policy.name, dtype_name(policy.storage_dtype),
+                    "all-gathered in %s%s, gradients reduced in %s", policy.name, dtype_name(policy.storage_dtype),
                     " (they are the master weights)" if policy.master_weights else "",
-                    dtype_name(policy.param_dtype), dtype_name(policy.reduce_dtype))
+                    dtype_name(policy.param_dtype), f" ({policy.narrow_gathers})" if policy.narrow_gathers else "",
+                    dtype_name(policy.reduce_dtype))
     elif policy.uses_autocast:
         logger.info("Mixed precision training is handled by AMP: torch.autocast(%s, %s) over %s parameters%s",
                     policy.device_type, dtype_name(policy.param_dtype), dtype_name(policy.storage_dtype),

@@ -65,6 +65,7 @@ class Policy:
         self.tf32, self.fp8_exclude, self.fp8_emulate, self.update_seed = tf32, tuple(fp8_exclude), fp8_emulate, update_seed
         self.requested = self.name = name_of(spec)
         self.sharded = False  # set by fsdp_mixed_precision(): fully_shard does the casts
+        self.narrow_gathers = ""  # set by apply_fsdp: which low-precision weights all-gather in their own format
         self.device_type: str | None = None
         self.layout: Layout | None = None
         self.emulation = Emulation(emulate_matmul)

@@ -1,0 +1,58 @@
+"""The gathered copy a low-precision Linear reads (mixprec.fp8.all_gather) against the cast
+it makes of a plain weight: one shard holding the whole weight, the buffers refilled with the
+backward's copy between the passes as FSDP2 does. Bit-identical outputs and gradients, on the
+CPU and (gpu-marked) on CUDA: the device path of the gathered copy. The two-rank runs are in
+tests/distributed/test_lowp_gather.py."""
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec.fp8 import RECIPES
+from mixprec.fp8.all_gather import BACKWARD, FORWARD, NarrowGather, per_pass
+from mixprec.fp8.linear import Plan, linear_class
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _linear(recipe, device, weight):
+    from mixprec.fp8.convert import convert_to_fp8
+
+    model = nn.Sequential(nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=device, dtype=torch.bfloat16))
+    model[0].weight.data.copy_(weight)
+    convert_to_fp8(model, recipe, compute_dtype=torch.bfloat16, modules=["0"])
+    return model[0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8", "nvfp4", "mxfp4"])
+def test_the_gathered_copy_is_the_cast_of_the_weight(device, name):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    recipe = RECIPES[name]
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(128, 128, generator=gen) * 0.05).to(device, torch.bfloat16)
+    x = torch.randn(32, 128, generator=gen).to(device, torch.bfloat16)
+    dy = torch.randn(32, 128, generator=gen).to(device, torch.bfloat16)
+
+    ref = _linear(recipe, device, w)
+    xr = x.clone().requires_grad_()
+    out_ref = ref(xr)
+    out_ref.backward(dy)
+
+    narrow = _linear(recipe, device, w)
+    gather = NarrowGather(narrow, recipe, tuple(w.shape))
+    inputs, meta = gather._shard_copy(w, FORWARD, None, 0, 1)
+    gathered, _ = gather.post(inputs, FORWARD, meta, torch.bfloat16, None)
+    narrow.weight = nn.Parameter(gathered)
+    xn = x.clone().requires_grad_()
+    out = narrow(xn)
+    if per_pass(recipe):  # FSDP2 refills the same buffers with the backward's copy
+        again, _ = gather._shard_copy(w, BACKWARD, None, 0, 1)
+        for buffer, sent in zip(inputs, again):
+            with torch.autograd._unsafe_preserve_version_counter(buffer):  # as FSDP2's copy-out
+                buffer.view(torch.uint8).copy_(sent.view(torch.uint8))
+    out.backward(dy)
+    assert torch.equal(out, out_ref)
+    assert torch.equal(xn.grad, xr.grad)
+    assert torch.equal(narrow.weight.grad, ref.weight.grad)
