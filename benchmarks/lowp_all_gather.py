@@ -65,21 +65,16 @@ def measure(rank: int, world: int, flavor: str, preset: str, lowp: bool) -> dict
         record = {"all_gather": comm.bytes["all_gather"], "peak_unsharded": Peak.peak}
     # the FP8 layers' share: one gather of each is the FSDPParam's buffers; the step gathers each twice
     # (forward, and backward after the reshard)
-    from torch.distributed.fsdp import FSDPModule
+    from mixprec.fp8.all_gather import fsdp_params
 
-    per_gather, blocks = 0, []
-    for unit in model.modules():
-        group = unit._get_fsdp_state()._fsdp_param_group if isinstance(unit, FSDPModule) else None
-        unit_bytes = 0
-        for p in group.fsdp_params if group is not None else ():
-            size = sum(t.numel() * t.element_size() for t in p.all_gather_outputs)
-            unit_bytes += size
-            if p._module_info.param_name == "weight" and isinstance(p._module_info.module, FP8Linear):
-                per_gather += size
-        if any(unit is b for b in model.layers):
-            blocks.append(unit_bytes)
+    per_gather, units = 0, {}
+    for unit, _, p in fsdp_params(model):
+        size = sum(t.numel() * t.element_size() for t in p.all_gather_outputs)
+        units[unit] = units.get(unit, 0) + size
+        if p._module_info.param_name == "weight" and isinstance(p._module_info.module, FP8Linear):
+            per_gather += size
     record["fp8_layers"] = 2 * per_gather
-    record["block"] = max(blocks)  # the largest transformer block, all-gathered
+    record["block"] = max(units[b] for b in model.layers)  # the largest transformer block, all-gathered
     return record
 
 

@@ -24,10 +24,10 @@ SHAPES = {"debug": {}, "aligned": dict(dim=256, n_kv_heads=4, multiple_of=256)} 
 
 
 def train(rank, preset, lowp, *, shape="debug", steps=8, recompute=False, promote_at=None, revert_at=None,
-          compile=False, save=None, load=None):
+          compile=False, save=None, load=None, overrides=()):
     from torch.distributed.device_mesh import init_device_mesh
 
-    policy = Policy.from_preset(preset)
+    policy = Policy.from_preset(preset, overrides=overrides)
     model = build_model(model_args("debug", 256, **SHAPES[shape]), device="cpu", storage_dtype=torch.float32, seed=0)
     policy.prepare_model(model, "cpu")
     for block in model.layers:
@@ -124,6 +124,9 @@ def _worker(rank, store_path, path):
             compare(rank, preset, train(rank, preset, False), train(rank, preset, True), out)
         compare(rank, "fp8-blockwise aligned", train(rank, "fp8-blockwise", False, shape="aligned"),
                 train(rank, "fp8-blockwise", True, shape="aligned"), out)
+        mixed = ("layers.1.feed_forward.*=mxfp8", "layers.0.attention.wq=fp8-tensorwise", "layers.1.attention.wo=bfloat16")
+        compare(rank, "per-layer", train(rank, "fp8-rowwise", False, overrides=mixed),
+                train(rank, "fp8-rowwise", True, overrides=mixed), out)
         for preset in ("fp8-tensorwise", "fp8-rowwise"):
             compare(rank, f"{preset} recompute", train(rank, preset, False, steps=4, recompute=True),
                     train(rank, preset, True, steps=4, recompute=True), out)

@@ -12,7 +12,7 @@ from lowp_gather_worker import run
 from mixprec.fp8 import RECIPES
 from mixprec.fp8.all_gather import copy_bytes, why_not
 
-EXACT = ["fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8", "nvfp4", "mxfp4", "fp8-blockwise aligned",
+EXACT = ["fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8", "nvfp4", "mxfp4", "fp8-blockwise aligned", "per-layer",
          "fp8-tensorwise recompute", "fp8-rowwise recompute", "promote", "resume off", "resume on"]
 
 

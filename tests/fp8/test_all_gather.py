@@ -10,7 +10,6 @@ from torch import nn
 
 from mixprec.fp8 import RECIPES
 from mixprec.fp8.all_gather import BACKWARD, FORWARD, NarrowGather, per_pass
-from mixprec.fp8.linear import Plan, linear_class
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

@@ -98,11 +98,4 @@ def _narrow_gathers(model: nn.Module, blocks: list[nn.Module], world: int, resha
 def unsharded_bytes(model: nn.Module) -> int:
     """Bytes FSDP2 holds right now in all-gathered parameters: the storage of every
     parameter's all-gather buffers that is allocated (a resharded unit's is freed)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    total = 0
-    for unit in model.modules():
-        group = unit._get_fsdp_state()._fsdp_param_group if isinstance(unit, FSDPModule) else None
-        for fsdp_param in group.fsdp_params if group is not None else ():
-            total += sum(t.untyped_storage().nbytes() for t in fsdp_param.all_gather_outputs)
-    return total
+    return sum(t.untyped_storage().nbytes() for _, _, p in all_gather.fsdp_params(model) for t in p.all_gather_outputs)

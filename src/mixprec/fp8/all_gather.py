@@ -284,19 +284,25 @@ def shard_narrow(model: nn.Module, world: int, *, reshards, recomputes) -> dict[
     return decided
 
 
-def attach_units(model: nn.Module) -> None:
-    """After fully_shard: tell each NarrowGather its FSDP2 param group (whose training state
-    says forward or backward) and its FSDPParam (restarted when a promotion changes what it
-    gathers)."""
+def fsdp_params(model: nn.Module):
+    """(unit, its FSDP2 param group, an FSDPParam of it) for every parameter fully_shard manages."""
     from torch.distributed.fsdp import FSDPModule
 
     for unit in model.modules():
         group = unit._get_fsdp_state()._fsdp_param_group if isinstance(unit, FSDPModule) else None
         for fsdp_param in group.fsdp_params if group is not None else ():
-            info = fsdp_param._module_info
-            gather = getattr(info.module, "narrow_gather", None)
-            if gather is not None and info.param_name == "weight":
-                gather.group, gather.fsdp_param = group, fsdp_param
+            yield unit, group, fsdp_param
+
+
+def attach_units(model: nn.Module) -> None:
+    """After fully_shard: tell each NarrowGather its FSDP2 param group (whose training state
+    says forward or backward) and its FSDPParam (restarted when a promotion changes what it
+    gathers)."""
+    for _, group, fsdp_param in fsdp_params(model):
+        info = fsdp_param._module_info
+        gather = getattr(info.module, "narrow_gather", None)
+        if gather is not None and info.param_name == "weight":
+            gather.group, gather.fsdp_param = group, fsdp_param
 
 
 def log_decisions(model: nn.Module, decided: dict[str, str | None], base: torch.dtype) -> None:
@@ -330,16 +336,12 @@ def gathers(model: nn.Module, param_dtype: torch.dtype) -> dict[str, tuple[torch
     """Each FP8/microscaled Linear under FSDP2: (the dtype FSDP2's own buffers last gathered its
     weight's elements in, None if never; the dtype it should have: its narrow format unless a
     reason was logged for `param_dtype`; that reason)."""
-    from torch.distributed.fsdp import FSDPModule
-
     observed = {}
-    for unit in model.modules():
-        group = unit._get_fsdp_state()._fsdp_param_group if isinstance(unit, FSDPModule) else None
-        for fsdp_param in group.fsdp_params if group is not None else ():
-            info = fsdp_param._module_info
-            if isinstance(info.module, FP8Linear) and info.param_name == "weight":
-                outputs = fsdp_param.all_gather_outputs
-                observed[info.module] = outputs[0].dtype if outputs else None
+    for _, _, fsdp_param in fsdp_params(model):
+        info = fsdp_param._module_info
+        if isinstance(info.module, FP8Linear) and info.param_name == "weight":
+            outputs = fsdp_param.all_gather_outputs
+            observed[info.module] = outputs[0].dtype if outputs else None
     out = {}
     for fqn, m in model.named_modules():
         if m not in observed:
