@@ -1,0 +1,83 @@
+"""What a training framework's loop (Lightning, Fabric, the Hugging Face Trainer) gets from
+mixprec besides the precision policy's hooks: the step through the policy (unscale, clip on
+the true gradients, skip a non-finite step on the device, loss scale), the read of what the
+steps did every `read_every` steps (never in between: the step does not wait for the
+device), and on a non-finite step the locator's re-run of the batch, the line that names
+the module, and the repair the stability guard makes: a narrow (FP8) layer found first is
+promoted to the base dtype for the rest of the run.
+
+The guard's rewinds are not done here: a rewind restores the weights, the optimizer and the
+data position together, and inside a framework the data loader and the checkpoints are the
+framework's (a diverged run resumes from the framework's own checkpoint; the policy's state
+goes with it).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from mixprec.precision import Policy
+from mixprec.stability.locate import Locator
+
+logger = logging.getLogger(__name__)
+
+
+class FrameworkSteps:
+    """One per run: `step(optimizer, rerun)` after each backward (or micro-batch group).
+    rerun(): runs the current batch's forward and backward again (the locator observes it),
+    None where the framework cannot."""
+
+    def __init__(self, policy: Policy, *, max_norm: float | None = None, read_every: int = 1,
+                 promote: bool = True):
+        if read_every < 1:
+            raise ValueError(f"read_every {read_every}: accepted: a positive number of steps")
+        self.policy, self.max_norm, self.read_every, self.promote = policy, max_norm, read_every, promote
+        policy.read_every = 0  # this class reads, every read_every steps
+        self.steps = 0
+        self.model: torch.nn.Module | None = None
+        self.incidents: list[dict] = []  # one per non-finite step: step, finding (module, phase, op, dtype), action
+
+    def step(self, optimizer: torch.optim.Optimizer, rerun=None, max_norm: float | None = None):
+        norm = self.max_norm if max_norm is None else max_norm
+        result = self.policy.step(optimizer, max_norm=norm or None)
+        self.steps += 1
+        if self.steps % self.read_every == 0:
+            self.read(optimizer, rerun)
+        return result
+
+    def read(self, optimizer: torch.optim.Optimizer, rerun=None) -> None:
+        """Read the pending steps; locate the first non-finite one by re-running the current batch."""
+        results = self.policy.settle()
+        first = len(results)
+        for i, r in enumerate(results):
+            if r.nonfinite:
+                first = min(first, i)
+        if first == len(results):
+            return
+        step = self.steps - len(results) + first + 1
+        finding = None
+        if rerun is not None and self.model is not None:
+            finding = Locator(self.model).run(rerun, lambda loss: None)
+            optimizer.zero_grad(set_to_none=True)  # the re-run's gradients are not stepped
+        record = {"step": step, "finding": finding.to_dict() if finding else None, "action": "skipped"}
+        if finding is None:
+            logger.warning("[STABILITY] step %d: non-finite gradients, the step was skipped%s", step,
+                           "; the re-run of the batch stayed finite" if rerun is not None else "")
+        else:
+            logger.warning("[STABILITY] step %d: non-finite gradients, the step was skipped; first non-finite value "
+                           "in %s", step, finding)
+            if self.promote and self.policy.narrow(finding.module):
+                promoted = self.policy.promote(finding.module, step, str(finding))
+                record["action"] = f"skipped; {finding.module} promoted to {promoted['to']}"
+                logger.warning("[PROMOTE] %s computes in %s, not %s, from step %d on: %s", finding.module,
+                               promoted["to"], promoted["from"], step + 1, finding)
+        self.incidents.append(record)
+
+    def state_dict(self) -> dict:
+        return {"policy": self.policy.state_dict(), "steps": self.steps, "incidents": list(self.incidents)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.steps, self.incidents = int(state.get("steps", 0)), list(state.get("incidents", []))

@@ -1,0 +1,63 @@
+"""The same tiny model, data and seed for mixprec's own loop and each framework integration."""
+
+import torch
+
+from mixprec import Policy
+from mixprec.precision.scaling_config import LossScaleConfig
+
+STEPS, LR, MAX_NORM = 20, 1e-3, 1.0
+PRESETS = ["fp32", "bf16-mixed", "fp16-mixed", "fp8-rowwise"]
+
+
+def settings(preset: str) -> dict:
+    """fp16-mixed starts at a loss scale its gradients overflow: the first steps are skipped."""
+    return {"loss_scale": LossScaleConfig(init_scale=2.0**24)} if preset == "fp16-mixed" else {}
+
+
+def tiny_model(state: dict | None = None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+def batches(n: int = STEPS) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 256, (4, 32), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def optimizer(params):
+    return torch.optim.AdamW(params, lr=LR, foreach=False)
+
+
+def own_loop(preset: str, data: list[dict], state: dict | None = None) -> tuple[list[float], dict]:
+    """mixprec's own loop: the reference every integration is compared with."""
+    model = tiny_model(state)
+    policy = Policy.from_preset(preset, **settings(preset))
+    policy.prepare_model(model, "cpu")
+    opt = optimizer(model.parameters())
+    policy.setup(model, opt)
+    losses = []
+    for batch in data:
+        with policy.autocast("cpu"):
+            loss = model(**batch).loss
+        policy.backward(loss)
+        policy.step(opt, max_norm=MAX_NORM)
+        losses.append(loss.item())
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    strip = lambda k: k.split("model.", 1)[1] if k.startswith("model.model.") or k.startswith("model.lm_head") else k  # noqa: E731
+    b = {strip(k): v for k, v in b.items()}
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
