@@ -1,0 +1,72 @@
+"""mixprec.hf.Trainer against mixprec's own loop: the same tiny model, data and seed give
+bit-identical losses and weights over 20 steps; Accelerate's own mixed precision is refused."""
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+transformers = pytest.importorskip("transformers")
+
+from common import MAX_NORM, PRESETS, STEPS, batches, optimizer, own_loop, same_weights, settings, tiny_model  # noqa: E402
+from mixprec import UserError  # noqa: E402
+from mixprec.hf import Trainer  # noqa: E402
+
+
+class Rows(torch.utils.data.IterableDataset):
+    """The batches' rows in order: the Trainer's dataloader stacks them back into the same batches."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __iter__(self):
+        for batch in self.data:
+            for i in range(batch["input_ids"].shape[0]):
+                yield {k: v[i] for k, v in batch.items()}
+
+
+class Recording(Trainer):
+    losses: list
+
+    def training_step(self, *args, **kwargs):
+        loss = super().training_step(*args, **kwargs)
+        self.losses.append(loss.item())
+        return loss
+
+
+def arguments(folder, steps=STEPS, **kwargs):
+    return transformers.TrainingArguments(
+        output_dir=str(folder), use_cpu=True, max_steps=steps, per_device_train_batch_size=4, max_grad_norm=MAX_NORM,
+        logging_steps=1, save_strategy="no", report_to=[], dataloader_num_workers=0, disable_tqdm=True, **kwargs)
+
+
+def hf_trainer(preset, data, folder, model=None, steps=STEPS, trainer_class=Recording, **kwargs):
+    model = model or tiny_model()
+    opt = optimizer(model.parameters())
+    trainer = trainer_class(model=model, args=arguments(folder, steps, **kwargs), train_dataset=Rows(data),
+                            optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)),
+                            precision=preset, precision_settings=settings(preset))
+    trainer.model_accepts_loss_kwargs = False  # the model's own mean loss, as the reference loop computes it
+    trainer.losses = []
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def data():
+    return batches()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_bit_identical_to_mixprecs_own_loop(preset, data, tmp_path):
+    ref_losses, ref_weights = own_loop(preset, data)
+    trainer = hf_trainer(preset, data, tmp_path)
+    trainer.train()
+    assert trainer.losses == ref_losses
+    assert same_weights(ref_weights, trainer.model.state_dict())
+    if preset == "fp16-mixed":
+        assert trainer.policy.state_dict()["skipped"] >= 1
+
+
+def test_accelerates_own_mixed_precision_is_refused(tmp_path):
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16=True, report_to=[])
+    with pytest.raises(UserError, match="Accelerate's mixed precision 'bf16'"):
+        Trainer(model=tiny_model(), args=args, precision="bf16-mixed")
