@@ -110,8 +110,11 @@ class Precision(_LightningPrecision):
         forward and backward; the policy's step follows (clipping to the Trainer's
         gradient_clip_val, else this plugin's max_norm)."""
         optimizer = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer's torch optimizer
-        if closure is None:
-            return self.steps.step(optimizer)
+        if model is None:  # Fabric: optimizer.step() or optimizer.step(closure)
+            if closure is not None:
+                with torch.enable_grad():
+                    closure()
+            return self.steps.step(optimizer, rerun=closure or self._rerun_forward())
         self._clip = None
         result = closure()
         self._after_closure(model, optimizer)  # the user's hooks, and clip_gradients (recorded below)
@@ -119,6 +122,24 @@ class Precision(_LightningPrecision):
             return None  # training_step returned None: no backward, no step (as Lightning's own plugins)
         self.steps.step(optimizer, rerun=closure, max_norm=self._clip)
         return result
+
+    def convert_input(self, data):
+        """Fabric hands every forward's inputs here: the last ones are what the locator re-runs."""
+        self._last_input = data
+        return data
+
+    def _rerun_forward(self):
+        """Fabric without a closure: the last forward again (a forward finding; for the backward's, give the
+        step a closure: optimizer.step(closure))."""
+        data, model = getattr(self, "_last_input", None), self.steps.model
+        if data is None or model is None:
+            return None
+        args, kwargs = data if isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], dict) else (data, {})
+
+        def rerun():
+            with self.forward_context():
+                return model(*args, **kwargs)
+        return rerun
 
     def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None) -> None:
         from lightning.pytorch.utilities import GradClipAlgorithmType

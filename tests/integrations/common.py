@@ -61,3 +61,30 @@ def same_weights(a: dict, b: dict) -> bool:
     strip = lambda k: k.split("model.", 1)[1] if k.startswith("model.model.") or k.startswith("model.lm_head") else k  # noqa: E731
     b = {strip(k): v for k, v in b.items()}
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+DRILL_STEP = 5  # 1-based: the step whose forward puts a NaN into DRILL_MODULE's output
+DRILL_MODULE = "layers.0.mlp.down_proj"
+
+
+def poison(model: torch.nn.Module):
+    """A NaN in the first element of DRILL_MODULE's output (stability.inject's nan drill); returns the hook handle."""
+    from mixprec.stability.drills import _poison
+
+    module = next(m for name, m in model.named_modules() if name.endswith(DRILL_MODULE))
+    return module.register_forward_hook(_poison)
+
+
+def check_drill(losses: list[float], incidents: list[dict], policy, weights: dict) -> None:
+    """The drill's step was skipped, located at DRILL_MODULE (forward), reported, and the FP8 layer
+    promoted; every other step and every weight stayed finite."""
+    import math
+
+    assert math.isnan(losses[DRILL_STEP - 1])
+    assert all(math.isfinite(x) for i, x in enumerate(losses) if i != DRILL_STEP - 1)
+    assert [i["step"] for i in incidents] == [DRILL_STEP]
+    finding = incidents[0]["finding"]
+    assert finding["module"].endswith(DRILL_MODULE) and finding["phase"] == "forward"
+    assert "promoted" in incidents[0]["action"]
+    assert [f for f in policy.promoted if f.endswith(DRILL_MODULE)]
+    assert all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point())

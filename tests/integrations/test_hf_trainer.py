@@ -7,7 +7,8 @@ import torch
 pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
 
-from common import MAX_NORM, PRESETS, STEPS, batches, optimizer, own_loop, same_weights, settings, tiny_model  # noqa: E402
+from common import (DRILL_STEP, MAX_NORM, PRESETS, STEPS, batches, check_drill, optimizer, own_loop,  # noqa: E402
+                    poison, same_weights, settings, tiny_model)
 from mixprec import UserError  # noqa: E402
 from mixprec.hf import Trainer  # noqa: E402
 
@@ -70,3 +71,23 @@ def test_accelerates_own_mixed_precision_is_refused(tmp_path):
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16=True, report_to=[])
     with pytest.raises(UserError, match="Accelerate's mixed precision 'bf16'"):
         Trainer(model=tiny_model(), args=args, precision="bf16-mixed")
+
+
+class Drill(transformers.TrainerCallback):
+    def __init__(self, trainer):
+        self.trainer, self.hook = trainer, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == DRILL_STEP:
+            self.hook = poison(self.trainer.model)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.hook is not None:
+            self.hook = self.hook.remove()
+
+
+def test_a_nan_drill_is_skipped_located_and_the_layer_promoted(data, tmp_path):
+    trainer = hf_trainer("fp8-rowwise", data, tmp_path)
+    trainer.add_callback(Drill(trainer))
+    trainer.train()
+    check_drill(trainer.losses, trainer.incidents, trainer.policy, trainer.model.state_dict())

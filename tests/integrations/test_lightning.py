@@ -6,34 +6,42 @@ import torch
 
 L = pytest.importorskip("lightning")
 
-from common import MAX_NORM, PRESETS, STEPS, batches, optimizer, own_loop, same_weights, settings, tiny_model  # noqa: E402
+from common import (DRILL_STEP, MAX_NORM, PRESETS, STEPS, batches, check_drill, optimizer, own_loop,  # noqa: E402
+                    poison, same_weights, settings, tiny_model)
 from mixprec.lightning import Precision  # noqa: E402
 
 
-def fabric_loop(preset, data):
+def fabric_loop(preset, data, drill=False):
     plugin = Precision(preset, max_norm=MAX_NORM, device_type="cpu", **settings(preset))
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     model = tiny_model()
     model, opt = fabric.setup(model, optimizer(model.parameters()))
     losses = []
-    for batch in data:
+    for step, batch in enumerate(data, 1):
+        hook = poison(model) if drill and step == DRILL_STEP else None
         loss = model(**batch).loss
         fabric.backward(loss)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+        if hook is not None:
+            hook.remove()
     return losses, model.state_dict(), plugin
 
 
 class Module(L.LightningModule):
     def __init__(self, model):
         super().__init__()
-        self.model, self.losses = model, []
+        self.model, self.by_step = model, {}
 
     def training_step(self, batch, index):
         loss = self.model(**batch).loss
-        self.losses.append(loss.item())
+        self.by_step[self.trainer.global_step] = loss.item()  # the locator's re-run of a step runs this again
         return loss
+
+    @property
+    def losses(self) -> list[float]:
+        return [self.by_step[k] for k in sorted(self.by_step)]
 
     def configure_optimizers(self):
         return optimizer(self.parameters())
@@ -44,10 +52,21 @@ def trainer(plugin, **kwargs):
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
 
 
-def trainer_loop(preset, data):
+class Drill(L.Callback):
+    def on_train_batch_start(self, trainer, module, batch, index):
+        if trainer.global_step + 1 == DRILL_STEP:
+            self.hook = poison(module)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, index):
+        if getattr(self, "hook", None) is not None:
+            self.hook = self.hook.remove()
+
+
+def trainer_loop(preset, data, drill=False):
     plugin = Precision(preset, device_type="cpu", **settings(preset))
     module = Module(tiny_model())
-    trainer(plugin, max_steps=len(data)).fit(module, torch.utils.data.DataLoader(data, batch_size=None))
+    trainer(plugin, max_steps=len(data), callbacks=[Drill()] if drill else None).fit(
+        module, torch.utils.data.DataLoader(data, batch_size=None))
     return module.losses, module.state_dict(), plugin
 
 
@@ -66,3 +85,9 @@ def test_bit_identical_to_mixprecs_own_loop(preset, loop, data):
     assert same_weights(ref_weights, weights)
     if preset == "fp16-mixed":  # the forced overflows were skipped and the scale came down
         assert plugin.policy.state_dict()["skipped"] >= 1
+
+
+@pytest.mark.parametrize("loop", [fabric_loop, trainer_loop], ids=["fabric", "trainer"])
+def test_a_nan_drill_is_skipped_located_and_the_layer_promoted(loop, data):
+    losses, weights, plugin = loop("fp8-rowwise", data, drill=True)
+    check_drill(losses, plugin.incidents, plugin.policy, weights)
