@@ -35,9 +35,10 @@ class Recording(Trainer):
 
 
 def arguments(folder, steps=STEPS, **kwargs):
+    kwargs.setdefault("save_strategy", "no")
     return transformers.TrainingArguments(
         output_dir=str(folder), use_cpu=True, max_steps=steps, per_device_train_batch_size=4, max_grad_norm=MAX_NORM,
-        logging_steps=1, save_strategy="no", report_to=[], dataloader_num_workers=0, disable_tqdm=True, **kwargs)
+        logging_steps=1, report_to=[], dataloader_num_workers=0, disable_tqdm=True, **kwargs)
 
 
 def hf_trainer(preset, data, folder, model=None, steps=STEPS, trainer_class=Recording, **kwargs):
@@ -91,3 +92,21 @@ def test_a_nan_drill_is_skipped_located_and_the_layer_promoted(data, tmp_path):
     trainer.add_callback(Drill(trainer))
     trainer.train()
     check_drill(trainer.losses, trainer.incidents, trainer.policy, trainer.model.state_dict())
+
+
+@pytest.mark.parametrize("preset, drill", [("fp16-mixed", False), ("fp8-delayed", True)])
+def test_a_resumed_trainer_continues_bit_for_bit(preset, drill, data, tmp_path):
+    def run(**kwargs):
+        trainer = hf_trainer(preset, data, tmp_path, save_strategy="steps", save_steps=10)
+        if drill:
+            trainer.add_callback(Drill(trainer))
+        trainer.train(**kwargs)
+        return trainer
+
+    whole = run()  # also writes checkpoint-10 (and its mixprec_precision.pt)
+    assert (tmp_path / "checkpoint-10" / "mixprec_precision.pt").exists()
+    resumed = run(resume_from_checkpoint=str(tmp_path / "checkpoint-10"))
+    assert resumed.losses == whole.losses[10:]
+    assert same_weights(whole.model.state_dict(), resumed.model.state_dict())
+    assert resumed.policy.state_dict()["scaler"] == whole.policy.state_dict()["scaler"]
+    assert list(resumed.policy.promoted) == list(whole.policy.promoted) and (not drill or resumed.policy.promoted)

@@ -48,8 +48,9 @@ class Module(L.LightningModule):
 
 
 def trainer(plugin, **kwargs):
+    kwargs.setdefault("enable_checkpointing", False)
     return L.Trainer(accelerator="cpu", devices=1, plugins=[plugin], gradient_clip_val=MAX_NORM, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+                     enable_progress_bar=False, enable_model_summary=False, **kwargs)
 
 
 class Drill(L.Callback):
@@ -91,3 +92,52 @@ def test_bit_identical_to_mixprecs_own_loop(preset, loop, data):
 def test_a_nan_drill_is_skipped_located_and_the_layer_promoted(loop, data):
     losses, weights, plugin = loop("fp8-rowwise", data, drill=True)
     check_drill(losses, plugin.incidents, plugin.policy, weights)
+
+
+class Batches:
+    """A loader that keeps its position (Lightning's stateful-loader protocol): a mid-epoch checkpoint resumes at
+    the next batch, not at the epoch's first."""
+
+    def __init__(self, data):
+        self.data, self.pos = data, 0
+
+    def __len__(self):
+        return len(self.data)
+
+    def __iter__(self):
+        while self.pos < len(self.data):
+            self.pos += 1
+            yield self.data[self.pos - 1]
+        self.pos = 0
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.pos = state["pos"]
+
+
+@pytest.mark.parametrize("preset, drill", [("fp16-mixed", False), ("fp8-delayed", True)])
+def test_a_resumed_trainer_continues_bit_for_bit(preset, drill, data, tmp_path):
+    # loss scale (fp16-mixed); amax histories and a layer promoted at step 5 (fp8-delayed with the drill)
+    path = tmp_path / "step10.ckpt"
+
+    class SaveAtStep10(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, index):
+            if trainer.global_step == 10 and not path.exists():
+                trainer.save_checkpoint(path)
+
+    def fit(ckpt=None):
+        plugin = Precision(preset, device_type="cpu", **settings(preset))
+        module = Module(tiny_model())
+        t = trainer(plugin, max_steps=STEPS, callbacks=[SaveAtStep10()] + ([Drill()] if drill else []))
+        t.fit(module, Batches(data), ckpt_path=ckpt)
+        return module, plugin
+
+    whole, whole_plugin = fit()  # also writes the checkpoint after step 10
+    resumed, plugin = fit(ckpt=str(path))
+    assert resumed.losses == whole.losses[10:]
+    a, b = whole.state_dict(), resumed.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert plugin.policy.state_dict()["scaler"] == whole_plugin.policy.state_dict()["scaler"]
+    assert list(plugin.policy.promoted) == list(whole_plugin.policy.promoted) and (not drill or plugin.policy.promoted)
