@@ -121,7 +121,7 @@ class Trainer(transformers.Trainer):
         train dataloader (two or more: accumulation is checked too); the model is trained one step."""
         from mixprec.analysis.audit import audit
 
-        if self.optimizer is None:
+        if not isinstance(self.optimizer, PolicyOptimizer):
             self.create_optimizer()
         data = [self._prepare_inputs(b) for b in itertools.islice(self.get_train_dataloader(), batches)]
         return audit(self.model, self.policy, self.optimizer.optimizer, data, max_norm=self.mixprec.max_norm)

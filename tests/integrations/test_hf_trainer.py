@@ -110,3 +110,13 @@ def test_a_resumed_trainer_continues_bit_for_bit(preset, drill, data, tmp_path):
     assert same_weights(whole.model.state_dict(), resumed.model.state_dict())
     assert resumed.policy.state_dict()["scaler"] == whole.policy.state_dict()["scaler"]
     assert list(resumed.policy.promoted) == list(whole.policy.promoted) and (not drill or resumed.policy.promoted)
+
+
+def test_the_audit_on_the_trainers_own_batches(data, tmp_path):
+    from mixprec import format_audit
+
+    trainer = hf_trainer("fp8-rowwise", data, tmp_path)
+    report = trainer.audit()
+    assert report["ok"], format_audit(report)
+    rows = {r["stage"]: r for r in report["stages"]}
+    assert rows["FP8 layers (forward GEMMs in float8)"]["observed"] == ["14 ran"]
