@@ -120,3 +120,22 @@ def test_the_audit_on_the_trainers_own_batches(data, tmp_path):
     assert report["ok"], format_audit(report)
     rows = {r["stage"]: r for r in report["stages"]}
     assert rows["FP8 layers (forward GEMMs in float8)"]["observed"] == ["14 ran"]
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "bf16-kahan"])
+def test_presets_that_follow_the_optimizer(preset, data, tmp_path):
+    ref_losses, ref_weights = own_loop(preset, data[:6])
+    trainer = hf_trainer(preset, data[:6], tmp_path, steps=6)
+    trainer.train()
+    assert trainer.losses == ref_losses
+    assert same_weights(ref_weights, trainer.model.state_dict())
+
+
+def test_without_transformers_the_import_names_the_extra(monkeypatch):
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.delitem(sys.modules, "mixprec.hf")
+    with pytest.raises(ImportError, match=r"pip install 'mixprec\[hf\]'"):
+        importlib.import_module("mixprec.hf")

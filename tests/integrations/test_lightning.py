@@ -141,3 +141,40 @@ def test_a_resumed_trainer_continues_bit_for_bit(preset, drill, data, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert plugin.policy.state_dict()["scaler"] == whole_plugin.policy.state_dict()["scaler"]
     assert list(plugin.policy.promoted) == list(whole_plugin.policy.promoted) and (not drill or plugin.policy.promoted)
+
+
+@pytest.mark.parametrize("preset", ["bf16-master", "bf16-kahan"])
+def test_presets_that_follow_the_optimizer_through_the_trainer(preset, data):
+    # master weights and bf16 update rules are set up in connect(), where the Trainer hands the optimizer over
+    ref_losses, ref_weights = own_loop(preset, data[:6])
+    losses, weights, _ = trainer_loop(preset, data[:6])
+    assert losses == ref_losses
+    assert same_weights(ref_weights, weights)
+
+
+def test_refusals_are_one_line(data):
+    from mixprec import UserError
+
+    with pytest.raises(UserError, match="under Fabric: this preset keeps master weights"):
+        fabric_loop("bf16-master", data[:1])
+    plugin = Precision("bf16-mixed", device_type="cpu")
+    with pytest.raises(UserError, match="gradient_clip_algorithm 'value'"):
+        trainer(plugin, max_steps=1, gradient_clip_algorithm="value").fit(
+            Module(tiny_model()), torch.utils.data.DataLoader(data[:1], batch_size=None))
+    f = L.Fabric(accelerator="cpu", devices=1, plugins=[Precision("bf16-mixed", device_type="cpu")])
+    model = tiny_model()
+    model, opt = f.setup(model, optimizer(model.parameters()))
+    f.backward(model(**data[0]).loss)
+    with pytest.raises(UserError, match="accepted: Precision\\(..., max_norm=1.0\\)"):
+        f.clip_gradients(model, opt, max_norm=1.0)
+
+
+def test_without_lightning_the_import_names_the_extra(monkeypatch):
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "lightning", None)
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
+    monkeypatch.delitem(sys.modules, "mixprec.lightning")
+    with pytest.raises(ImportError, match=r"pip install 'mixprec\[lightning\]'"):
+        importlib.import_module("mixprec.lightning")
