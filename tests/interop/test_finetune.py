@@ -70,3 +70,20 @@ def test_the_sharded_checkpoint_exports_and_transformers_loads_it(tmp_path, fine
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (model(input_ids=x).logits - ours(x)).abs().max() < 1e-5
+
+
+@pytest.mark.slow
+def test_tied_embeddings_and_output_under_fsdp2(tmp_path, text_file):
+    # one tensor serves the token embeddings and the output layer: it stays in the root's FSDP2 group
+    # (fully_shard refuses a tensor in two groups); the first step's loss is transformers' own
+    hf = save_tiny(tmp_path / "hf", tie_word_embeddings=True)
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(Path(__file__).with_name("finetune_worker.py")), str(tmp_path / "hf"), str(text_file),
+                           str(tmp_path), "fp32"], capture_output=True, text=True, env=env, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = _records(tmp_path, "fp32")
+    reference = hf_loss(hf, first_batch(text_file))
+    assert abs(records[0]["loss"] - reference) / reference < 1e-5
+    assert records[-1]["loss"] < records[0]["loss"] - 0.1
