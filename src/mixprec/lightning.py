@@ -54,6 +54,7 @@ class Precision(_LightningPrecision):
         self.steps = FrameworkSteps(self.policy, max_norm=max_norm, read_every=read_every)
         self.device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         self._clip: float | None = None  # the Trainer's gradient_clip_val, seen at each step
+        self._last_input = None  # Fabric: the last forward's (args, kwargs), for the locator
 
     # ---- the model --------------------------------------------------------------------------
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -61,21 +62,20 @@ class Precision(_LightningPrecision):
             raise UserError("mixprec.lightning.Precision with Lightning's FSDP strategy: its MixedPrecisionPolicy would "
                             "cast over mixprec's; accepted: a single-device or DDP strategy, or shard the model with "
                             "mixprec.distributed.apply_fsdp inside configure_model")
-        follows_optimizer = bool(self.policy.master_weights or self.policy.update)
-        if follows_optimizer and not isinstance(module, pl.LightningModule):
+        if self.policy.needs_optimizer and not isinstance(module, pl.LightningModule):
             raise UserError(f"mixprec.lightning.Precision({self.policy.name!r}) under Fabric: this preset keeps master "
                             "weights or its own update rule, which follow the optimizer, and Fabric gives a precision "
                             "plugin no optimizer before the first step; accepted: L.Trainer, or mixprec's Policy "
                             "in your own loop")
         self.policy.prepare_model(module, self.device_type)
         self.steps.model = module
-        if not follows_optimizer:
+        if not self.policy.needs_optimizer:
             self.policy.setup(module)  # the casts; no optimizer needed
         return module
 
     def connect(self, model, optimizers, lr_schedulers):
         """The Trainer's: the model and its optimizers, before the first step."""
-        if self.policy.master_weights or self.policy.update:
+        if self.policy.needs_optimizer:
             if len(optimizers) != 1:
                 raise UserError(f"mixprec.lightning.Precision({self.policy.name!r}) with {len(optimizers)} optimizers: "
                                 "its master weights or update rule follow one optimizer; accepted: one")
@@ -90,10 +90,7 @@ class Precision(_LightningPrecision):
         """The Trainer backpropagates what this returns: the scaled loss (Fabric ignores it: see backward)."""
         if not isinstance(module, pl.LightningModule):
             return tensor
-        return self._scaled(super().pre_backward(tensor, module))
-
-    def _scaled(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.policy.scaling.scale(tensor) if self.policy.scaling is not None else tensor
+        return self.policy.scale_loss(super().pre_backward(tensor, module))
 
     def post_backward(self, tensor: torch.Tensor, module):
         return super().post_backward(tensor, module) if isinstance(module, pl.LightningModule) else tensor
@@ -103,7 +100,7 @@ class Precision(_LightningPrecision):
             if isinstance(model, pl.LightningModule):  # the Trainer: (tensor, model, optimizer, *args)
                 model.backward(tensor, *args[1:], **kwargs)
             else:  # Fabric: (tensor, module, *args), the loss as the user gave it
-                self._scaled(tensor).backward(*args, **kwargs)
+                self.policy.scale_loss(tensor).backward(*args, **kwargs)
 
     def optimizer_step(self, optimizer, model=None, closure=None, **kwargs):
         """Fabric: (optimizer); the Trainer: (optimizer, model, closure). The closure runs the
@@ -131,10 +128,9 @@ class Precision(_LightningPrecision):
     def _rerun_forward(self):
         """Fabric without a closure: the last forward again (a forward finding; for the backward's, give the
         step a closure: optimizer.step(closure))."""
-        data, model = getattr(self, "_last_input", None), self.steps.model
-        if data is None or model is None:
+        if self._last_input is None or self.steps.model is None:
             return None
-        args, kwargs = data if isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], dict) else (data, {})
+        (args, kwargs), model = self._last_input, self.steps.model  # Fabric converts (args, kwargs)
 
         def rerun():
             with self.forward_context():

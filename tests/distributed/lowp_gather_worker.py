@@ -3,7 +3,6 @@ bfloat16 (quantised after the gather) and in their own format; losses, final wei
 bytes of every collective and the log lines, written to a JSON file (tests/distributed/test_lowp_gather.py)."""
 
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -12,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gloo_worker import join
 from mixprec import Policy, build_model, model_args
 from mixprec.distributed import apply_fsdp
 from mixprec.distributed.comm_bytes import CommBytes
@@ -107,13 +107,7 @@ def compare(rank, name, off, on, out):
 
 
 def _worker(rank, store_path, path):
-    store = dist.FileStore(store_path, WORLD)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
-    messages = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("mixprec").addHandler(handler)
-    logging.getLogger("mixprec").setLevel(logging.INFO)
+    messages = join(rank, store_path, WORLD)
     out = {}
     tmp = tempfile.mkdtemp() if rank == 0 else None
     box = [tmp]

@@ -2,7 +2,6 @@
 against one process."""
 
 import json
-import logging
 import math
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gloo_worker import join
 from mixprec import Policy, build_model, model_args
 from mixprec.distributed import apply_fsdp
 from mixprec.distributed.parallel import end_spawned_worker
@@ -42,13 +42,7 @@ def single_process_losses(preset: str) -> list[float]:
 def _worker(rank: int, store_path: str, preset: str, out: str, layout: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    store = dist.FileStore(store_path, WORLD)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
-    messages = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("mixprec").addHandler(handler)
-    logging.getLogger("mixprec").setLevel(logging.INFO)
+    messages = join(rank, store_path, WORLD)
     policy = Policy.from_preset(preset)
     mesh = init_device_mesh("cpu", (WORLD,))
     if layout == "fsdp":

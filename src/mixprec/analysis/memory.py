@@ -22,6 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from mixprec.distributed.tensor_parallel import PLAN as TP_PLAN
 from mixprec.errors import UserError
 from mixprec.fp8.all_gather import copy_bytes, why_not
 from mixprec.fp8.recipe import FP8Recipe
@@ -34,7 +37,6 @@ from mixprec.precision.spec import Override, PrecisionSpec, Update
 from mixprec.train.parallelize import AC_MODES, checkpointed_blocks
 
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}  # state tensors per parameter (SGD: momentum)
-_COLUMN_WISE, _ROW_WISE = ("wq", "wk", "wv", "w1", "w3"), ("wo", "w2")  # tensor parallel's split of the projections
 
 
 @dataclass(frozen=True)
@@ -168,8 +170,9 @@ def plan(s: Setup) -> dict:
                 continue
             block = int(fqn.split(".")[1]) if fqn.startswith("layers.") else None
             rows, cols = module.weight.shape
-            rows = rows // s.tp if fqn.endswith(_COLUMN_WISE) else rows
-            cols = cols // s.tp if fqn.endswith(_ROW_WISE) else cols
+            split = next((style for name, style in TP_PLAN.items() if fqn.endswith(name)), None)
+            rows = rows // s.tp if isinstance(split, ColwiseParallel) else rows
+            cols = cols // s.tp if isinstance(split, RowwiseParallel) else cols
             if why_not(compute, (rows, cols), s.dp_shard, recomputes=block in recomputed,
                        reshards=s.reshard_after_forward if block is not None else False) is None:
                 gathered[id(module.weight)] = copy_bytes(compute, rows, cols)

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from mixprec.dtypes import dtype_name
 from mixprec.fp8.gathered import BACKWARD, FORWARD, GatheredWeight
 from mixprec.fp8.linear import FP8Linear
 from mixprec.fp8.microscaling import E2M1, E8M0
@@ -172,7 +173,7 @@ class NarrowGather:
 
     def __init__(self, module, recipe: FP8Recipe, shape: tuple[int, int]):
         self.module, self.recipe, self.shape = module, recipe, shape
-        self.how = (kind(recipe), shape, recipe.block, getattr(recipe, "element", E4M3))
+        self.how = (kind(recipe), shape, recipe.block, element_format(recipe))
         self.group = self.fsdp_param = None  # FSDP2's param group (its training state) and this weight's FSDPParam
         self.narrow = True  # what the last gather sent: the narrow copy, or bfloat16 (the layer promoted)
 
@@ -307,8 +308,6 @@ def attach_units(model: nn.Module) -> None:
 
 def log_decisions(model: nn.Module, decided: dict[str, str | None], base: torch.dtype) -> None:
     """One line per recipe gathered narrow (with its bytes against `base`'s), one per layer not."""
-    from mixprec.dtypes import dtype_name
-
     by_recipe: dict[str, list] = {}
     for fqn, why in decided.items():
         m = model.get_submodule(fqn)
@@ -328,8 +327,9 @@ def log_decisions(model: nn.Module, decided: dict[str, str | None], base: torch.
 
 # ---- what the audit reads ---------------------------------------------------------------------
 def element_format(recipe: FP8Recipe) -> torch.dtype:
-    """The dtype of a gathered copy's elements."""
-    return getattr(recipe, "element", E4M3)
+    """The dtype of a gathered copy's elements: the forward GEMM's weight operand's."""
+    (fmt,) = recipe.operand_formats[0]
+    return fmt
 
 
 def gathers(model: nn.Module, param_dtype: torch.dtype) -> dict[str, tuple[torch.dtype | None, torch.dtype, str | None]]:

@@ -167,7 +167,7 @@ class Policy:
         the mode has them, and log which path handles mixed precision."""
         if optimizer is not None and optimizer.state:
             raise ValueError("Policy.setup needs an optimizer that has not stepped yet")
-        if (self.master_weights or self.update) and optimizer is None:
+        if self.needs_optimizer and optimizer is None:
             raise ValueError(f"{self.name} changes how the optimizer updates the weights: pass it to Policy.setup")
         layout = self.prepare_model(model)
         self.model, self.optimizer = model, optimizer
@@ -194,9 +194,19 @@ class Policy:
         stack.enter_context(self.emulation.context())
         return stack
 
+    @property
+    def needs_optimizer(self) -> bool:
+        """Whether setup needs the optimizer: master weights and bf16 update rules step other
+        tensors than the model's (or the model's in their own way)."""
+        return bool(self.master_weights or self.update)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to backpropagate: times the loss scale where the mode scales."""
+        return self.scaling.scale(loss) if self.scaling is not None else loss
+
     def backward(self, loss: torch.Tensor) -> None:
         with self.emulation.context():
-            (self.scaling.scale(loss) if self.scaling is not None else loss).backward()
+            self.scale_loss(loss).backward()
 
     def step(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None) -> StepResult:
         """Unscale, clip to `max_norm` (when given) on the true gradients, step unless a

@@ -50,11 +50,8 @@ class FrameworkSteps:
     def read(self, optimizer: torch.optim.Optimizer, rerun=None) -> None:
         """Read the pending steps; locate the first non-finite one by re-running the current batch."""
         results = self.policy.settle()
-        first = len(results)
-        for i, r in enumerate(results):
-            if r.nonfinite:
-                first = min(first, i)
-        if first == len(results):
+        first = next((i for i, r in enumerate(results) if r.nonfinite), None)
+        if first is None:
             return
         step = self.steps - len(results) + first + 1
         finding = None
