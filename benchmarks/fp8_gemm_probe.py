@@ -8,7 +8,16 @@ activations, weights and output gradients. For block-wise scales it also tries t
 (a, b) scale-stride layouts on the kernel and reports which ones torch accepts and agree
 with the emulation: the layout mixprec passes must be one of them.
 
+The microscaled recipes' emulated GEMMs (--mx-recipes) are timed the same way: on CUDA the
+route training takes (operands dequantised to bfloat16, a bfloat16 GEMM with an FP32 output)
+and the FP32 route, against the BF16 GEMM of the same shape, with each route's error against
+float64. --layers times one Linear's whole step, forward and backward with its casts, compiled,
+per FP8 recipe against the bfloat16 Linear under autocast: under torch.compile the transposed
+FP8 copies the weight-gradient GEMM reads are written by the cast kernels themselves (no
+separate byte transpose), so this is the figure the training step sees.
+
     python benchmarks/fp8_gemm_probe.py --device cuda --flavors 1B,8B [--tokens 8192]
+    python benchmarks/fp8_gemm_probe.py --device cuda --flavors 1B --recipes "" --layers --mx-recipes mxfp8,nvfp4
 """
 
 from __future__ import annotations
@@ -16,11 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 import torch
 
-from mixprec.fp8 import E4M3, RECIPES, emulated_mm, kernel_mm, quantize, sqnr
+from mixprec.fp8 import E4M3, RECIPES, convert_to_fp8, emulated_mm, kernel_mm, quantize, sqnr
 from mixprec.fp8.gemm import layout
+from mixprec.fp8.mx import _key, gemm_route, mx_mm
 from mixprec.models.llama import FLAVORS, ModelArgs
 
 
@@ -44,10 +55,90 @@ def operands(recipe, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor):
             ("weight gradient", gq_w.t(), xq_w, torch.float32))
 
 
+def mx_operands(recipe, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor):
+    """(name, a, b, out dtype) of a microscaled Linear's three GEMMs, a @ b^T, cast as _MXMatmul
+    casts them (without the Hadamard transform: it changes no GEMM's cost)."""
+    key = _key(dy, 0, 0)
+    wq = recipe.quantize(w, square=recipe.weight_2d)
+    wq_t = wq.t() if recipe.weight_2d else recipe.quantize(w.t())
+    return (("forward", recipe.quantize(x), wq, torch.bfloat16),
+            ("input gradient", recipe.quantize(dy, gradient=True, key=key), wq_t, torch.bfloat16),
+            ("weight gradient", recipe.quantize(dy.t(), gradient=True, key=key), recipe.quantize(x.t()),
+             torch.float32))
+
+
+def mx_rows(flavor: str, layer: str, name: str, x, w, dy, timed: bool) -> list[dict]:
+    recipe, rows = RECIPES[name], []
+    for gemm, a, b, out_dtype in mx_operands(recipe, x, w, dy):
+        (m_, k_), n_ = a.shape, b.shape[0]
+        ref = a.dequantize().double() @ b.dequantize().double().t()
+        got = mx_mm(a, b, torch.float32).double()
+        row = {"flavor": flavor, "layer": layer, "recipe": name, "gemm": gemm, "shape": [m_, k_, n_],
+               "route": "bfloat16" if gemm_route(x.device.type) is None else "float32",
+               "emulation_vs_f64": float((got - ref).norm() / ref.norm())}
+        if timed:
+            flops = 2 * m_ * k_ * n_
+            fp32 = lambda: (a.dequantize(False) @ b.dequantize(False).t()).to(out_dtype)  # noqa: E731
+            a16, b16 = a.dequantize().bfloat16(), b.dequantize().bfloat16().t()
+            for key, fn in (("emulated", lambda: mx_mm(a, b, out_dtype)), ("fp32_route", fp32),
+                            ("bf16", lambda: a16 @ b16)):
+                row[f"{key}_tflops"] = flops / median_ms(fn) / 1e9
+        rows.append(row)
+        tf = lambda key: format(row[key], ".0f") if key in row else "-"  # noqa: E731
+        ratio = f"{row['emulated_tflops'] / row['bf16_tflops']:.2f}" if timed else "-"
+        print(f"{flavor:<6}{layer:<6}{name:<11}{gemm:<16}{'route ' + row['route']:<22}{'-':>10}{'-':>9}"
+              f"{row['emulation_vs_f64']:>10.1e}{tf('emulated_tflops'):>10}{tf('bf16_tflops'):>10}{ratio:>7}", flush=True)
+        if timed:
+            print(f"    the FP32 route: {row['fp32_route_tflops']:.0f} TFLOP/s")
+    return rows
+
+
+def layer_rows(flavor: str, layer: str, k: int, n: int, tokens: int, recipes, dev) -> list[dict]:
+    """One Linear's compiled forward and backward, casts included: each recipe against bfloat16."""
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(tokens, k, device=dev, generator=gen).bfloat16().requires_grad_()
+    dy = torch.randn(tokens, n, device=dev, generator=gen).bfloat16() * 1e-3
+
+    def step_ms(module, autocast: bool) -> float:
+        torch._dynamo.reset()  # each layer compiled afresh: no recompile limit across the probe's many modules
+        fn = torch.compile(module)
+
+        def step():
+            x.grad = None
+            with torch.autocast(dev.type, torch.bfloat16, enabled=autocast):
+                out = fn(x)
+            out.backward(dy)
+        return median_ms(step)
+
+    def linear():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(k, n, bias=False, device=dev))
+
+    flops = 3 * 2 * tokens * k * n
+    base = step_ms(linear(), True)
+    rows = [{"flavor": flavor, "layer": layer, "recipe": "bf16-mixed", "step_tflops": flops / base / 1e9}]
+    for name in recipes:
+        model = linear()
+        convert_to_fp8(model, RECIPES[name], compute_dtype=torch.bfloat16, modules=["0"])
+        ms = step_ms(model, True)
+        rows.append({"flavor": flavor, "layer": layer, "recipe": name, "step_tflops": flops / ms / 1e9,
+                     "vs_bf16": base / ms})
+    print(f"{flavor} {layer} ({k} -> {n}), one Linear's compiled forward + backward, TFLOP/s: "
+          + ", ".join(f"{r['recipe']} {r['step_tflops']:.0f}" + (f" ({r['vs_bf16']:.2f}x)" if "vs_bf16" in r else "")
+                      for r in rows), flush=True)
+    return rows
+
+
 def median_ms(fn, reps: int = 20) -> float:
     for _ in range(3):
         fn()
     times = []
+    if not torch.cuda.is_available():  # the CPU: wall time (the code path's check, not a figure)
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -75,7 +166,7 @@ def stride_study(a, b, out_dtype) -> list[str]:
                 got = F.scaled_mm(a.data.contiguous(), b.data.t().contiguous().t(), fa(a.scale_inv),
                                   _scaling_type(a.tile), fb(b.scale_inv), _scaling_type(b.tile),
                                   output_dtype=out_dtype).float()
-            except Exception as e:  # noqa: BLE001
+            except Exception:  # noqa: BLE001
                 found.append(f"a {oa}/b {ob}: refused")
                 continue
             err = float((got - want).norm() / want.norm())
@@ -89,6 +180,8 @@ def main() -> None:
     p.add_argument("--flavors", default="1B,8B")
     p.add_argument("--tokens", type=int, default=8192, help="M: sequences x tokens per step (4 x 2048)")
     p.add_argument("--recipes", default="tensorwise,rowwise,blockwise")
+    p.add_argument("--mx-recipes", default="", help="microscaled recipes to time, e.g. mxfp8,nvfp4,mxfp4")
+    p.add_argument("--layers", action="store_true", help="also time one compiled Linear per FP8 recipe")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
     dev = torch.device(args.device)
@@ -103,7 +196,11 @@ def main() -> None:
             x = torch.randn(args.tokens, k, device=dev, generator=gen)
             w = torch.randn(n, k, device=dev, generator=gen) * k ** -0.5
             dy = torch.randn(args.tokens, n, device=dev, generator=gen) * 1e-3
-            for name in args.recipes.split(","):
+            for name in filter(None, args.mx_recipes.split(",")):
+                rows += mx_rows(flavor, layer, name, x, w, dy, timed)
+            if args.layers:  # timed on CUDA; elsewhere the same code, its figures meaningless
+                rows += layer_rows(flavor, layer, k, n, args.tokens, list(filter(None, args.recipes.split(","))), dev)
+            for name in filter(None, args.recipes.split(",")):
                 recipe = RECIPES[name]
                 for gemm, a, b, out_dtype in operands(recipe, x, w, dy):
                     m_, k_, n_ = a.data.shape[0], a.data.shape[1], b.data.shape[1]
@@ -153,9 +250,9 @@ def main() -> None:
                     accepted = [line for line in row.get("stride_study", []) if "accepted" in line]
                     if "stride_study" in row:
                         print("    scale orders torch accepts:", "; ".join(accepted) or "none")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        if args.json:  # after each flavor: a run cut by its time limit keeps what it reached
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@
 #   suite   the rest of the suite (xdist); each failure named as it happens
 #   probe   the FP8 GEMM probes at the 1B and 8B layer shapes
 #   train   bench_train.py --device cuda at the 1B flavor (presets, impls, modes from BENCH_* variables)
+#   layers  one compiled Linear per FP8 recipe against bfloat16, and the microscaled emulated GEMMs
+#           (bfloat16 and FP32 routes), at the 1B layer shapes; which compiled kernels copy FP8 into FP8
+#   accuracy  the small flavor, ACC_STEPS (300) steps, seeds SEEDS (0 1 2 3 4): mixprec plan once (seed 0),
+#           then mixprec compare per seed; the seed_spread table and plot after each seed
 # Logs and JSON go to $OUT (or ./gpu-out). Run from the repository root: PYTHONPATH=src, no install.
 #   bash benchmarks/gpu_session.sh gpu probe
 set -u -o pipefail
@@ -19,7 +23,8 @@ for phase in "$@"; do
     timeout ${GPU_TIMEOUT:-200} $py -m pytest -q -m gpu -n 8 -p no:cacheprovider --timeout 180 -rfE tests 2>&1 \
       | tee "$OUT/gpu_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" ;;
   suite)
-    timeout ${SUITE_TIMEOUT:-540} $py -m pytest -v -m "not gpu" -n 14 -p no:cacheprovider --timeout 300 -rfE tests 2>&1 \
+    timeout ${SUITE_TIMEOUT:-540} $py -m pytest -v -m "not gpu" -n 14 -p no:cacheprovider --timeout 300 -rfE \
+      --junitxml "$OUT/suite.xml" tests 2>&1 \
       | tee "$OUT/suite.log" | grep -E "FAILED|ERROR|passed|failed" ;;
   probe)
     timeout 120 $py benchmarks/fp8_gemm_probe.py --device cuda --flavors 1B,8B --json "$OUT/fp8_probe.json" 2>&1 \
@@ -30,6 +35,27 @@ for phase in "$@"; do
       --impls ${BENCH_IMPLS:-plain,mixprec} --compile-modes ${BENCH_MODES:-eager,compiled} \
       --run-timeout ${BENCH_RUN_TIMEOUT:-240} --json "$OUT/train-${BENCH_TAG:-run}.json" --profile-dir "$OUT" \
       ${BENCH_PROFILE:+--profile "$BENCH_PROFILE"} ${BENCH_EXTRA:-} 2>&1 | tee "$OUT/train-${BENCH_TAG:-run}.log" ;;
-  *) echo "phases: gpu suite probe train"; exit 2 ;;
+  layers)
+    timeout ${LAYERS_TIMEOUT:-300} $py benchmarks/fp8_gemm_probe.py --device cuda --flavors 1B --layers \
+      --recipes tensorwise,rowwise,blockwise --mx-recipes mxfp8,nvfp4,mxfp4 --json "$OUT/layers.json" 2>&1 \
+      | tee "$OUT/layers.log" | grep -vE "^(1B|8B) "
+    timeout 200 $py benchmarks/fp8_compiled_layouts.py --flavor debug 2>&1 | tee "$OUT/layouts.log" | grep -v Warn ;;
+  accuracy)
+    acc="$OUT/accuracy"; mkdir -p "$acc"
+    cfg="--config configs/small.toml --training.device ${ACC_DEVICE:-cuda} --training.steps ${ACC_STEPS:-300} ${ACC_EXTRA:-}"
+    plan=${PLAN_FILE:-gpu-plan.toml}  # kept in the tree between commands while the machine stays warm
+    if [ ! -f "$plan" ]; then
+      timeout ${PLAN_TIMEOUT:-180} $py -m mixprec plan $cfg --training.seed 0 --job.dump_folder "$acc/plan-run" \
+        --plan.out "$plan" > "$acc/plan.log" 2>&1; echo "plan: exit $?"
+    fi
+    cp "$plan" "$acc/plan.toml" 2>/dev/null
+    for seed in ${SEEDS:-0 1 2 3 4}; do
+      timeout ${ACC_RUN_TIMEOUT:-400} $py -m mixprec compare $cfg --training.seed $seed --job.dump_folder "$acc/seed$seed" \
+        --presets ${ACC_PRESETS:-bf16-mixed,fp8-rowwise,fp8-blockwise,plan:$plan,mxfp8,nvfp4,mxfp4} \
+        > "$acc/seed$seed.log" 2>&1; echo "seed $seed: exit $? (1: a preset past compare's thresholds)"
+      runs=$(for d in "$acc"/seed*/; do [ -f "$d/compare.json" ] && echo "${d%/}"; done)
+      [ -n "$runs" ] && $py benchmarks/seed_spread.py $runs --plot "$acc/seed_spread.png" 2>&1 | tee "$acc/spread.txt"
+    done ;;
+  *) echo "phases: gpu suite probe train layers accuracy"; exit 2 ;;
   esac
 done

@@ -121,10 +121,25 @@ def test_the_microscaled_emulation_on_cuda_has_the_cpus_bits(recipe):
         cpu, gpu = r.quantize(a, gradient=gradient, key=key), r.quantize(a.cuda(), gradient=gradient, key=key.cuda())
         assert torch.equal(cpu.data.view(torch.uint8), gpu.data.view(torch.uint8).cpu())
         assert torch.equal(cpu.scale.view(torch.uint8), gpu.scale.view(torch.uint8).cpu())
-    # the GEMM: exact products, FP32 sums in the device's order (true FP32: no TF32)
+    # the GEMM: exact products, FP32 sums in the device's order (the CPU's FP32 GEMM, CUDA's
+    # bfloat16 GEMM with an FP32 output on the same values)
     out_cpu = mx_mm(r.quantize(a), r.quantize(b), torch.float32)
     out_gpu = mx_mm(r.quantize(a.cuda()), r.quantize(b.cuda()), torch.float32).cpu()
     torch.testing.assert_close(out_gpu, out_cpu, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_the_microscaled_emulation_runs_in_bfloat16_on_cuda_within_fp32_summation(recipe):
+    from mixprec.fp8.mx import gemm_route, mx_mm
+    from mixprec.fp8.recipe import RECIPES
+
+    assert gemm_route("cuda") is None  # torch >= 2.8 has mm.dtype on CUDA
+    r = RECIPES[recipe]
+    g = torch.Generator().manual_seed(1)
+    qa, qb = (r.quantize(torch.randn(shape, generator=g).cuda()) for shape in ((1024, 2048), (512, 2048)))
+    got = mx_mm(qa, qb, torch.float32).double()
+    want = qa.dequantize().double() @ qb.dequantize().double().t()
+    assert float((got - want).norm() / want.norm()) < 1e-6  # FP32 summation over K = 2048
 
 
 @pytest.mark.parametrize("preset", ["fp8-tensorwise", "fp8-rowwise"])

@@ -196,3 +196,47 @@ def test_gemm_sqnr_floors_against_fp64(recipe):
     qa, qb = r.quantize(a), r.quantize(b)
     torch.testing.assert_close(got.double(), qa.dequantize().double() @ qb.dequantize().double().t(),
                                rtol=1e-5, atol=1e-4)
+
+
+# ---- the bfloat16 route of the emulated GEMM (CUDA) -------------------------------------------
+QUANTIZERS = {"mxfp8": lambda x: quantize_mx(x, E4M3), "mxfp8 e5m2": lambda x: quantize_mx(x, E5M2),
+              "mxfp4": lambda x: quantize_mx(x, E2M1), "nvfp4": lambda x: quantize_nvfp4(x),
+              "nvfp4 16x16": lambda x: quantize_nvfp4(x, block=(16, 16))}
+# the smallest E8M0 exponent whose blocks are exact in bfloat16: the element's finest step times
+# the scale stays at or above 2^-133 (e4m3's 2^-9, e5m2's 2^-16; e2m1's 2^-1 at E8M0's 2^-127 is
+# 2^-128: every e2m1 block is exact)
+EXACT_FROM = {E4M3: -124, E5M2: -117, E2M1: -127}
+
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_bfloat16_dequantisation_is_exact_above_the_documented_floor(name):
+    # what lets CUDA run the emulated GEMM in bfloat16: the operands lose nothing
+    g = torch.Generator().manual_seed(3)
+    for source in (*TENSORS.values(), torch.randn(64, 256, generator=g) * torch.exp2(
+            torch.randint(-110, 110, (64, 1), generator=g).float())):
+        q = QUANTIZERS[name](source)
+        assert torch.equal(q.dequantize(False, torch.bfloat16).float(), q.dequantize(False))
+    if name.startswith("nvfp4"):
+        return  # e4m3 block scales are kept at or above 2^-6: no floor to cross
+    # at the floor and below it: exact down to 2^-133, the bits under it rounded away
+    q = QUANTIZERS[name](torch.ones(2, 32) * 2.0**-100)
+    element = q.data.dtype
+    finest = {E4M3: 2.0**-9, E5M2: 2.0**-16, E2M1: 0.5}[element]
+    below = [] if element == E2M1 else [(EXACT_FROM[element] - 2, False)]
+    for exp, exact in ((EXACT_FROM[element], True), *below):
+        scale = torch.full_like(q.scale.view(torch.uint8), exp + 127).view(E8M0)
+        # a block of the finest element step (the code 1), times the scale
+        data = torch.full_like(q.data.view(torch.uint8), 0x11 if element == E2M1 else 1).view(element)
+        b = q._replace(data=data, scale=scale)
+        wide, narrow = b.dequantize(False), b.dequantize(False, torch.bfloat16).float()
+        assert torch.equal(wide, torch.full_like(wide, finest * 2.0**exp))
+        assert torch.equal(narrow, wide) == exact
+        assert (narrow - wide).abs().max() <= 2.0**-134  # rounded to bfloat16's nearest subnormal
+
+
+def test_the_cpu_runs_the_emulated_gemm_in_fp32_and_says_so():
+    from mixprec.fp8.mx import gemm_route
+    from mixprec.fp8.recipe import RECIPES
+
+    assert "no bfloat16 GEMM with an FP32 output on cpu" in gemm_route("cpu")
+    assert RECIPES["mxfp8"].emulation("cpu").startswith("FP32 GEMMs on the dequantised operands")

@@ -168,5 +168,6 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.
         if why is not None:
             reasons.setdefault(why, []).append(gemm)
     for why, gemms in reasons.items():
-        logger.info("fp8: %s GEMMs emulated on this %s (%s): %s", ", ".join(gemms), device, recipe.emulation, why)
+        logger.info("fp8: %s GEMMs emulated on this %s (%s): %s", ", ".join(gemms), device, recipe.emulation(device),
+                    why)
     return conversion

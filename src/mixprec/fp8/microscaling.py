@@ -65,15 +65,17 @@ class Blocked(NamedTuple):
             s = s * self.tensor_scale
         return s.repeat_interleave(self.block[0], 0).repeat_interleave(self.block[1], 1)
 
-    def dequantize(self, with_tensor_scale: bool = True) -> torch.Tensor:
-        """The FP32 values this tensor stands for, (R, C). Without the tensor scale each value
-        has at most 3 + 3 significant bits (an element times an e4m3 scale): exact in TF32
-        and bfloat16, so a GEMM on them loses nothing before its FP32 accumulation."""
+    def dequantize(self, with_tensor_scale: bool = True, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The values this tensor stands for, (R, C), in `dtype`. Without the tensor scale each
+        value is an element (at most 4 significant bits) times a power of two or an e4m3 scale:
+        exact in FP32, and in bfloat16 (the product correctly rounded from exact factors) down
+        to bfloat16's smallest subnormal, 2^-133: every block whose E8M0 scale is 2^-124 or
+        more (e4m3 elements, amax above ~2^-115; 2^-117 for e5m2; every e2m1 block). A GEMM on them loses nothing before its FP32 accumulation."""
         R, C = self.shape
         factor = self.scale.float()
         if self.tensor_scale is not None and with_tensor_scale:
             factor = factor * self.tensor_scale
-        return _blockwise(torch.mul, self.elements(), factor, self.block)[:R, :C]
+        return _blockwise(torch.mul, self.elements().to(dtype), factor.to(dtype), self.block)[:R, :C]
 
     def t(self) -> "Blocked":
         """The transpose of a tensor in square blocks: the same elements and scales."""

@@ -17,10 +17,14 @@ gradient dy^T and x^T along M (the tokens). What is saved for backward is x^T in
 (quantised in the forward, after the Hadamard transform where there is one) and, with 2-D
 weight blocks, the quantised weight.
 
-The GEMMs are emulated: both operands dequantised to FP32 without NVFP4's tensor scale (each
-value is then an element times a power of two or an e4m3 scale: exact in FP32, TF32 and
-bfloat16), multiplied with FP32 accumulation, and the product times the two tensor scales,
-as the hardware applies them. torch has microscaled GEMMs only on Blackwell (SM100,
+The GEMMs are emulated: both operands dequantised without NVFP4's tensor scale (each value
+is then an element times a power of two or an e4m3 scale: exact in FP32, and in bfloat16 for
+every block above ~2^-115, `Blocked.dequantize`), multiplied with FP32 accumulation, and the
+product times the two tensor scales, as the hardware applies them. On CUDA the operands are
+dequantised to bfloat16 and multiplied by torch's bfloat16 GEMM with an FP32 output
+(`torch.mm(..., out_dtype=torch.float32)`, the tensor cores' rate); elsewhere in FP32. Both
+give the same products: the results differ by the summation order only
+(`gemm_route` decides, once per device, and the conversion's log line names it). torch has microscaled GEMMs only on Blackwell (SM100,
 F.scaled_mm with BlockWise1x32 / BlockWise1x16 scales and swizzled scale layouts); mixprec
 does not drive them (they cannot be tested here), so every device runs the emulation and
 the conversion's log line says so.
@@ -33,6 +37,7 @@ reproducible, the same after a resume, and fresh at every step as the gradient c
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import dataclass, fields, replace
@@ -99,8 +104,13 @@ class MXRecipe(FP8Recipe):
         check(fp4 or self.grad_dtype in (E4M3, E5M2), "grad_dtype", self.grad_dtype, "float8_e4m3fn, float8_e5m2")
 
     # ---- what the recipe is ---------------------------------------------------------------
-    emulation = "dequantised operands, FP32 GEMMs with FP32 accumulation"
     eager_why = EAGER_WHY
+
+    def emulation(self, device: str) -> str:
+        why = gemm_route(device)
+        if why is None:
+            return "bfloat16 GEMMs with FP32 output on the operands dequantised to bfloat16, exactly"
+        return f"FP32 GEMMs on the dequantised operands; {why}"
 
     @property
     def nv(self) -> bool:
@@ -199,7 +209,11 @@ def _mx_mm(a_data: torch.Tensor, a_scale: torch.Tensor, a_tensor_scale: torch.Te
            b_block: list[int], b_shape: list[int], out_dtype: torch.dtype) -> torch.Tensor:
     a = Blocked(a_data, a_scale, tuple(a_block), a_tensor_scale, tuple(a_shape))
     b = Blocked(b_data, b_scale, tuple(b_block), b_tensor_scale, tuple(b_shape))
-    out = a.dequantize(with_tensor_scale=False) @ b.dequantize(with_tensor_scale=False).t()
+    if gemm_route(a_data.device.type) is None:
+        out = torch.mm(a.dequantize(False, torch.bfloat16), b.dequantize(False, torch.bfloat16).t(),
+                       out_dtype=torch.float32)
+    else:
+        out = a.dequantize(with_tensor_scale=False) @ b.dequantize(with_tensor_scale=False).t()
     for q in (a, b):
         if q.tensor_scale is not None:
             out = out * q.tensor_scale
@@ -210,6 +224,24 @@ def _mx_mm(a_data: torch.Tensor, a_scale: torch.Tensor, a_tensor_scale: torch.Te
 def _(a_data, a_scale, a_tensor_scale, a_block, a_shape, b_data, b_scale, b_tensor_scale, b_block, b_shape,
       out_dtype):
     return a_data.new_empty(a_shape[0], b_shape[0], dtype=out_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_route(device: str) -> str | None:
+    """None where the emulated GEMMs run in bfloat16 with FP32 output on `device` (CUDA, with
+    torch's mm.dtype: a 256 x 512 x 128 check against the FP32 GEMM of the same operands);
+    otherwise why they run in FP32."""
+    if device != "cuda":
+        return f"torch has no bfloat16 GEMM with an FP32 output on {device} devices"
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(-64, 64, shape, generator=gen).float().to(device) for shape in ((256, 512), (128, 512)))
+    try:  # integers below 2^7: exact in bfloat16, their products and sums exact in FP32
+        got = torch.mm(a.bfloat16(), b.bfloat16().t(), out_dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - whatever torch raises, the FP32 GEMM is used and the reason logged
+        return f"torch {torch.__version__} refused a bfloat16 GEMM with an FP32 output ({str(e).splitlines()[0][:120]})"
+    if got.dtype != torch.float32 or not torch.equal(got, a.double().mm(b.double().t()).float()):
+        return "torch's bfloat16 GEMM with an FP32 output did not sum exactly in FP32"
+    return None
 
 
 def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
