@@ -43,8 +43,7 @@ def main() -> None:
         torch.save(state, tmp / "checkpoint" / "step-1.pt")
         size = (tmp / "checkpoint" / "step-1.pt").stat().st_size
         del model, weights, optimizer, state
-        params = n_params
-        print(f"{args.flavor}: {params / 1e9:.2f}B parameters, checkpoint "
+        print(f"{args.flavor}: {n_params / 1e9:.2f}B parameters, checkpoint "
               f"{size / 1e9:.2f} GB written in {time.perf_counter() - t0:.0f} s; CPU "
               f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")
         for dtype in (torch.bfloat16, torch.float32):

@@ -79,7 +79,8 @@ def trainer(mixprec: bool, steps: int) -> list[float]:
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
     class Clock(L.Callback):
-        times: list = []
+        def __init__(self):
+            self.times = []
 
         def on_train_batch_start(self, *args):
             self.start = time.perf_counter()
@@ -88,7 +89,6 @@ def trainer(mixprec: bool, steps: int) -> list[float]:
             self.times.append(time.perf_counter() - self.start)
 
     clock = Clock()
-    clock.times = []
     kwargs = {"plugins": [Precision("bf16-mixed", device_type="cpu")]} if mixprec else {"precision": "bf16-mixed"}
     L.Trainer(accelerator="cpu", devices=1, max_steps=steps, gradient_clip_val=1.0, logger=False,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],

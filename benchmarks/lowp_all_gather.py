@@ -127,9 +127,6 @@ def main() -> None:
     print("| flavor | ranks | recipe | FP8 layers' gathers per step, bf16 -> narrow | all the step's gathers "
           "| largest block unsharded | peak unsharded (gloo) | planned/measured: gathers, block |")
     print("|---|---|---|---|---|---|---|---|")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
 
     def mib(a: dict, b: dict, k: str) -> str:
         if not a[k]:

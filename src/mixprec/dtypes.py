@@ -31,5 +31,16 @@ def parse_dtype(value: str | torch.dtype, field: str) -> torch.dtype:
     return dtype
 
 
+# FP8 element formats by their short names (fp8.grad_format)
+_ELEMENTS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def parse_element(value: str, field: str) -> torch.dtype:
+    """An FP8 element format's short name as its torch dtype; a UserError naming `field` otherwise."""
+    if value not in _ELEMENTS:
+        raise UserError(f"{field}: unknown element format {value!r}; accepted: {', '.join(_ELEMENTS)}")
+    return _ELEMENTS[value]
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return _CANONICAL.get(dtype, str(dtype).removeprefix("torch."))

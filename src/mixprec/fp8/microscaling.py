@@ -70,7 +70,8 @@ class Blocked(NamedTuple):
         value is an element (at most 4 significant bits) times a power of two or an e4m3 scale:
         exact in FP32, and in bfloat16 (the product correctly rounded from exact factors) down
         to bfloat16's smallest subnormal, 2^-133: every block whose E8M0 scale is 2^-124 or
-        more (e4m3 elements, amax above ~2^-115; 2^-117 for e5m2; every e2m1 block). A GEMM on them loses nothing before its FP32 accumulation."""
+        more (e4m3 elements, amax above ~2^-115; 2^-117 for e5m2; every e2m1 block). A GEMM
+        on them loses nothing before its FP32 accumulation."""
         R, C = self.shape
         factor = self.scale.float()
         if self.tensor_scale is not None and with_tensor_scale:

@@ -23,11 +23,11 @@ every block above ~2^-115, `Blocked.dequantize`), multiplied with FP32 accumulat
 product times the two tensor scales, as the hardware applies them. On CUDA the operands are
 dequantised to bfloat16 and multiplied by torch's bfloat16 GEMM with an FP32 output
 (`torch.mm(..., out_dtype=torch.float32)`, the tensor cores' rate); elsewhere in FP32. Both
-give the same products: the results differ by the summation order only
-(`gemm_route` decides, once per device, and the conversion's log line names it). torch has microscaled GEMMs only on Blackwell (SM100,
-F.scaled_mm with BlockWise1x32 / BlockWise1x16 scales and swizzled scale layouts); mixprec
-does not drive them (they cannot be tested here), so every device runs the emulation and
-the conversion's log line says so.
+give the same products: the results differ by the summation order only (`gemm_route`
+decides, once per device, and the conversion's log line names it). torch has microscaled
+GEMMs only on Blackwell (SM100, F.scaled_mm with BlockWise1x32 / BlockWise1x16 scales and
+swizzled scale layouts); mixprec does not drive them (they cannot be tested here), so every
+device runs the emulation and the conversion's log line says so.
 
 Stochastic rounding draws its bits like bf16-sr's (random_bits16: a counter-based hash of the
 element's index and a key); the key hashes the gradient's own bits (an integer sum, the
@@ -209,9 +209,10 @@ def _mx_mm(a_data: torch.Tensor, a_scale: torch.Tensor, a_tensor_scale: torch.Te
            b_block: list[int], b_shape: list[int], out_dtype: torch.dtype) -> torch.Tensor:
     a = Blocked(a_data, a_scale, tuple(a_block), a_tensor_scale, tuple(a_shape))
     b = Blocked(b_data, b_scale, tuple(b_block), b_tensor_scale, tuple(b_shape))
-    if gemm_route(a_data.device.type) is None:
-        out = torch.mm(a.dequantize(False, torch.bfloat16), b.dequantize(False, torch.bfloat16).t(),
-                       out_dtype=torch.float32)
+    if gemm_route(a_data.device.type) is None:  # exact operands, FP32 accumulation and output
+        a16 = a.dequantize(with_tensor_scale=False, dtype=torch.bfloat16)
+        b16 = b.dequantize(with_tensor_scale=False, dtype=torch.bfloat16)
+        out = torch.mm(a16, b16.t(), out_dtype=torch.float32)
     else:
         out = a.dequantize(with_tensor_scale=False) @ b.dequantize(with_tensor_scale=False).t()
     for q in (a, b):
@@ -229,7 +230,7 @@ def _(a_data, a_scale, a_tensor_scale, a_block, a_shape, b_data, b_scale, b_tens
 @functools.lru_cache(maxsize=None)
 def gemm_route(device: str) -> str | None:
     """None where the emulated GEMMs run in bfloat16 with FP32 output on `device` (CUDA, with
-    torch's mm.dtype: a 256 x 512 x 128 check against the FP32 GEMM of the same operands);
+    torch's mm.dtype: a 256 x 512 x 128 integer GEMM checked exact against float64);
     otherwise why they run in FP32."""
     if device != "cuda":
         return f"torch has no bfloat16 GEMM with an FP32 output on {device} devices"

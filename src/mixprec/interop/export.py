@@ -30,6 +30,7 @@ from mixprec.interop.runs import resolve, tokenizer_file
 
 logger = logging.getLogger(__name__)
 
+
 def hf_model_config(meta: dict, dtype: torch.dtype) -> tuple[dict, object]:
     """(config.json's fields, adapter) of the model a checkpoint's meta describes."""
     if "hf_config" in meta:

@@ -206,4 +206,3 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         owner, _, attr = name.rpartition(".")
         first_owner, _, first_attr = first.rpartition(".")
         setattr(model.get_submodule(owner), attr, getattr(model.get_submodule(first_owner), first_attr))
-
