@@ -51,7 +51,47 @@ def test_mx_elements_and_scales_equal_torchaos(name, dtype, rounding):
     q = quantize_mx(x, dtype, rounding=rounding)
     assert q.scale.dtype == E8M0 and q.data.dtype == dtype
     assert torch.equal(_codes(q.scale), _codes(scale))
-    assert torch.equal(_codes(q.data), _codes(data))
+    # torchao divides the blocks at the smallest scale (2^-127) by 2^-126: those are checked
+    # against the definition (test_mx_blocks_decode_to_their_elements_times_the_stored_scale)
+    theirs = (_codes(q.scale) > 0).repeat_interleave(32, 1)[:, :q.data.shape[1] * (2 if dtype == E2M1 else 1)]
+    if dtype == E2M1:
+        theirs = theirs[:, ::2]
+    assert torch.equal(_codes(q.data)[theirs], _codes(data)[theirs])
+
+
+def _nearest_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """The e2m1 value nearest to each of v (float64, saturating at 6), ties to the even code."""
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float64)
+    dist = (v.abs().clamp(max=6.0)[..., None] - grid).abs()
+    best = dist.min(dim=-1, keepdim=True).values
+    tie_even = torch.where(dist == best, torch.arange(8) % 2, 2)  # an odd code only where it alone is nearest
+    return grid[tie_even.argmin(dim=-1)] * v.sign()
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2, E2M1], ids=["e4m3", "e5m2", "e2m1"])
+@pytest.mark.parametrize("rounding", MODES)
+def test_mx_blocks_decode_to_their_elements_times_the_stored_scale(dtype, rounding):
+    """The definition, in float64: a decoded value is its element times its block's stored
+    scale X, and the element is the nearest in the format to x / X (saturated). Blocks from
+    2^40 down to FP32's subnormals, the smallest scale 2^-127 included (issue 45: floor and
+    even divided those by 2^-126 and decoded half the value)."""
+    g = torch.Generator().manual_seed(1)
+    exponents = torch.arange(40, -150, -3).float()
+    x = torch.randn(len(exponents), 64, generator=g) * torch.exp2(exponents)[:, None]
+    q = quantize_mx(x, dtype, rounding=rounding)
+    X = torch.exp2(_codes(q.scale).double() - 127).repeat_interleave(32, 1)
+    elements = q.elements().double()
+    assert torch.equal(q.dequantize().double(), elements * X)
+    ratio = x.double() / X
+    if dtype == E2M1:
+        want = _nearest_e2m1(ratio)
+    else:
+        top = torch.finfo(dtype).max
+        want = ratio.clamp(-top, top).to(dtype).double()
+    assert torch.equal(elements, want)
+    assert (_codes(q.scale) == 0).any()  # the smallest scale was exercised
+    one = quantize_mx(torch.full((1, 32), 2.0**-120), dtype, rounding=rounding).dequantize()
+    assert torch.equal(one, torch.full_like(one, 2.0**-120))  # exact in every element format
 
 
 @pytest.mark.parametrize("name", TENSORS)
@@ -66,6 +106,43 @@ def test_nvfp4_elements_and_scales_equal_torchaos(name, tensor_scale):
     assert torch.equal(_codes(q.data), _codes(data))
     if tensor_scale:
         assert torch.equal(q.tensor_scale, ts)
+
+
+def test_an_all_zero_or_tiny_nvfp4_tensor_decodes_finite():
+    """Issue 45: a zero amax made the tensor scale 0 and every block 0/0 (NaN); an amax
+    below ~7.9e-36 overflowed the cast's factor and decoded every element to +-6."""
+    for block in ((1, 16), (16, 16)):
+        zero = quantize_nvfp4(torch.zeros(32, 32), block=block)
+        assert zero.tensor_scale == 1.0 and torch.equal(zero.dequantize(), torch.zeros(32, 32))
+    g = torch.Generator().manual_seed(2)
+    for magnitude in (1e-30, 1e-35, 1e-37):
+        x = torch.randn(16, 64, generator=g) * magnitude
+        got = quantize_nvfp4(x).dequantize().double() / magnitude  # relative to the magnitude: no underflow
+        want = x.double() / magnitude
+        assert torch.isfinite(got).all() and sqnr(want, got) > 15, magnitude  # ordinary tensors: ~20 dB
+    tiny = quantize_nvfp4(torch.full((1, 16), 1e-40)).dequantize()
+    assert torch.equal(tiny, torch.zeros_like(tiny))  # under 2^-127: flushed, not +-6
+
+
+@pytest.mark.parametrize("zero", ["weight", "input", "output gradient"])
+def test_an_nvfp4_linear_with_a_zero_operand_is_finite(zero):
+    from mixprec.fp8 import RECIPES, convert_to_fp8
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+    convert_to_fp8(model, RECIPES["nvfp4"], compute_dtype=torch.bfloat16)
+    x, dy = torch.randn(16, 64), torch.randn(16, 32)
+    if zero == "weight":
+        torch.nn.init.zeros_(model[0].weight)  # a zero-initialised projection (adapters, a zeroed output layer)
+    x = (x * (zero != "input")).requires_grad_()
+    y = model(x)
+    y.backward((dy * (zero != "output gradient")).to(y.dtype))
+    dw = model[0].weight.grad
+    for t in (y, x.grad, dw):
+        assert torch.isfinite(t).all()
+    assert (y == 0).all() == (zero in ("weight", "input"))
+    assert (x.grad == 0).all() == (zero in ("weight", "output gradient"))
+    assert (dw == 0).all() == (zero in ("input", "output gradient"))
 
 
 def test_e2m1_rounds_to_nearest_even_like_torchao_on_every_midpoint():
@@ -215,7 +292,12 @@ def test_bfloat16_dequantisation_is_exact_above_the_documented_floor(name):
     for source in (*TENSORS.values(), torch.randn(64, 256, generator=g) * torch.exp2(
             torch.randint(-110, 110, (64, 1), generator=g).float())):
         q = QUANTIZERS[name](source)
-        assert torch.equal(q.dequantize(False, torch.bfloat16).float(), q.dequantize(False))
+        narrow, wide = q.dequantize(False, torch.bfloat16).float(), q.dequantize(False)
+        if q.scale.dtype == E8M0:  # the claim: blocks at or above the floor (below it, checked after)
+            floor = EXACT_FROM[q.data.dtype] + 127
+            above = (_codes(q.scale) >= floor).repeat_interleave(32, 1)[:, :wide.shape[1]]
+            narrow, wide = narrow[above], wide[above]
+        assert torch.equal(narrow, wide)
     if name.startswith("nvfp4"):
         return  # e4m3 block scales are kept at or above 2^-6: no floor to cross
     # at the floor and below it: exact down to 2^-133, the bits under it rounded away

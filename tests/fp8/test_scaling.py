@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from mixprec.fp8.recipe import E4M3, E5M2
-from mixprec.fp8.scaling import DelayedScales, amax_to_scale, cast, quantize, sqnr, tile_amax
+from mixprec.fp8.gemm import emulated_mm
+from mixprec.fp8.scaling import DelayedScales, amax_to_scale, cast, per_tile, quantize, sqnr, tile_amax
 
 TILES = {"tensorwise": (0, 0), "rowwise": (1, 0), "block 1x128": (1, 128), "block 128x128": (128, 128)}
 
@@ -15,6 +16,43 @@ def test_cast_round_trip_sqnr(tile, dtype):
     q, _ = quantize(x, dtype, tile)
     assert q.data.dtype == dtype
     assert sqnr(x, q.dequantize()) >= (25.0 if dtype == E4M3 else 20.0)
+
+
+# shapes whose last row or column of tiles is partial (a 64-wide debug Linear in 128-blocks: issue 45)
+PARTIAL = [(64, 192), (192, 64), (200, 72), (130, 300)]
+
+
+@pytest.mark.parametrize("shape", PARTIAL + [(256, 384)])
+@pytest.mark.parametrize("tile", [(128, 128), (1, 128), (128, 1), (1, 0), (0, 0)])
+def test_per_tile_is_each_tile_against_its_own_value(shape, tile):
+    x = torch.randn(*shape)
+    tr, tc = (tile[0] or shape[0], tile[1] or shape[1])
+    values = torch.rand(-(-shape[0] // tr), -(-shape[1] // tc)) + 0.5
+    want = torch.empty(shape)
+    for i in range(values.shape[0]):
+        for j in range(values.shape[1]):
+            rows, cols = slice(i * tr, (i + 1) * tr), slice(j * tc, (j + 1) * tc)
+            want[rows, cols] = x[rows, cols] / values[i, j]
+    assert torch.equal(per_tile(torch.div, x, values, (tr, tc)), want)
+
+
+@pytest.mark.slow
+def test_compiled_casts_equal_the_eager_ones_on_partial_tiles():
+    """Inductor's CPU code once read past the scales and wrote only each row's first tile
+    of an FP8 output where a tile was partial: compiled block-wise training was NaN."""
+    def cast_and_multiply(x, w, tile):
+        xq, wq = quantize(x, E4M3, tile)[0], quantize(w, E4M3, (128, 128))[0]
+        return xq.data.float(), xq.dequantize(), emulated_mm(xq, wq.t(), torch.float32)
+
+    cases = [(shape, tile, False) for shape in PARTIAL for tile in [(128, 128), (1, 128), (128, 1)]]
+    cases += [((64, 64), (1, 128), True), ((64, 192), (128, 128), True)]  # symbolic sizes (a recompile's)
+    for shape, tile, dynamic in cases:
+        x, w = torch.randn(*shape) * 3, torch.randn(96, shape[1])
+        torch._dynamo.reset()
+        compiled = torch.compile(cast_and_multiply, dynamic=dynamic)(x, w, tile)
+        for eager, got in zip(cast_and_multiply(x, w, tile), compiled):
+            assert torch.equal(got, eager), (shape, tile, dynamic)
+    torch._dynamo.reset()
 
 
 def test_tile_amax_covers_partial_edge_tiles():

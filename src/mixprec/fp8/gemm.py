@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from mixprec.fp8.scaling import EPS, Quantized, expand, quantize
+from mixprec.fp8.scaling import EPS, Quantized, per_tile, quantize
 
 logger = logging.getLogger("mixprec")
 
@@ -29,15 +29,17 @@ logger = logging.getLogger("mixprec")
 def emulated_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
     (M, K), N = a.data.shape, b.data.shape[1]
     kb = min(a.tile[1], b.tile[0])  # K elements per partial sum
-    sa = expand(a.scale_inv, (a.tile[0], 1), (M, a.scale_inv.shape[1]))  # (M, K tiles of a)
-    sb = expand(b.scale_inv, (1, b.tile[1]), (b.scale_inv.shape[0], N))  # (K tiles of b, N)
     a32, b32 = a.data.float(), b.data.float()
+
+    def scaled(partial, ka, kb_):  # times a's scales of K tile ka (per row tile), b's of K tile kb_ (per column tile)
+        partial = per_tile(torch.mul, partial, a.scale_inv[:, ka:ka + 1], (a.tile[0], N))
+        return per_tile(torch.mul, partial, b.scale_inv[kb_:kb_ + 1], (M, b.tile[1]))
+
     if kb >= K:
-        return ((a32 @ b32) * sa * sb).to(out_dtype)
+        return scaled(a32 @ b32, 0, 0).to(out_dtype)
     out = torch.zeros(M, N, device=a.data.device)
     for k in range(0, K, kb):  # one partial sum per K tile, promoted into the FP32 accumulator
-        partial = a32[:, k:k + kb] @ b32[k:k + kb]
-        out += partial * sa[:, k // a.tile[1], None] * sb[None, k // b.tile[0]]
+        out += scaled(a32[:, k:k + kb] @ b32[k:k + kb], k // a.tile[1], k // b.tile[0])
     return out.to(out_dtype)
 
 

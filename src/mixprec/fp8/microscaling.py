@@ -13,14 +13,24 @@ nibble), scales in float8_e8m0fnu (a biased power of two) or float8_e4m3fn.
 
 The arithmetic follows the OCP MX spec v1.0 and NVIDIA's NVFP4 recipe in the operation order
 torchao's mx_formats uses, so the elements and scales equal its bit for bit
-(tests/fp8/test_microscaling.py), with one exception: for the round-up ("ceil", RCEIL) E8M0
+(tests/fp8/test_microscaling.py), with two exceptions. For the round-up ("ceil", RCEIL) E8M0
 scale, torchao takes ceil(log2(amax / max)) in FP32, and log2 of a value just above a power of
 two (1 + 2^-20 and closer) rounds to the integer below; here the exponent comes from the bits,
 as the hardware's cvt.rp instruction rounds (the test's adversarial blocks show the difference).
+And a block at the smallest E8M0 scale (2^-127) is divided by that scale, as stored and as
+the definition decodes it (torchao divides by 2^-126 there: such a block decodes to half its
+value; tested against the definition).
 
-e2m1 has no infinity or NaN: a non-finite input makes its block's scale (MX) or the tensor's
-scale (NVFP4) non-finite, so the dequantised block is non-finite and the step's non-finite
-check sees it; the element codes of such blocks mean nothing.
+Where the definitions leave room: NVFP4 block scales are held at 2^-6 or more (e4m3's
+subnormal scales, which the format allows, are not used); an all-zero NVFP4 tensor gets the
+tensor scale 1 (Transformer Engine's rule) and the tensor scale is held at 2^-120 or more,
+so the cast's factor is finite.
+
+Non-finite inputs: a NaN makes its block's scale the NaN code (MX) or the tensor's scale
+NaN (NVFP4), so the whole block or tensor decodes NaN; an infinity in an MX block gives a
+finite scale (the largest its exponent clamps to), its own element decodes non-finite and
+the rest of the block to zero. Either way the step's non-finite check sees it; the element
+codes of such blocks mean nothing.
 """
 
 from __future__ import annotations
@@ -41,8 +51,9 @@ ELEMENT_MAX = {E4M3: 448.0, E5M2: 57344.0, E2M1: 6.0}
 ELEMENT_MAX_POW2 = {E4M3: 8, E5M2: 15, E2M1: 2}  # the exponent of each format's largest power of two
 ELEMENT_MBITS = {E4M3: 3, E5M2: 2, E2M1: 1}
 E8M0_BIAS = 127
-ROUNDINGS = ("ceil", "floor", "even")  # E8M0 scale: round amax/max up (RCEIL), OCP's floor, OCP's floor after RNE
+ROUNDINGS = ("ceil", "floor", "even")  # E8M0 scale: amax/max rounded up (RCEIL), OCP v1.0's floor, torchao's floor after RNE
 E4M3_TINY = 2.0**-6  # NVFP4 block scales are kept at or above e4m3's smallest normal
+NVFP4_TENSOR_SCALE_MIN = 2.0**-120  # 1 / (2^-120 x 2^-6) = 2^126: the cast's factor stays finite
 
 
 class Blocked(NamedTuple):
@@ -179,7 +190,7 @@ def e8m0_exponent(amax: torch.Tensor, dtype: torch.dtype, rounding: str) -> torc
     ceil: 2^ceil(log2(amax / max)), the smallest power of two that keeps the block within the
           format (no element saturates), from the bits of the FP32 quotient;
     floor: 2^(floor(log2(amax)) - emax), OCP's rule: the top of the block may saturate;
-    even: floor after rounding amax to the element's mantissa width (OCP's alternative)."""
+    even: floor after rounding amax to the element's mantissa width (torchao's choice, not OCP's)."""
     if rounding == "ceil":
         descale = amax / ELEMENT_MAX[dtype]
         bits = descale.view(torch.int32)
@@ -205,22 +216,30 @@ def quantize_mx(x: torch.Tensor, dtype: torch.dtype, *, block: int = 32, roundin
     amax = _block_amax(x, tile)
     exp = e8m0_exponent(amax, dtype, rounding)
     if rounding == "ceil":
-        # x times 2^(127 - exp): exact; exp 0 (all |x| <= max * 2^-127) leaves x as it is and
-        # exp 254 (an infinite amax) multiplies by 2^-127, as Transformer Engine's kernels do
-        factor = torch.where(exp == 0, 1.0, torch.exp2((E8M0_BIAS - exp).float()))
-        factor = torch.where(exp == 254, 2.0**-127, torch.where(exp == 255, float("nan"), factor))
+        # x times 2^(127 - exp), the reciprocal of the stored scale: exact (2^127 for the
+        # smallest scale, 2^-127 for exp 254, the scale of an infinite amax)
+        factor = torch.where(exp == 255, float("nan"), torch.exp2((E8M0_BIAS - exp).float()))
         scaled = _blockwise(torch.mul, x, factor, tile)
     else:
-        # x / 2^(exp - 127), the divisor kept normal (2^-126 at least; torchao does the same)
-        divisor = (exp << 23).view(torch.float32).clamp(min=torch.finfo(torch.float32).tiny)
+        # x / 2^(exp - 127), the scale that is stored: 2^-127 (biased 0) is FP32's subnormal
+        # 2^22 ulps (torchao divides by 2^-126 there, and such a block decodes to half its value)
+        divisor = torch.where(exp == 0, 1 << 22, exp << 23).view(torch.float32)
         scaled = _blockwise(torch.div, x, divisor, tile)
     return Blocked(_to_elements(scaled, dtype, key), exp.to(torch.uint8).view(E8M0), tile, None, shape)
 
 
 # ---- NVFP4: E4M3 block scales under one FP32 tensor scale ------------------------------------
 def nvfp4_tensor_scale(amax: torch.Tensor, top: float = 6.0) -> torch.Tensor:
-    """The FP32 second-level scale: amax / (448 * top), so the largest block scale fits e4m3."""
-    return amax.float() / (ELEMENT_MAX[E4M3] * top)
+    """The FP32 second-level scale: amax / (448 * top), so the largest block scale fits e4m3.
+    An all-zero tensor gets 1 (Transformer Engine's rule: its elements and block scales then
+    decode to zeros instead of 0/0). The scale is held at NVFP4_TENSOR_SCALE_MIN or more, so
+    that the cast's factor 1 / (tensor scale x block scale) stays finite (block scales are
+    2^-6 or more); below amax = 2^-120 * 448 * top the block scales still fit e4m3 (each is
+    at most amax / top / 2^-120 < 448), and values under 2^-127 flush to zero. A NaN or
+    infinite amax stays non-finite."""
+    amax = amax.float()
+    ts = (amax / (ELEMENT_MAX[E4M3] * top)).clamp(min=NVFP4_TENSOR_SCALE_MIN)
+    return torch.where(amax == 0, 1.0, ts)
 
 
 def quantize_nvfp4(x: torch.Tensor, *, block: tuple[int, int] = (1, 16), tensor_scale: bool = True,

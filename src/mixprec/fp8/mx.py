@@ -68,7 +68,7 @@ class MXRecipe(FP8Recipe):
     scale_format: str = "e8m0"
     """e8m0: a power of two per block (MX); e4m3: an e4m3 scale per block under an FP32 tensor scale (NVFP4)."""
     scale_rounding: str = "ceil"
-    """E8M0 scales: ceil (RCEIL, the amax never saturates), floor (OCP), even (OCP, amax rounded first)."""
+    """E8M0 scales: ceil (RCEIL, the amax never saturates), floor (the OCP v1.0 rule), even (torchao's: the amax rounded to the element's width first, then floor)."""
     weight_2d: bool = False
     """Weights in block x block tiles: one quantised copy serves the forward (W) and the input gradient (W^T)."""
     stochastic_gradients: bool = False

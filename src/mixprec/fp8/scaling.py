@@ -31,19 +31,37 @@ class Quantized(NamedTuple):
 
     def dequantize(self) -> torch.Tensor:
         """The FP32 values this FP8 tensor stands for."""
-        return self.data.float() * expand(self.scale_inv, self.tile, self.data.shape)
+        return per_tile(torch.mul, self.data.float(), self.scale_inv, self.tile)
 
 
 def resolve_tile(tile: tuple[int, int], shape) -> tuple[int, int]:
     return (tile[0] or shape[0], tile[1] or shape[1])
 
 
-def expand(scale: torch.Tensor, tile: tuple[int, int], shape) -> torch.Tensor:
-    """Per-tile values (ceil(R/tr), ceil(C/tc)) broadcastable against (R, C)."""
-    for dim, size in enumerate(tile):
-        if scale.shape[dim] not in (1, shape[dim]):
-            scale = scale.repeat_interleave(size, dim).narrow(dim, 0, shape[dim])
-    return scale
+def _spans(n: int, t: int):
+    """Dimension n cut into (start, stop, tile length, first tile, stop tile): its whole tiles
+    of length t, then the partial tile left over, where either exists."""
+    whole = n - n % t
+    spans = ((0, whole, t, 0, whole // t), (whole, n, n - whole, whole // t, whole // t + 1))
+    return [span for span in spans if span[1] > span[0]]
+
+
+def per_tile(op, x: torch.Tensor, values: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+    """op(x, v) with each tile of x (R, C) against its own entry of `values` (ceil(R/tr),
+    ceil(C/tc)), by broadcasting: no per-element copy of `values`. The whole tiles are one
+    view (tiles, tr, tiles, tc); a partial edge tile is a piece of its own, joined on after.
+    (A repeat_interleave of the values cut to (R, C), or x padded to whole tiles and cut
+    back, is what Inductor's CPU code computed wrongly where a tile was partial: it read
+    past the values, or wrote only the first tile of each row of an FP8 output;
+    tests/fp8/test_scaling.py compiles every tile shape against the eager result.)"""
+    (R, C), (nr, nc) = x.shape, values.shape
+    tr, tc = (R if nr == 1 else tile[0]), (C if nc == 1 else tile[1])
+    rows = []
+    for r0, r1, rt, i0, i1 in _spans(R, tr):
+        pieces = [op(x[r0:r1, c0:c1].reshape(i1 - i0, rt, j1 - j0, ct), values[i0:i1, None, j0:j1, None])
+                  .reshape(r1 - r0, c1 - c0) for c0, c1, ct, j0, j1 in _spans(C, tc)]
+        rows.append(torch.cat(pieces, 1) if len(pieces) > 1 else pieces[0])
+    return torch.cat(rows, 0) if len(rows) > 1 else rows[0]
 
 
 def tile_amax(x: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
@@ -71,7 +89,7 @@ def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool = Fal
 def cast(x: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int], dtype: torch.dtype) -> Quantized:
     """x (R, C) times its per-tile scale, saturated to the format's range, in FP8."""
     limit = FP8_MAX[dtype]
-    data = (x.float() * expand(scale, tile, x.shape)).clamp(-limit, limit).to(dtype)
+    data = per_tile(torch.mul, x.float(), scale, tile).clamp(-limit, limit).to(dtype)
     return Quantized(data, scale.reciprocal(), tile)
 
 

@@ -27,7 +27,7 @@ from mixprec.fp8.linear import Plan, linear_class
 from mixprec.fp8.microscaling import E2M1, ELEMENT_MAX
 from mixprec.fp8.mx import MXRecipe, mx_mm
 from mixprec.fp8.recipe import E4M3, FP8Recipe
-from mixprec.fp8.scaling import FP8_MAX, expand, quantize, sqnr
+from mixprec.fp8.scaling import FP8_MAX, per_tile, quantize, sqnr
 
 GEMMS = ("forward", "input_gradient", "weight_gradient")
 
@@ -66,7 +66,7 @@ def _shares(t: torch.Tensor, dtype: torch.dtype, tile, power_of_2: bool) -> tupl
     q, _ = quantize(t, dtype, tile, power_of_2=power_of_2)
     nonzero = t != 0
     flushed = (nonzero & (q.data.float() == 0)).sum().item() / max(1, nonzero.sum().item())
-    scaled = t.float().abs() / expand(q.scale_inv, q.tile, t.shape)
+    scaled = per_tile(torch.div, t.float().abs(), q.scale_inv, q.tile)
     # the amax itself lands on the largest value: only what lies beyond it (past rounding) saturated
     return flushed, (scaled > FP8_MAX[dtype] * (1 + 1e-5)).float().mean().item()
 
