@@ -42,6 +42,26 @@ def test_fp32_export_loads_in_transformers_with_mixprecs_logits(tmp_path, run):
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")(text)["input_ids"] == list(text.encode())
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gpt2"])
+def test_a_transformers_model_loaded_trained_and_exported_has_the_runs_logits(tmp_path, text_file, model_type):
+    """Issue 45: every run trained with model.hf_config failed to export (its checkpoint also
+    holds the decoder layers under HFCausalLM's second name, `layers.*`)."""
+    import transformers
+    from helpers import save_tiny
+
+    save_tiny(tmp_path / "start", model_type)
+    run_train(tmp_path / "run", text_file, "--model.hf_config", str(tmp_path / "start"), "--checkpoint.initial_load",
+              str(tmp_path / "start"), "--precision.preset", "fp32", "--training.steps", "3")
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "hf"), "--dtype", "float32"]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    start = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "start").eval()
+    assert type(hf) is type(start)
+    ours, _ = load_model(str(tmp_path / "run"))
+    x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(_logits(hf, x), _logits(ours, x))  # the same transformers code on the same weights
+    assert not torch.equal(_logits(hf, x), _logits(start, x))  # and they are the trained ones
+
+
 def test_bf16_export_is_the_weights_rounded_once(tmp_path, run):
     import transformers
 

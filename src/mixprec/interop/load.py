@@ -63,6 +63,9 @@ class CheckpointWeights:
                             "step-N folder written by mixprec train")
         self.meta, self.step = state["meta"], state.get("step")
         self.tensors = state["model"] if "model" in state else _dcp_model(self.path, key)
+        if "hf_config" in self.meta:  # a transformers model's state_dict holds its decoder layers twice:
+            # under `hf.` and under HFCausalLM's own name for them, `layers.`; the weights are the first
+            self.tensors = {k: v for k, v in self.tensors.items() if not k.startswith("layers.")}
 
     def names(self) -> list[str]:
         return list(self.tensors)
