@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from mixprec.errors import UserError
+from mixprec.errors import UserError, unreadable
 from mixprec.precision import Policy
 from mixprec.stability.framework import FrameworkSteps
 
@@ -44,6 +44,20 @@ except ImportError:  # pragma: no cover - the message is the point
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "mixprec_precision.pt"  # in each checkpoint-N folder
+
+
+def load_precision_state(path: str) -> dict:
+    """The policy's state saved beside a checkpoint, read with pickle's code execution off
+    (weights_only): a checkpoint folder from elsewhere runs no code. One line for a file that
+    is not such a state."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        if not unreadable(e):
+            raise
+        reason = " ".join(str(e).split())[:160]
+        raise UserError(f"{path}: not a mixprec precision state ({type(e).__name__}: {reason}); accepted: the "
+                        f"{STATE_FILE} mixprec.hf.Trainer saves, which holds tensors and plain values only") from None
 
 
 class Trainer(transformers.Trainer):
@@ -81,7 +95,7 @@ class Trainer(transformers.Trainer):
         if self._resume_from is not None:
             path = os.path.join(self._resume_from, STATE_FILE)
             if os.path.exists(path):
-                self.mixprec.load_state_dict(torch.load(path, weights_only=False))
+                self.mixprec.load_state_dict(load_precision_state(path))
             else:
                 logger.warning("mixprec: %s has no %s: the precision state (loss scale, FP8 histories, promoted "
                                "layers) starts afresh", self._resume_from, STATE_FILE)

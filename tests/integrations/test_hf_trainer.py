@@ -1,6 +1,8 @@
 """mixprec.hf.Trainer against mixprec's own loop: the same tiny model, data and seed give
 bit-identical losses and weights over 20 steps; Accelerate's own mixed precision is refused."""
 
+import pathlib
+
 import pytest
 import torch
 
@@ -139,3 +141,26 @@ def test_without_transformers_the_import_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "mixprec.hf")
     with pytest.raises(ImportError, match=r"pip install 'mixprec\[hf\]'"):
         importlib.import_module("mixprec.hf")
+
+
+class _RunsCode:
+    """Unpickled with code execution on, this touches `marker`."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+def test_a_precision_state_whose_unpickling_runs_code_is_refused_in_one_line(tmp_path):
+    """Issue 45: the resume folder's precision state was read with pickle's code execution on."""
+    from mixprec.hf import load_precision_state
+
+    marker, path = tmp_path / "ran", tmp_path / "mixprec_precision.pt"
+    torch.save({"precision": "bf16-mixed", "payload": _RunsCode(marker)}, path)
+    with pytest.raises(UserError, match="not a mixprec precision state") as refused:
+        load_precision_state(str(path))
+    assert len(str(refused.value).splitlines()) == 1 and not marker.exists()
+    torch.load(path, weights_only=False)  # what the file does where pickle may run code
+    assert marker.exists()

@@ -71,3 +71,70 @@ def test_a_checkpoint_written_before_the_precision_redesign_resumes(tmp_path):
         # rounding where another CPU computed this tree's first three steps
         assert old["loss"] == pytest.approx(new["loss"], rel=1e-3)
         assert old["loss_scale"] == new["loss_scale"] and old["lr"] == pytest.approx(new["lr"], rel=1e-9)
+
+
+def test_a_resume_that_fails_for_another_reason_is_not_called_a_mismatch(tmp_path, text_file, monkeypatch, capsys):
+    """Issue 45: every error during a resume (a bug, CUDA out of memory) was reported as "does
+    not fit this run", exit 2, no traceback. A defect keeps its traceback; running out of
+    memory gets the command's out-of-memory line (what the planner says the run needs)."""
+    from conftest import run_train, tiny_args
+    from mixprec.cli import main
+    from mixprec.data.loader import TrainLoader
+
+    run_train(tmp_path / "run", text_file, "--checkpoint.interval", "3")
+    args = tiny_args(tmp_path / "run", text_file, "--training.steps", "9")
+    for error in (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                  AttributeError("'NoneType' object has no attribute 'copy_'")):
+        def fails(self, state, error=error):
+            raise error
+
+        monkeypatch.setattr(TrainLoader, "load_state_dict", fails)
+        capsys.readouterr()
+        if isinstance(error, AttributeError):
+            with pytest.raises(AttributeError):
+                main(args)
+        else:
+            assert main(args) == 2
+            err = capsys.readouterr().err
+            assert "out of memory (OutOfMemoryError)" in err and "does not fit" not in err, err
+
+
+def test_a_checkpoint_that_lacks_a_key_or_holds_other_shapes_is_one_line(tmp_path, text_file, capsys):
+    from conftest import run_train, tiny_args
+    from mixprec.cli import main
+
+    run_train(tmp_path / "run", text_file, "--checkpoint.interval", "6")
+    path = tmp_path / "run" / "checkpoint" / "step-6.pt"
+    good = torch.load(path, weights_only=True)
+    edits = {"a key it lacks": lambda s: s["trainer"].pop("best_val"),
+             "another shape": lambda s: s["model"].update({"norm.weight": torch.ones(3)})}
+    for what, edit in edits.items():
+        bad = torch.load(path, weights_only=True)
+        edit(bad)
+        torch.save(bad, path)
+        capsys.readouterr()
+        assert main(tiny_args(tmp_path / "run", text_file, "--training.steps", "9")) == 2, what
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "does not fit this run" in err, err
+        torch.save(good, path)
+
+
+def test_the_error_classes_of_a_checkpoint_read():
+    import pickle
+
+    from mixprec.errors import does_not_fit, unreadable
+
+    oom = torch.OutOfMemoryError("CUDA out of memory")
+    assert not unreadable(oom) and not does_not_fit(oom) and not unreadable(MemoryError())
+    assert unreadable(pickle.UnpicklingError("weights only load failed")) and unreadable(EOFError())
+    assert does_not_fit(KeyError("best_val")) and does_not_fit(RuntimeError("Error(s) in loading state_dict for X"))
+    for defect in (AttributeError("x"), TypeError("x"), IndexError("x"), RuntimeError("CUDA error: an illegal address")):
+        assert not does_not_fit(defect)
+    from mixprec.train.checkpoint import restoring
+
+    with pytest.raises(KeyError):  # a rewind restores the run's own snapshot: no error there is the user's
+        with restoring("memory snapshot", from_user=False):
+            raise KeyError("best_val")
+    with pytest.raises(UserError, match="does not fit"):
+        with restoring("step-3.pt"):
+            raise KeyError("best_val")

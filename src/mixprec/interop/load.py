@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from mixprec.dtypes import dtype_name
-from mixprec.errors import UserError
+from mixprec.errors import UserError, dcp_failures, unreadable
 from mixprec.interop.adapters import adapter_for, tie_pairs, tied_names
 from mixprec.interop.hf_folder import HFFolder, is_hf_folder
 
@@ -56,6 +56,8 @@ class CheckpointWeights:
             raise UserError(f"{key} {path}: no such file or folder; accepted: a Hugging Face model folder, a "
                             "mixprec checkpoint (step-N.pt or a step-N folder), or a run folder") from None
         except Exception as e:  # torch.load raises many types for files that are not its own
+            if not unreadable(e):
+                raise
             raise UserError(f"{key} {path}: not a mixprec checkpoint ({type(e).__name__}: {str(e)[:100]}); "
                             "accepted: a step-N.pt file or step-N folder written by mixprec train") from None
         if not isinstance(state, dict) or state.get("format") != 1 or "meta" not in state:
@@ -83,6 +85,7 @@ class CheckpointWeights:
 
 def _dcp_model(path: Path, key: str) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
@@ -91,7 +94,10 @@ def _dcp_model(path: Path, key: str) -> dict[str, torch.Tensor]:
         model = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
                  for k, m in entries.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
         dcp.load({"model": model}, storage_reader=reader)  # only these entries are read
-    except Exception as e:  # DCP wraps reader errors in its own types
+    except (CheckpointException, Exception) as e:  # DCP gathers the reader's errors into a CheckpointException
+        failures = dcp_failures(e) if isinstance(e, CheckpointException) else [e]
+        if not all(unreadable(f) for f in failures):
+            raise
         raise UserError(f"{key} {path}: its DCP shards cannot be read ({type(e).__name__}: "
                         f"{' '.join(str(e).split())[:100]}); accepted: a complete step-N folder") from None
     return model

@@ -13,14 +13,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import pickle
 import re
 import shutil
 from pathlib import Path
 
 import torch
 
-from mixprec.errors import UserError
+from mixprec.errors import UserError, dcp_failures, does_not_fit, unreadable
 
 logger = logging.getLogger(__name__)
 _NAME = re.compile(r"^step-(\d+)(\.pt)?$")
@@ -104,7 +103,9 @@ class CheckpointManager:
         path = self.path(step)
         try:
             state = torch.load(path / "extras.pt" if path.is_dir() else path, map_location="cpu", weights_only=True)
-        except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError) as e:
+        except Exception as e:
+            if not unreadable(e):
+                raise
             raise UserError(
                 f"checkpoint {path} is corrupt or not a mixprec checkpoint ({type(e).__name__}); "
                 "accepted: a file written by mixprec train; remove it or set checkpoint.load_step"
@@ -127,11 +128,15 @@ EXTRAS_KEYS = ("meta", "step", "scheduler", "data", "policy", "rng", "trainer") 
 
 
 @contextlib.contextmanager
-def restoring(path: str):
-    """Turn what a checkpoint that does not fit this run raises into one clear line."""
+def restoring(path: str, *, from_user: bool = True):
+    """Turn what a checkpoint that does not fit this run raises into one clear line; any other
+    error (a defect, out of memory) keeps its traceback. from_user False: a rewind restoring
+    the run's own snapshot, where every error is a defect."""
     try:
         yield
-    except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+    except Exception as e:
+        if not (from_user and does_not_fit(e)):
+            raise
         reason = " ".join(str(e).split()) or type(e).__name__
         raise UserError(f"checkpoint {path} does not fit this run ({reason[:300]}); accepted: a checkpoint of "
                         "this config; remove it, set checkpoint.load_step, or use another job.dump_folder") from None
@@ -140,15 +145,19 @@ def restoring(path: str):
 def load_sharded(path: str, model, optimizer) -> None:
     """Model and optimizer state from a DCP folder, resharded to this run's layout."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
     try:
         dcp.load(state, checkpoint_id=path)
-    except Exception as e:  # DCP wraps reader errors in its own exception types
-        raise UserError(f"checkpoint {path} is corrupt or does not match this model ({type(e).__name__}); "
-                        "remove it or set checkpoint.load_step") from None
+    except (CheckpointException, Exception) as e:  # DCP gathers each rank's errors into a CheckpointException
+        failures = dcp_failures(e) if isinstance(e, CheckpointException) else [e]
+        if not all(unreadable(f) or does_not_fit(f) for f in failures):
+            raise
+        raise UserError(f"checkpoint {path} is corrupt or does not match this model ({type(failures[0]).__name__}: "
+                        f"{' '.join(str(failures[0]).split())[:200]}); remove it or set checkpoint.load_step") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
