@@ -34,6 +34,7 @@ import torch
 
 from mixprec.errors import UserError, unreadable
 from mixprec.precision import Policy
+from mixprec.precision.step import FIELDS
 from mixprec.stability.framework import FrameworkSteps
 
 try:
@@ -69,9 +70,10 @@ class Trainer(transformers.Trainer):
                  precision_settings: dict | None = None, read_every: int | None = None, **kwargs):
         if args is None:
             args = transformers.TrainingArguments(output_dir="trainer_output")
-        if args.mixed_precision != "no":
+        accelerate_precision = _accelerate_mixed_precision(args)
+        if accelerate_precision != "no":
             raise UserError(f"mixprec.hf.Trainer(precision={precision!r}) with Accelerate's mixed precision "
-                            f"{args.mixed_precision!r} (TrainingArguments fp16/bf16 or ACCELERATE_MIXED_PRECISION): both "
+                            f"{accelerate_precision!r} (TrainingArguments fp16/bf16 or ACCELERATE_MIXED_PRECISION): both "
                             "would autocast and scale; accepted: fp16=False, bf16=False, and the mode as precision=")
         self.policy = Policy.from_preset(precision, **(precision_settings or {}))
         device_type = "cpu" if args.use_cpu or not torch.cuda.is_available() else "cuda"
@@ -83,7 +85,7 @@ class Trainer(transformers.Trainer):
         self.mixprec.model = model
         self._device_type, self._resume_from, self._current = device_type, None, None
         super().__init__(model, args, *positional, **kwargs)
-        self.add_callback(_SavePrecisionState(self))
+        self.add_callback(_PrecisionState(self))
 
     # ---- the pieces of the loop -------------------------------------------------------------
     def create_optimizer(self, model=None):
@@ -116,9 +118,24 @@ class Trainer(transformers.Trainer):
         self._current = (model, inputs, num_items_in_batch)  # for the locator's re-run
         return super().training_step(model, inputs, num_items_in_batch)
 
-    def _rerun(self):
-        model, inputs, items = self._current
-        return super().training_step(model, inputs, items)
+    def _rerun_of(self, current):
+        """This step's re-run for the locator: its own (last) micro-batch, whenever it is read."""
+        model, inputs, items = current
+        return lambda: super(Trainer, self).training_step(model, inputs, items)
+
+    # ---- what the Trainer logs --------------------------------------------------------------
+    def _get_grad_norm(self, model, grad_norm=None):
+        """The Trainer's own norm would be of the scaled gradients, before the step: none is
+        computed; the step's is logged (below)."""
+        return None
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
+        """The logged grad_norm is the one the policy clipped with: of the unscaled gradients
+        (on the device until a log line reads it)."""
+        last = self.mixprec.last
+        if last is not None:
+            grad_norm = last.values[FIELDS.index("grad_norm")]
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is True:
@@ -149,8 +166,14 @@ class PolicyOptimizer(torch.optim.Optimizer):
     """The optimizer the Trainer steps: its step() is the policy's over the real optimizer
     (unscale, clip, skip on the device, loss scale); everything else is the real one's."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, trainer: Trainer):  # noqa: super().__init__ not called
+    def __init__(self, optimizer: torch.optim.Optimizer, trainer: Trainer):
         self.optimizer, self._trainer = optimizer, trainer
+        # torch.optim.Optimizer's own machinery (step hooks, the profiler's step wrapper): its
+        # __init__ empties and refills param_groups and state, which here are the real
+        # optimizer's; they are put back as they were, the same objects (schedulers hold them)
+        groups, state = optimizer.param_groups, optimizer.state
+        super().__init__(list(groups), optimizer.defaults)
+        optimizer.param_groups, optimizer.state = groups, state
 
     param_groups = property(lambda self: self.optimizer.param_groups,
                             lambda self, v: setattr(self.optimizer, "param_groups", v))
@@ -162,7 +185,7 @@ class PolicyOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 closure()
         t = self._trainer
-        return t.mixprec.step(self.optimizer, rerun=t._rerun if t._current is not None else None)
+        return t.mixprec.step(self.optimizer, rerun=t._rerun_of(t._current) if t._current is not None else None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -180,9 +203,24 @@ class PolicyOptimizer(torch.optim.Optimizer):
         return f"PolicyOptimizer({self._trainer.policy.name}, {self.optimizer!r})"
 
 
-class _SavePrecisionState(transformers.TrainerCallback):
+def _accelerate_mixed_precision(args) -> str:
+    """What Accelerate will autocast in: TrainingArguments' fp16 or bf16, else its environment
+    variable (TrainingArguments.mixed_precision holds the same from transformers 5 on)."""
+    if args.fp16:
+        return "fp16"
+    if args.bf16:
+        return "bf16"
+    return os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+
+
+class _PrecisionState(transformers.TrainerCallback):
+    """The policy's state beside each checkpoint; the steps not read yet, read at the end."""
+
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer.mixprec.read()
 
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:

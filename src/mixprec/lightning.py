@@ -30,7 +30,7 @@ import torch
 
 from mixprec.errors import UserError
 from mixprec.precision import Policy
-from mixprec.stability.framework import FrameworkSteps
+from mixprec.stability.framework import READ_EVERY, FrameworkSteps
 
 try:
     import lightning.pytorch as pl
@@ -47,11 +47,14 @@ _LIGHTNING_NAMES = {"fp32": "32-true", "bf16-mixed": "bf16-mixed", "fp16-mixed":
 class Precision(_LightningPrecision):
     """A mixprec precision preset as Lightning's precision plugin (Fabric and Trainer)."""
 
-    def __init__(self, preset: str = "bf16-mixed", *, max_norm: float | None = None, read_every: int = 1,
+    def __init__(self, preset: str = "bf16-mixed", *, max_norm: float | None = None, read_every: int | None = None,
                  device_type: str | None = None, **settings):
+        """read_every: read what the steps did every this many steps (the step never waits for
+        the device in between); default the Trainer's log_every_n_steps, under Fabric 10."""
         self.policy = Policy.from_preset(preset, **settings)
         self.precision = _LIGHTNING_NAMES.get(self.policy.name, "32-true")
-        self.steps = FrameworkSteps(self.policy, max_norm=max_norm, read_every=read_every)
+        self.steps = FrameworkSteps(self.policy, max_norm=max_norm, read_every=read_every or READ_EVERY)
+        self._read_every_given = read_every is not None
         self.device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         self._clip: float | None = None  # the Trainer's gradient_clip_val, seen at each step
         self._last_input = None  # Fabric: the last forward's (args, kwargs), for the locator
@@ -75,6 +78,9 @@ class Precision(_LightningPrecision):
 
     def connect(self, model, optimizers, lr_schedulers):
         """The Trainer's: the model and its optimizers, before the first step."""
+        trainer = getattr(_unwrap(model), "_trainer", None)
+        if not self._read_every_given and getattr(trainer, "log_every_n_steps", 0):
+            self.steps.read_every = int(trainer.log_every_n_steps)  # read where the Trainer logs
         if self.policy.needs_optimizer:
             if len(optimizers) != 1:
                 raise UserError(f"mixprec.lightning.Precision({self.policy.name!r}) with {len(optimizers)} optimizers: "
@@ -148,6 +154,12 @@ class Precision(_LightningPrecision):
     def unscale_gradients(self, optimizer) -> None:
         raise UserError("fabric.clip_gradients with mixprec.lightning.Precision: the policy clips the unscaled "
                         "gradients inside the step; accepted: Precision(..., max_norm=1.0)")
+
+    def teardown(self) -> None:
+        """The end of the Trainer's fit: the steps not read yet are read (under Fabric, call
+        plugin.steps.read() after the last step)."""
+        self.steps.read()
+        super().teardown()
 
     # ---- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict:

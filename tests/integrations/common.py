@@ -88,3 +88,37 @@ def check_drill(losses: list[float], incidents: list[dict], policy, weights: dic
     assert "promoted" in incidents[0]["action"]
     assert [f for f in policy.promoted if f.endswith(DRILL_MODULE)]
     assert all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point())
+
+
+def poison_batch(model: torch.nn.Module, batch: dict):
+    """A NaN in DRILL_MODULE's output whenever the model runs on `batch` (its input_ids), and
+    only then: a fault that comes with the data, so only a re-run of that step's own batch
+    reproduces it. Returns the two hook handles."""
+    module = next(m for name, m in model.named_modules() if name.endswith(DRILL_MODULE))
+    seen = {"bad": False}
+
+    def look(_, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        seen["bad"] = ids is not None and ids.shape == batch["input_ids"].shape and torch.equal(ids, batch["input_ids"])
+
+    def poison_if_bad(m, inputs, out):
+        if seen["bad"]:
+            out = out.clone()
+            out.view(-1)[0] = float("nan")
+            return out
+
+    from transformers import LlamaForCausalLM
+
+    top = next(m for m in model.modules() if isinstance(m, LlamaForCausalLM))  # inside any framework's wrapper
+    return [top.register_forward_pre_hook(look, with_kwargs=True), module.register_forward_hook(poison_if_bad)]
+
+
+BAD_STEPS = (5, 18)  # 1-based steps whose batch poisons DRILL_MODULE: read at step 8 and at the end (read_every 8)
+
+
+def check_delayed_location(incidents: list[dict]) -> None:
+    """Each bad step, read up to 7 steps later, was located on its own batch (a re-run of the
+    batch current at the read stays finite and finds nothing)."""
+    assert [i["step"] for i in incidents] == list(BAD_STEPS), incidents
+    for incident in incidents:
+        assert incident["finding"] and incident["finding"]["module"].endswith(DRILL_MODULE), incident

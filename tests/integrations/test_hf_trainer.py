@@ -1,6 +1,7 @@
 """mixprec.hf.Trainer against mixprec's own loop: the same tiny model, data and seed give
 bit-identical losses and weights over 20 steps; Accelerate's own mixed precision is refused."""
 
+import math
 import pathlib
 
 import pytest
@@ -9,8 +10,8 @@ import torch
 pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
 
-from common import (DRILL_STEP, MAX_NORM, PRESETS, STEPS, batches, check_drill, optimizer, own_loop,  # noqa: E402
-                    poison, same_weights, settings, tiny_model)
+from common import (BAD_STEPS, DRILL_STEP, MAX_NORM, PRESETS, STEPS, batches, check_delayed_location,  # noqa: E402
+                    check_drill, optimizer, own_loop, poison, poison_batch, same_weights, settings, tiny_model)
 from mixprec import UserError  # noqa: E402
 from mixprec.hf import Trainer  # noqa: E402
 
@@ -38,9 +39,10 @@ class Recording(Trainer):
 
 def arguments(folder, steps=STEPS, **kwargs):
     kwargs.setdefault("save_strategy", "no")
+    kwargs.setdefault("logging_steps", 1)
     return transformers.TrainingArguments(
         output_dir=str(folder), use_cpu=True, max_steps=steps, per_device_train_batch_size=4, max_grad_norm=MAX_NORM,
-        logging_steps=1, report_to=[], dataloader_num_workers=0, disable_tqdm=True, **kwargs)
+        report_to=[], dataloader_num_workers=0, disable_tqdm=True, **kwargs)
 
 
 def hf_trainer(preset, data, folder, model=None, steps=STEPS, trainer_class=Recording, **kwargs):
@@ -164,3 +166,51 @@ def test_a_precision_state_whose_unpickling_runs_code_is_refused_in_one_line(tmp
     assert len(str(refused.value).splitlines()) == 1 and not marker.exists()
     torch.load(path, weights_only=False)  # what the file does where pickle may run code
     assert marker.exists()
+
+
+class PoisonBatches(transformers.TrainerCallback):
+    def __init__(self, trainer, bad):
+        self.trainer, self.bad = trainer, bad
+
+    def on_train_begin(self, args, state, control, **kwargs):  # after the conversion
+        for batch in self.bad:
+            poison_batch(self.trainer.model, batch)
+
+
+def test_a_step_read_later_is_located_on_its_own_batch(data, tmp_path):
+    """Issue 45: the locator re-ran the batch current at the read, not the non-finite step's."""
+    trainer = hf_trainer("fp8-rowwise", data, tmp_path, logging_steps=8)  # reads every 8 steps, and at the end
+    trainer.add_callback(PoisonBatches(trainer, [data[step - 1] for step in BAD_STEPS]))
+    trainer.train()
+    assert trainer.mixprec.read_every == 8
+    check_delayed_location(trainer.incidents)
+
+
+def test_the_optimizers_own_hooks_run_and_the_logged_norm_is_unscaled(data, tmp_path):
+    """Issue 45: PolicyOptimizer skipped Optimizer.__init__ (register_step_pre_hook failed), and
+    under fp16-mixed the Trainer logged the norm of the scaled gradients (4.8e4 for 0.8)."""
+    from mixprec import Policy
+
+    trainer = hf_trainer("fp16-mixed", data, tmp_path)  # starts at a scale that overflows: the first steps skip
+    calls = []
+    trainer.create_optimizer()
+    trainer.optimizer.register_step_pre_hook(lambda *a: calls.append("pre"))
+    trainer.optimizer.register_step_post_hook(lambda *a: calls.append("post"))
+    trainer.train()
+    assert calls == ["pre", "post"] * STEPS
+    logged = [r["grad_norm"] for r in trainer.state.log_history if "grad_norm" in r]
+    # mixprec's own loop (bit-identical to the Trainer's): the norm each step clipped with
+    model, policy = tiny_model(), Policy.from_preset("fp16-mixed", **settings("fp16-mixed"))
+    policy.prepare_model(model, "cpu")
+    opt = optimizer(model.parameters())
+    policy.setup(model, opt)
+    want = []
+    for batch in data:
+        with policy.autocast("cpu"):
+            loss = model(**batch).loss
+        policy.backward(loss)
+        want.append(policy.step(opt, max_norm=MAX_NORM).grad_norm)
+    applied = [i for i, n in enumerate(want) if math.isfinite(n)]
+    assert 0 < len(applied) < STEPS  # some steps overflowed and were skipped
+    assert [logged[i] for i in applied] == [want[i] for i in applied]
+    assert max(logged[i] for i in applied) < 10  # not the scaled gradients' norm (x 2^k)

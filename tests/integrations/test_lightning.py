@@ -6,16 +6,20 @@ import torch
 
 L = pytest.importorskip("lightning")
 
-from common import (DRILL_STEP, MAX_NORM, PRESETS, STEPS, batches, check_drill, optimizer, own_loop,  # noqa: E402
-                    poison, same_weights, settings, tiny_model)
+from common import (BAD_STEPS, DRILL_STEP, MAX_NORM, PRESETS, STEPS, batches, check_delayed_location,  # noqa: E402
+                    check_drill, optimizer, own_loop, poison, poison_batch, same_weights, settings, tiny_model)
 from mixprec.lightning import Precision  # noqa: E402
 
 
-def fabric_loop(preset, data, drill=False):
-    plugin = Precision(preset, max_norm=MAX_NORM, device_type="cpu", **settings(preset))
+def fabric_loop(preset, data, drill=False, read_every=None, bad=()):
+    # the drill's NaN is transient (a hook during one step): located only when read at once
+    plugin = Precision(preset, max_norm=MAX_NORM, device_type="cpu", read_every=1 if drill else read_every,
+                       **settings(preset))
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     model = tiny_model()
     model, opt = fabric.setup(model, optimizer(model.parameters()))
+    for batch in bad:  # after setup: the conversion replaces the Linear modules (and their hooks)
+        poison_batch(model, batch)
     losses = []
     for step, batch in enumerate(data, 1):
         hook = poison(model) if drill and step == DRILL_STEP else None
@@ -26,6 +30,7 @@ def fabric_loop(preset, data, drill=False):
         losses.append(loss.item())
         if hook is not None:
             hook.remove()
+    plugin.steps.read()  # Fabric has no end of training to hook: the steps not read yet
     return losses, model.state_dict(), plugin
 
 
@@ -63,10 +68,20 @@ class Drill(L.Callback):
             self.hook = self.hook.remove()
 
 
-def trainer_loop(preset, data, drill=False):
-    plugin = Precision(preset, device_type="cpu", **settings(preset))
+class PoisonBatches(L.Callback):
+    def __init__(self, bad):
+        self.bad = bad
+
+    def on_train_start(self, trainer, module):
+        for batch in self.bad:
+            poison_batch(module, batch)
+
+
+def trainer_loop(preset, data, drill=False, read_every=None, bad=()):
+    plugin = Precision(preset, device_type="cpu", read_every=1 if drill else read_every, **settings(preset))
     module = Module(tiny_model())
-    trainer(plugin, max_steps=len(data), callbacks=[Drill()] if drill else None).fit(
+    callbacks = ([Drill()] if drill else []) + [PoisonBatches(bad)]
+    trainer(plugin, max_steps=len(data), callbacks=callbacks).fit(
         module, torch.utils.data.DataLoader(data, batch_size=None))
     return module.losses, module.state_dict(), plugin
 
@@ -92,6 +107,22 @@ def test_bit_identical_to_mixprecs_own_loop(preset, loop, data):
 def test_a_nan_drill_is_skipped_located_and_the_layer_promoted(loop, data):
     losses, weights, plugin = loop("fp8-rowwise", data, drill=True)
     check_drill(losses, plugin.incidents, plugin.policy, weights)
+
+
+@pytest.mark.parametrize("loop", [fabric_loop, trainer_loop], ids=["fabric", "trainer"])
+def test_a_step_read_later_is_located_on_its_own_batch(loop, data):
+    """Issue 45: the locator re-ran the batch current at the read, not the non-finite step's."""
+    _, _, plugin = loop("fp8-rowwise", data, read_every=8, bad=[data[step - 1] for step in BAD_STEPS])
+    check_delayed_location(plugin.incidents)
+
+
+def test_reads_follow_the_trainers_logging_interval(data):
+    plugin = Precision("bf16-mixed", device_type="cpu")
+    assert plugin.steps.read_every == 10  # Fabric, or before the Trainer connects: mixprec train's log_freq
+    trainer(plugin, max_steps=2, log_every_n_steps=7).fit(Module(tiny_model()),
+                                                         torch.utils.data.DataLoader(data[:2], batch_size=None))
+    assert plugin.steps.read_every == 7
+    assert Precision("bf16-mixed", read_every=3).steps.read_every == 3
 
 
 class Batches:
@@ -128,7 +159,7 @@ def test_a_resumed_trainer_continues_bit_for_bit(preset, drill, data, tmp_path):
                 trainer.save_checkpoint(path)
 
     def fit(ckpt=None):
-        plugin = Precision(preset, device_type="cpu", **settings(preset))
+        plugin = Precision(preset, device_type="cpu", read_every=1, **settings(preset))  # the drill read at once
         module = Module(tiny_model())
         t = trainer(plugin, max_steps=STEPS, callbacks=[SaveAtStep10()] + ([Drill()] if drill else []))
         t.fit(module, Batches(data), ckpt_path=ckpt)

@@ -2,7 +2,8 @@
 mixprec besides the precision policy's hooks: the step through the policy (unscale, clip on
 the true gradients, skip a non-finite step on the device, loss scale), the read of what the
 steps did every `read_every` steps (never in between: the step does not wait for the
-device), and on a non-finite step the locator's re-run of the batch, the line that names
+device; by default the framework's logging interval), and on a non-finite step the
+locator's re-run of that step's own batch, the line that names
 the module, and the repair the stability guard makes: a narrow (FP8) layer found first is
 promoted to the base dtype for the rest of the run.
 
@@ -24,12 +25,16 @@ from mixprec.stability.locate import Locator
 logger = logging.getLogger(__name__)
 
 
+READ_EVERY = 10  # steps between reads where the framework names no logging interval: mixprec train's metrics.log_freq
+
+
 class FrameworkSteps:
     """One per run: `step(optimizer, rerun)` after each backward (or micro-batch group).
-    rerun(): runs the current batch's forward and backward again (the locator observes it),
-    None where the framework cannot."""
+    rerun(): runs this step's batch's forward and backward again (the locator observes it),
+    None where the framework cannot. Each pending step keeps its own until the read, so a
+    non-finite step is located on its own batch, however many steps later it is read."""
 
-    def __init__(self, policy: Policy, *, max_norm: float | None = None, read_every: int = 1,
+    def __init__(self, policy: Policy, *, max_norm: float | None = None, read_every: int = READ_EVERY,
                  promote: bool = True):
         if read_every < 1:
             raise ValueError(f"read_every {read_every}: accepted: a positive number of steps")
@@ -37,31 +42,40 @@ class FrameworkSteps:
         policy.read_every = 0  # this class reads, every read_every steps
         self.steps = 0
         self.model: torch.nn.Module | None = None
+        self.last = None  # the last step's StepResult (its figures on the device until read)
         self.incidents: list[dict] = []  # one per non-finite step: step, finding (module, phase, op, dtype), action
+        self._reruns: list = []  # each step since the last read: its re-run, or None
+        self._optimizer = None
 
     def step(self, optimizer: torch.optim.Optimizer, rerun=None, max_norm: float | None = None):
         norm = self.max_norm if max_norm is None else max_norm
-        result = self.policy.step(optimizer, max_norm=norm or None)
+        self.last = result = self.policy.step(optimizer, max_norm=norm or None)
         self.steps += 1
+        self._reruns.append(rerun)
+        self._optimizer = optimizer
         if self.steps % self.read_every == 0:
-            self.read(optimizer, rerun)
+            self.read()
         return result
 
-    def read(self, optimizer: torch.optim.Optimizer, rerun=None) -> None:
-        """Read the pending steps; locate the first non-finite one by re-running the current batch."""
-        results = self.policy.settle()
+    def read(self) -> None:
+        """Read the pending steps; locate the first non-finite one by re-running its own batch.
+        The end of training calls it too: no step goes unread."""
+        results, reruns = self.policy.settle(), self._reruns
+        self._reruns = []
         first = next((i for i, r in enumerate(results) if r.nonfinite), None)
         if first is None:
             return
         step = self.steps - len(results) + first + 1
+        rerun = reruns[first] if len(reruns) == len(results) else None
         finding = None
         if rerun is not None and self.model is not None:
             finding = Locator(self.model).run(rerun, lambda loss: None)
-            optimizer.zero_grad(set_to_none=True)  # the re-run's gradients are not stepped
+            self._optimizer.zero_grad(set_to_none=True)  # the re-run's gradients are not stepped
         record = {"step": step, "finding": finding.to_dict() if finding else None, "action": "skipped"}
         if finding is None:
-            logger.warning("[STABILITY] step %d: non-finite gradients, the step was skipped%s", step,
-                           "; the re-run of the batch stayed finite" if rerun is not None else "")
+            logger.warning("[STABILITY] step %d: non-finite gradients, the step was skipped; %s", step,
+                           "the re-run of its batch stayed finite" if rerun is not None else
+                           "not located (this framework gave no way to re-run its batch)")
         else:
             logger.warning("[STABILITY] step %d: non-finite gradients, the step was skipped; first non-finite value "
                            "in %s", step, finding)
