@@ -154,8 +154,9 @@ def stride_study(a, b, out_dtype) -> list[str]:
     row- or column-major, of the scales as the operand holds them or transposed (T)."""
     import torch.nn.functional as F
 
-    from mixprec.fp8.gemm import _scaling_type
+    from mixprec.fp8.gemm import kernel_scales
 
+    types = kernel_scales(a, b, blockwise=True)[2]
     want = emulated_mm(a, b, torch.float32)
     orders = {"row": lambda s: s.float().contiguous(), "col": lambda s: s.float().t().contiguous().t(),
               "T row": lambda s: s.float().t().contiguous(), "T col": lambda s: s.float().contiguous().t()}
@@ -164,7 +165,7 @@ def stride_study(a, b, out_dtype) -> list[str]:
         for ob, fb in orders.items():
             try:
                 got = F.scaled_mm(a.data.contiguous(), b.data.t().contiguous().t(), fa(a.scale_inv),
-                                  _scaling_type(a.tile), fb(b.scale_inv), _scaling_type(b.tile),
+                                  types[0], fb(b.scale_inv), types[1],
                                   output_dtype=out_dtype).float()
             except Exception:  # noqa: BLE001
                 found.append(f"a {oa}/b {ob}: refused")

@@ -83,3 +83,48 @@ def test_cuda_kernels_match_the_emulation(tiles):
     err = lambda out: float((out.double() - ref).norm() / ref.norm())  # noqa: E731
     assert err(emulated_mm(a, b, torch.float32)) < 1e-6
     assert err(kernel_mm(a, b, torch.float32)) < 1e-3
+
+
+def _meta_scaled_mm(a, b, out_dtype, blockwise):
+    """torch's scaled GEMM on meta copies of the operands and kernel_scales' arguments: torch's
+    meta function checks every shape and stride rule its CUDA kernels state, on any machine."""
+    import torch.nn.functional as F
+
+    from mixprec.fp8.gemm import kernel_scales
+
+    scale_a, scale_b, types = kernel_scales(a, b, blockwise)
+    meta = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")  # noqa: E731
+    A, B = meta(a.data.contiguous()), meta(b.data.t().contiguous().t())
+    if types is None:
+        return torch._scaled_mm(A, B, meta(scale_a), meta(scale_b), out_dtype=out_dtype)
+    return F.scaled_mm(A, B, meta(scale_a), types[0], meta(scale_b), types[1], output_dtype=out_dtype)
+
+
+# (M, K, N): one block, one row or column of blocks, K/128 not a multiple of 4, many
+BLOCK_SHAPES = [(32, 128, 128), (256, 128, 384), (128, 384, 128), (256, 640, 256), (512, 1024, 768)]
+
+
+@pytest.mark.parametrize("M, K, N", BLOCK_SHAPES)
+def test_the_kernels_scale_arguments_follow_torchs_rules(M, K, N):
+    """Issue 45: a 128 x 128 weight (one block, one scale) was handed to torch as tensor-wise
+    beside a (32, 1) row-wise a: 'Invalid scaling configuration' on every GPU."""
+    F = pytest.importorskip("torch.nn.functional")
+    if not hasattr(F, "scaled_mm"):
+        pytest.skip(f"torch {torch.__version__} has no F.scaled_mm")
+    gen = torch.Generator().manual_seed(0)
+    x, w, dy = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen), torch.randn(M, N, generator=gen)
+    xq, wq = quantize(x, E4M3, (1, 128))[0], quantize(w, E4M3, (128, 128))[0]
+    gq, gq_w = quantize(dy, E4M3, (1, 128))[0], quantize(dy, E4M3, (128, 1))[0]
+    xq_w = quantize(x, E4M3, (128, 1))[0]
+    # the three GEMMs of a block-wise Linear: forward, input gradient, weight gradient
+    from mixprec.fp8.gemm import _whole_tiles
+
+    checked = 0
+    for a, b, out in ((xq, wq.t(), torch.bfloat16), (gq, wq, torch.bfloat16), (gq_w.t(), xq_w, torch.float32)):
+        if _whole_tiles(a, b):  # a partial tile (the weight gradient's K = 32 rows) is emulated, never handed over
+            assert _meta_scaled_mm(a, b, out, blockwise=True).shape == (a.data.shape[0], b.data.shape[1])
+            checked += 1
+    assert checked == (2 if M % 128 else 3)
+    for tiles in LAYOUTS.values():  # tensor- and row-wise, for every shape
+        a, b = quantize(x, E4M3, tiles[0])[0], quantize(w.t(), E4M3, tiles[1])[0]
+        assert _meta_scaled_mm(a, b, torch.bfloat16, blockwise=False).shape == (M, N)

@@ -53,39 +53,57 @@ def layout(q: Quantized, side: str) -> str:
     return "blockwise"
 
 
-def _kernel_scales(q: Quantized, kind: str, side: str) -> torch.Tensor:
-    """The scale layout torch's kernels read: a 0-dim tensor for tensor-wise, (M, 1) and
-    (1, N) for row-wise. Block-wise, as torch 2.11 checks them on an H100: 1x128 tiles of a
-    as (M, K/128) column-major; 1x128 tiles of b (128 along K) as b's transpose has them,
-    (N, K/128) column-major; 128x128 blocks (K/128, N/128) column-major on b."""
-    s = q.scale_inv.float()
-    if kind == "tensorwise":
-        return s.reshape(())
-    if kind == "rowwise":  # (M, 1) or (1, N) with unit strides (a transposed view has the other's)
-        return s.reshape(-1).contiguous().view(s.shape)
-    if side == "b" and q.tile[1] == 1:
-        return s.contiguous().t()
-    return s.t().contiguous().t()
+def _column_major(s: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """s (R, C) as a column-major (stride (1, R')) tensor of R' = rows (>= R, padded with ones) rows."""
+    R, C = s.shape
+    padded = torch.ones(C, rows or R, device=s.device)
+    padded[:, :R] = s.t()
+    return padded.t()
 
 
-def _scaling_type(tile: tuple[int, int]):
-    """torch's ScalingType for a block tile, by value (its member names changed between releases)."""
+def kernel_scales(a: Quantized, b: Quantized, blockwise: bool | None = None):
+    """(scale_a, scale_b, scaling types): a's and b's scales as torch's scaled GEMMs check them
+    (torch's meta functions state the rules; tests/fp8/test_gemm.py runs them on the CPU).
+    Scaling types None: torch._scaled_mm, a 0-dim scale each (tensor-wise) or (M, 1) and (1, N)
+    (row-wise). Block-wise: F.scaled_mm with ScalingType values; 1x128 tiles of a as (M, K/128)
+    and of b (128 along K) as (N, K/128), both column-major; 128x128 blocks of b as
+    (L4, N/128) column-major, L4 = K/128 rounded up to a multiple of 4 (the rows past K/128
+    padded). blockwise: whether the recipe is block-wise; None: from the layouts. It must be
+    said where a weight is one block, or one row of blocks: its scales alone read as
+    tensor- or row-wise, a pair torch has no kernel for."""
+    kind_a, kind_b = layout(a, "a"), layout(b, "b")
+    if blockwise is None:
+        blockwise = "blockwise" in (kind_a, kind_b) or kind_a != kind_b
+    sa, sb = a.scale_inv.float(), b.scale_inv.float()
+    if not blockwise:
+        if kind_a != kind_b:
+            raise ValueError(f"no scaled GEMM takes a {kind_a} a with a {kind_b} b")
+        if kind_a == "tensorwise":
+            return sa.reshape(()), sb.reshape(()), None
+        # (M, 1) and (1, N) with unit strides (a size-1 dim's stride survives .contiguous())
+        return sa.reshape(-1).contiguous().view(-1, 1), sb.reshape(-1).contiguous().view(1, -1), None
     import torch.nn.functional as F
 
-    return F.ScalingType(5 if tile[0] == tile[1] else 4)  # 4: 1x128, 5: 128x128
+    if a.tile[0] != 1:
+        raise ValueError(f"a's {a.tile} tiles: torch's block-wise GEMMs here take a in 1x128 tiles")
+    k_tiles = sa.shape[1]
+    types = (F.ScalingType.BlockWise1x128,
+             F.ScalingType.BlockWise1x128 if b.tile[1] == 1 else F.ScalingType.BlockWise128x128)
+    if b.tile[1] == 1:  # 128 along K, one column each: as b's transpose holds them
+        return _column_major(sa), _column_major(sb.t()), types
+    return _column_major(sa), _column_major(sb, -(-k_tiles // 4) * 4), types
 
 
-def kernel_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+def kernel_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False,
+              blockwise: bool | None = None) -> torch.Tensor:
     """torch's scaled GEMM: a row-major, b column-major (a transposed row-major tensor)."""
     A, B = a.data.contiguous(), b.data.t().contiguous().t()
-    kind_a, kind_b = layout(a, "a"), layout(b, "b")
-    if "blockwise" in (kind_a, kind_b):
+    scale_a, scale_b, types = kernel_scales(a, b, blockwise)
+    if types is not None:
         import torch.nn.functional as F
 
-        return F.scaled_mm(A, B, _kernel_scales(a, kind_a, "a"), _scaling_type(a.tile), _kernel_scales(b, kind_b, "b"),
-                           _scaling_type(b.tile), output_dtype=out_dtype)
-    return torch._scaled_mm(A, B, _kernel_scales(a, kind_a, "a"), _kernel_scales(b, kind_b, "b"), out_dtype=out_dtype,
-                            use_fast_accum=fast_accum)
+        return F.scaled_mm(A, B, scale_a, types[0], scale_b, types[1], output_dtype=out_dtype)
+    return torch._scaled_mm(A, B, scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
 def _whole_tiles(a: Quantized, b: Quantized) -> bool:
@@ -100,11 +118,11 @@ def _log_partial_blocks(a_shape, a_tile, b_shape, b_tile) -> None:
 
 
 def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, kernel: bool,
-              fast_accum: bool = False) -> torch.Tensor:
+              fast_accum: bool = False, blockwise: bool | None = None) -> torch.Tensor:
     if kernel and not _whole_tiles(a, b):  # e.g. a Linear narrower than one 128-block
         _log_partial_blocks(tuple(a.data.shape), a.tile, tuple(b.data.shape), b.tile)
         kernel = False
-    return kernel_mm(a, b, out_dtype, fast_accum) if kernel else emulated_mm(a, b, out_dtype)
+    return kernel_mm(a, b, out_dtype, fast_accum, blockwise) if kernel else emulated_mm(a, b, out_dtype)
 
 
 @functools.lru_cache(maxsize=None)

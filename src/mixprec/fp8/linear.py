@@ -22,7 +22,7 @@ from torch import nn
 
 from mixprec.fp8.gathered import BACKWARD, FORWARD, gathered_copy
 from mixprec.fp8.gemm import probe, scaled_mm
-from mixprec.fp8.recipe import E4M3, FP8Recipe, Tiles
+from mixprec.fp8.recipe import E4M3, FP8Recipe, Granularity, Tiles
 from mixprec.fp8.scaling import DelayedScales, Quantized, amax_to_scale, cast, quantize, resolve_tile, tile_amax
 
 
@@ -50,7 +50,8 @@ class _FP8Matmul(torch.autograd.Function):
         ctx.plan, ctx.state, ctx.x_dtype = plan, state, x.dtype
         ctx.save_for_backward(xq.data, xq.scale_inv, weight, wq.data, wq.scale_inv)
         ctx.x_tile, ctx.w_tile = xq.tile, wq.tile
-        return scaled_mm(xq, wq.t(), plan.compute_dtype, kernel=plan.kernels[0], fast_accum=r.fast_accum)
+        return scaled_mm(xq, wq.t(), plan.compute_dtype, kernel=plan.kernels[0], fast_accum=r.fast_accum,
+                         blockwise=r.granularity is Granularity.BLOCKWISE)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -68,10 +69,11 @@ class _FP8Matmul(torch.autograd.Function):
             wq_d = gathered_copy(weight, BACKWARD) or quantize(weight, E4M3, t.w_dgrad, power_of_2=pow2)[0]
         else:
             wq_d = wq
-        dx = scaled_mm(gq, wq_d, plan.compute_dtype, kernel=plan.kernels[1]).to(ctx.x_dtype)
+        blockwise = r.granularity is Granularity.BLOCKWISE  # a weight of one block reads as tensor-wise otherwise
+        dx = scaled_mm(gq, wq_d, plan.compute_dtype, kernel=plan.kernels[1], blockwise=blockwise).to(ctx.x_dtype)
         gq_w = quantize(dy, r.grad_dtype, t.g_wgrad, power_of_2=pow2)[0] if t.g_wgrad else gq
         xq_w = quantize(xq.dequantize(), E4M3, t.x_wgrad, power_of_2=pow2)[0] if t.x_wgrad else xq
-        dw = scaled_mm(gq_w.t(), xq_w, torch.float32, kernel=plan.kernels[2]).to(weight.dtype)
+        dw = scaled_mm(gq_w.t(), xq_w, torch.float32, kernel=plan.kernels[2], blockwise=blockwise).to(weight.dtype)
         return dx, dw, None, None
 
 
