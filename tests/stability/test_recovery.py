@@ -24,6 +24,23 @@ def records(folder):
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_locator_names_the_module_eager_and_compiled(tmp_path, text_file, device, compiled):
+    """One test on the CPU and on CUDA (issue 45: the CUDA-only copy still expected the rewind
+    the damage-sized recovery removed, and failed unseen). Compiled blocks run eagerly under
+    the observer (torch.compiler.set_stance), so the module is still named."""
+    extra = ("--compile.enable", "true", "--precision.emulate_matmul", "false") if compiled else ()
+    assert main(args(tmp_path / "run", text_file, "--training.device", device, "--stability.inject",
+                     f"nan@10:{W2}", *extra, steps=12)) == 0
+    (incident,) = json.loads((tmp_path / "run" / "summary.json").read_text())["stability"]["incident_log"]
+    assert incident["finding"]["module"] == W2 and incident["finding"]["phase"] == "forward"
+    assert "rewound_to" not in incident and "Action: skipped" in incident["diagnosis"]
+
+
 def test_a_nan_drill_is_located_skipped_and_recorded(tmp_path, text_file, capsys):
     folder = tmp_path / "nan"
     assert main(args(folder, text_file, "--stability.inject", f"nan@10:{W2}", "--metrics.plot", "true")) == 0
