@@ -89,7 +89,8 @@ class Trainer(transformers.Trainer):
 
     # ---- the pieces of the loop -------------------------------------------------------------
     def create_optimizer(self, model=None):
-        optimizer = super().create_optimizer(model)
+        # transformers before 5.x passes no model (create_optimizer(self))
+        optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
         if isinstance(optimizer, PolicyOptimizer):
             return optimizer
         if self.policy.model is None:
