@@ -13,7 +13,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from mixprec.config import TABLES, field_docs, field_types, load_config
-from mixprec.errors import GroupLost, TrainingUnstable, UserError
+from mixprec.errors import GroupLost, TrainingUnstable, UserError, out_of_memory
 
 
 class _Parser(argparse.ArgumentParser):
@@ -198,7 +198,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
             raise GroupLost(f"a rank was lost or a wait passed parallelism.timeout_s {config.parallelism.timeout_s:g} "
                             f"s ({type(e).__name__}: {first_line(e)})") from None
-        if not _out_of_memory(e):
+        if not out_of_memory(e):
             raise
         raise UserError(_memory_advice(config, e)) from None
     if int(os.environ.get("RANK", "0")) > 0:
@@ -219,15 +219,6 @@ def _lost_rank(e: BaseException) -> bool:
     gone = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and (
         isinstance(e, dist.DistError) or any(g in str(e) for g in gone))
-
-
-def _out_of_memory(e: BaseException) -> bool:
-    """An allocator's failure: CUDA's OutOfMemoryError, or the CPU allocator's message."""
-    import torch
-
-    text = str(e)
-    return (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in text
-            or "not enough memory" in text)
 
 
 def _memory_advice(config, error: BaseException) -> str:

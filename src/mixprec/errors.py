@@ -31,10 +31,13 @@ class GroupLost(Exception):
 # line, exit 2); a bug in mixprec, or the machine running out of memory, is not, and keeps its
 # traceback (exit 1). These say which an exception raised while reading or restoring one is.
 
-def _out_of_memory(e: BaseException) -> bool:
+def out_of_memory(e: BaseException) -> bool:
+    """An allocator's failure: CUDA's OutOfMemoryError, or the CPU allocator's message."""
     import torch
 
-    return isinstance(e, (MemoryError, torch.OutOfMemoryError))
+    text = str(e)
+    return (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in text
+            or "not enough memory" in text)
 
 
 def unreadable(e: BaseException) -> bool:
@@ -43,7 +46,7 @@ def unreadable(e: BaseException) -> bool:
     import pickle
     import zipfile
 
-    return not _out_of_memory(e) and isinstance(
+    return not out_of_memory(e) and isinstance(
         e, (pickle.UnpicklingError, EOFError, OSError, zipfile.BadZipFile, UnicodeDecodeError, ValueError, RuntimeError))
 
 
@@ -51,12 +54,15 @@ def does_not_fit(e: BaseException) -> bool:
     """A restore's errors that mean the checkpoint was written by another run: a key it lacks
     (KeyError), torch.optim's parameter groups of another size (ValueError), or
     load_state_dict's missing, unexpected or differently shaped tensors."""
-    if _out_of_memory(e):
+    if out_of_memory(e):
         return False
     return isinstance(e, (KeyError, ValueError)) or (
         isinstance(e, RuntimeError) and str(e).startswith("Error(s) in loading state_dict"))
 
 
 def dcp_failures(e: BaseException) -> list[BaseException]:
-    """The exceptions each rank raised inside a DCP CheckpointException (a BaseException)."""
-    return [failure[0] if isinstance(failure, tuple) else failure for failure in getattr(e, "failures", {}).values()]
+    """The exceptions each rank raised inside a DCP CheckpointException (a BaseException that
+    gathers them); any other exception is its own one failure."""
+    if not hasattr(e, "failures"):
+        return [e]
+    return [failure[0] if isinstance(failure, tuple) else failure for failure in e.failures.values()]

@@ -34,7 +34,6 @@ import torch
 
 from mixprec.errors import UserError, unreadable
 from mixprec.precision import Policy
-from mixprec.precision.step import FIELDS
 from mixprec.stability.framework import FrameworkSteps
 
 try:
@@ -135,7 +134,7 @@ class Trainer(transformers.Trainer):
         (on the device until a log line reads it)."""
         last = self.mixprec.last
         if last is not None:
-            grad_norm = last.values[FIELDS.index("grad_norm")]
+            grad_norm = last.on_device("grad_norm")
         return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):

@@ -40,8 +40,10 @@ def optimizer(params):
     return torch.optim.AdamW(params, lr=LR, foreach=False)
 
 
-def own_loop(preset: str, data: list[dict], state: dict | None = None) -> tuple[list[float], dict]:
-    """mixprec's own loop: the reference every integration is compared with."""
+def own_loop(preset: str, data: list[dict], state: dict | None = None,
+             results: list | None = None) -> tuple[list[float], dict]:
+    """mixprec's own loop: the reference every integration is compared with. results: each
+    step's StepResult is appended there."""
     model = tiny_model(state)
     policy = Policy.from_preset(preset, **settings(preset))
     policy.prepare_model(model, "cpu")
@@ -52,8 +54,10 @@ def own_loop(preset: str, data: list[dict], state: dict | None = None) -> tuple[
         with policy.autocast("cpu"):
             loss = model(**batch).loss
         policy.backward(loss)
-        policy.step(opt, max_norm=MAX_NORM)
+        result = policy.step(opt, max_norm=MAX_NORM)
         losses.append(loss.item())
+        if results is not None:
+            results.append(result)
     return losses, {k: v.clone() for k, v in model.state_dict().items()}
 
 

@@ -34,6 +34,11 @@ class Plan:
     compute_dtype: torch.dtype  # the base mode's matmul dtype: the forward's and dgrad's output
     kernels: tuple[bool, bool, bool]  # forward, dgrad, wgrad: torch's kernel, or the emulation
 
+    @property
+    def blockwise(self) -> bool:
+        """Said to the kernel: a weight of one block, or one row of blocks, reads as tensor- or row-wise otherwise."""
+        return self.recipe.granularity is Granularity.BLOCKWISE
+
 
 class _FP8Matmul(torch.autograd.Function):
     @staticmethod
@@ -51,7 +56,7 @@ class _FP8Matmul(torch.autograd.Function):
         ctx.save_for_backward(xq.data, xq.scale_inv, weight, wq.data, wq.scale_inv)
         ctx.x_tile, ctx.w_tile = xq.tile, wq.tile
         return scaled_mm(xq, wq.t(), plan.compute_dtype, kernel=plan.kernels[0], fast_accum=r.fast_accum,
-                         blockwise=r.granularity is Granularity.BLOCKWISE)
+                         blockwise=plan.blockwise)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -69,11 +74,10 @@ class _FP8Matmul(torch.autograd.Function):
             wq_d = gathered_copy(weight, BACKWARD) or quantize(weight, E4M3, t.w_dgrad, power_of_2=pow2)[0]
         else:
             wq_d = wq
-        blockwise = r.granularity is Granularity.BLOCKWISE  # a weight of one block reads as tensor-wise otherwise
-        dx = scaled_mm(gq, wq_d, plan.compute_dtype, kernel=plan.kernels[1], blockwise=blockwise).to(ctx.x_dtype)
+        dx = scaled_mm(gq, wq_d, plan.compute_dtype, kernel=plan.kernels[1], blockwise=plan.blockwise).to(ctx.x_dtype)
         gq_w = quantize(dy, r.grad_dtype, t.g_wgrad, power_of_2=pow2)[0] if t.g_wgrad else gq
         xq_w = quantize(xq.dequantize(), E4M3, t.x_wgrad, power_of_2=pow2)[0] if t.x_wgrad else xq
-        dw = scaled_mm(gq_w.t(), xq_w, torch.float32, kernel=plan.kernels[2], blockwise=blockwise).to(weight.dtype)
+        dw = scaled_mm(gq_w.t(), xq_w, torch.float32, kernel=plan.kernels[2], blockwise=plan.blockwise).to(weight.dtype)
         return dx, dw, None, None
 
 

@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from mixprec.fp8.scaling import per_tile
 from mixprec.optim.rounding import random_bits16
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -87,7 +88,7 @@ class Blocked(NamedTuple):
         factor = self.scale.float()
         if self.tensor_scale is not None and with_tensor_scale:
             factor = factor * self.tensor_scale
-        return _blockwise(torch.mul, self.elements().to(dtype), factor.to(dtype), self.block)[:R, :C]
+        return per_tile(torch.mul, self.elements().to(dtype), factor.to(dtype), self.block)[:R, :C]
 
     def t(self) -> "Blocked":
         """The transpose of a tensor in square blocks: the same elements and scales."""
@@ -114,14 +115,6 @@ def _block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 def _spread(s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-
-
-def _blockwise(op, x: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """op(x, s) with each block of x (R, C) against its own value of s (R/br, C/bc), by
-    broadcasting: no per-element copy of s."""
-    R, C = x.shape
-    out = op(x.view(R // block[0], block[0], C // block[1], block[1]), s[:, None, :, None])
-    return out.view(R, C)
 
 
 # ---- e2m1 ------------------------------------------------------------------------------------
@@ -219,12 +212,12 @@ def quantize_mx(x: torch.Tensor, dtype: torch.dtype, *, block: int = 32, roundin
         # x times 2^(127 - exp), the reciprocal of the stored scale: exact (2^127 for the
         # smallest scale, 2^-127 for exp 254, the scale of an infinite amax)
         factor = torch.where(exp == 255, float("nan"), torch.exp2((E8M0_BIAS - exp).float()))
-        scaled = _blockwise(torch.mul, x, factor, tile)
+        scaled = per_tile(torch.mul, x, factor, tile)
     else:
         # x / 2^(exp - 127), the scale that is stored: 2^-127 (biased 0) is FP32's subnormal
         # 2^22 ulps (torchao divides by 2^-126 there, and such a block decodes to half its value)
         divisor = torch.where(exp == 0, 1 << 22, exp << 23).view(torch.float32)
-        scaled = _blockwise(torch.div, x, divisor, tile)
+        scaled = per_tile(torch.div, x, divisor, tile)
     return Blocked(_to_elements(scaled, dtype, key), exp.to(torch.uint8).view(E8M0), tile, None, shape)
 
 
@@ -281,7 +274,7 @@ def _nvfp4_with_top(x, amax, ts, block, top, key, shape) -> Blocked:
     else:
         s = ((amax / top) / ts).clamp(E4M3_TINY, limit).to(E4M3)
         recip = (1.0 / ts) / s.float()
-    return Blocked(_to_elements(_blockwise(torch.mul, x, recip, block), E2M1, key), s, block, ts, shape)
+    return Blocked(_to_elements(per_tile(torch.mul, x, recip, block), E2M1, key), s, block, ts, shape)
 
 
 def _block_sq_error(x: torch.Tensor, q: Blocked, block) -> torch.Tensor:

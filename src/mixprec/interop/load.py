@@ -95,8 +95,7 @@ def _dcp_model(path: Path, key: str) -> dict[str, torch.Tensor]:
                  for k, m in entries.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
         dcp.load({"model": model}, storage_reader=reader)  # only these entries are read
     except (CheckpointException, Exception) as e:  # DCP gathers the reader's errors into a CheckpointException
-        failures = dcp_failures(e) if isinstance(e, CheckpointException) else [e]
-        if not all(unreadable(f) for f in failures):
+        if not all(unreadable(f) for f in dcp_failures(e)):
             raise
         raise UserError(f"{key} {path}: its DCP shards cannot be read ({type(e).__name__}: "
                         f"{' '.join(str(e).split())[:100]}); accepted: a complete step-N folder") from None

@@ -37,6 +37,10 @@ class StepResult:
             self._host = host if host is not None else self.values.tolist()
         return self._host
 
+    def on_device(self, name: str) -> torch.Tensor:
+        """One figure (a FIELDS name) as a 0-dim tensor on the device: no read."""
+        return self.values[FIELDS.index(name)]
+
     @property
     def is_read(self) -> bool:
         return self._host is not None

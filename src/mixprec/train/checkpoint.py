@@ -153,7 +153,7 @@ def load_sharded(path: str, model, optimizer) -> None:
     try:
         dcp.load(state, checkpoint_id=path)
     except (CheckpointException, Exception) as e:  # DCP gathers each rank's errors into a CheckpointException
-        failures = dcp_failures(e) if isinstance(e, CheckpointException) else [e]
+        failures = dcp_failures(e)
         if not all(unreadable(f) or does_not_fit(f) for f in failures):
             raise
         raise UserError(f"checkpoint {path} is corrupt or does not match this model ({type(failures[0]).__name__}: "
