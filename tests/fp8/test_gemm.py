@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from mixprec.fp8.gemm import emulated_mm, kernel_mm, probe
+from mixprec.fp8.gemm import emulated_mm, kernel_mm, probe, scales_after
 from mixprec.fp8.recipe import E4M3, E5M2
 from mixprec.fp8.scaling import quantize
 
@@ -128,3 +128,30 @@ def test_the_kernels_scale_arguments_follow_torchs_rules(M, K, N):
     for tiles in LAYOUTS.values():  # tensor- and row-wise, for every shape
         a, b = quantize(x, E4M3, tiles[0])[0], quantize(w.t(), E4M3, tiles[1])[0]
         assert _meta_scaled_mm(a, b, torch.bfloat16, blockwise=False).shape == (M, N)
+
+
+@pytest.mark.parametrize("power_of_2", [True, False], ids=["pow2-scales", "any-scales"])
+def test_rowwise_scales_after_a_unit_scaled_gemm_equal_the_rowwise_kernel(power_of_2):
+    """The route row-wise GEMMs take on CUDA (torch's tensor-wise kernel with unit scales, the
+    row scales multiplied into its FP32 output) against torch's row-wise kernel and the
+    emulation, on the CPU, where both kernels exist: the same FP32 sums times the same two
+    scales. With the recipe's power-of-two scales the products are exact: equal bits. With
+    other scales torch's CPU row-wise kernel scales the operands before its sums (79% of the
+    FP32 outputs differ in the last bits from the unit-scaled route's): both within FP32
+    rounding of the emulation."""
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(192, 384, generator=gen) * torch.logspace(-2, 2, 384), torch.randn(384, 256, generator=gen)
+    a, _ = quantize(x, E4M3, (1, 0), power_of_2=power_of_2)
+    b, _ = quantize(y, E5M2, (0, 1), power_of_2=power_of_2)
+    for out in (torch.float32, torch.bfloat16):
+        after = kernel_mm(a, b, out, scales_after_=True)
+        emulated = emulated_mm(a, b, out)
+        # bfloat16: one unit in the last place apart where a sum sits near a rounding boundary
+        within = dict(rtol=1e-5 if out == torch.float32 else 2**-7, atol=1e-5 * emulated.abs().max().item())
+        torch.testing.assert_close(after, emulated, **within)
+        if probe("cpu", (1, 0), (0, 1), E4M3, E5M2, out) is None:
+            rowwise = kernel_mm(a, b, out, scales_after_=False)
+            if power_of_2:
+                assert torch.equal(after, rowwise), out
+            torch.testing.assert_close(rowwise, emulated, **within)
+    assert not scales_after("cpu", False) and scales_after("cuda", False) and not scales_after("cuda", True)

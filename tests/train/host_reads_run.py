@@ -36,10 +36,13 @@ def nan_at(trainer: Trainer, step: int, fqn: str = "layers.1.feed_forward.w2"):
 
 
 def counted_run(overrides: dict[str, str], nan_step: int | None = NAN_STEP,
-                python: bool = False) -> tuple[Trainer, HostReads]:
+                python: bool = False, sync_errors: bool = False) -> tuple[Trainer, HostReads]:
     """Train under the counter (python: PythonReads, which lets torch.compile compile). Labels:
     ("in", s) during training step s, ("after", s) after it (the loop's read of step s, where
-    s is a read step)."""
+    s is a read step). sync_errors (CUDA): every step after the first (which creates the
+    optimizer's state from host values) runs under torch.cuda.set_sync_debug_mode("error"),
+    so that any call that makes the host wait for the GPU raises, the loader's copy
+    included, which the counter does not see (a copy to the GPU reads nothing)."""
     trainer = Trainer(load_config(None, overrides))
     reads, inner = PythonReads() if python else HostReads(), trainer.train_step
     reading = nan_at(trainer, nan_step) if nan_step else [False]
@@ -47,9 +50,13 @@ def counted_run(overrides: dict[str, str], nan_step: int | None = NAN_STEP,
     def step(*args, **kwargs):
         reads.label = ("in", trainer.step + 1)
         reading[0] = False
+        if sync_errors and trainer.step > 0:
+            torch.cuda.set_sync_debug_mode("error")
         try:
             return inner(*args, **kwargs)
         finally:
+            if sync_errors:
+                torch.cuda.set_sync_debug_mode("default")
             reads.label = ("after", trainer.step + 1)
             reading[0] = True  # what runs until the next step is the read (the guard's re-run included)
 

@@ -55,10 +55,12 @@ def test_log_freq_1_reads_every_step(tmp_path, text_file):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["bf16-mixed", "fp16-mixed", "fp8-rowwise", "bf16-kahan"])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_no_step_reads_the_gpu(tmp_path, text_file, preset):
-    # on CUDA a read is a copy to the CPU (tolist included) or a _local_scalar_dense: both counted
-    trainer, reads = counted_run(overrides(tmp_path, text_file, preset, **{"training.device": "cuda"}))
+    # on CUDA a read is a copy to the CPU (tolist included) or a _local_scalar_dense: both counted;
+    # and any other synchronising call inside a step raises (the CPU twin: the test above)
+    trainer, reads = counted_run(overrides(tmp_path, text_file, preset, **{"training.device": "cuda"}),
+                                 sync_errors=True)
     check(trainer, reads, AT_MOST)
     assert records(tmp_path)[NAN_STEP - 1]["skipped"]
 

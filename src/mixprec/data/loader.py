@@ -25,12 +25,23 @@ def _windows(tokens: torch.Tensor, seq_len: int, split: str) -> int:
     return n
 
 
+def to_device(rows: torch.Tensor, device) -> torch.Tensor:
+    """rows on `device`. To a GPU from pinned memory without blocking: a copy from pageable
+    memory makes the host wait for it (one synchronising call a step), and the step that
+    follows is queued behind the copy on the same stream anyway. The pinned buffer comes from
+    torch's caching host allocator, which does not hand it out again before the copy is done."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return rows.to(device)
+    return rows.pin_memory().to(device, non_blocking=True)
+
+
 def _gather(tokens, starts: torch.Tensor, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(tokens, torch.Tensor):
         rows = tokens[starts[:, None] + torch.arange(seq_len + 1)]  # (B, T + 1)
     else:  # shards on disk
         rows = tokens.rows(starts, seq_len + 1)
-    rows = rows.to(device)
+    rows = to_device(rows, device)
     return rows[:, :-1], rows[:, 1:]  # inputs, next-token targets: (B, T) each
 
 

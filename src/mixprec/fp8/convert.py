@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from mixprec.fp8.gemm import KERNELS, route
 from mixprec.fp8.linear import FP8Linear, Plan, linear_class
-from mixprec.fp8.recipe import E4M3, GEMMS, FP8Recipe
+from mixprec.fp8.recipe import E4M3, GEMMS, FP8Recipe, Granularity
 from mixprec.fp8.scaling import DelayedScales
 from mixprec.dtypes import dtype_name
 
@@ -81,6 +82,7 @@ class Conversion:
     modules: dict[str, FP8Linear] = field(default_factory=dict)
     left_out: dict[str, str] = field(default_factory=dict)
     routes: dict[str, str | None] = field(default_factory=dict)  # GEMM -> None (kernel) or why emulated
+    device: str = "cpu"  # where the GEMMs run
 
     def after_step(self) -> None:
         """Delayed scaling: fold each step's amaxes into the history and derive the next
@@ -118,9 +120,34 @@ class Conversion:
             m.amax_history[:, :n].copy_(history[:, :n])
             m.scale.copy_(saved[name]["scale"])
 
+    def kernels(self) -> dict[str, str]:
+        """Each GEMM's kernel by name (mixprec.fp8.gemm.KERNELS), or "emulated"."""
+        layout = self.recipe.granularity.value  # the three GEMMs of one recipe share its layout
+        return {g: "emulated" if why is not None else
+                KERNELS.get(route(layout, self.device, self.recipe.fast_accum and g == GEMMS[0]), "torch's kernel")
+                for g, why in self.routes.items()}
+
     def describe(self) -> str:
-        kernels = ", ".join(f"{g}: {'torch kernel' if why is None else 'emulated'}" for g, why in self.routes.items())
+        kernels = ", ".join(f"{g}: {kernel}" for g, kernel in self.kernels().items())
         return f"{len(self.modules)} Linear layers in {self.recipe.label} ({self.recipe.name}: {self.recipe.summary()}; {kernels})"
+
+
+def _log_partial_tiles(conversion: Conversion) -> None:
+    """Torch's block-wise kernel takes whole 128-tiles only: a layer narrower than that, or a
+    micro-batch of tokens that is not a whole number of tiles, has its GEMMs emulated
+    (mixprec.fp8.gemm.scaled_mm), said here once rather than from inside a compiled graph."""
+    r = conversion.recipe
+    if r.granularity is not Granularity.BLOCKWISE or all(why is not None for why in conversion.routes.values()):
+        return
+    partial = {}
+    for fqn, m in conversion.modules.items():
+        if m.in_features % r.block or m.out_features % r.block:
+            partial.setdefault(f"{m.in_features} x {m.out_features}", []).append(fqn)
+    for shape, fqns in partial.items():
+        logger.info("fp8: %s (%s) run their block-wise GEMMs emulated: torch's block-wise kernel takes whole "
+                    "%d-element tiles only", ", ".join(fqns), shape, r.block)
+    logger.info("fp8: a micro-batch whose token count is not a multiple of %d runs its block-wise weight-gradient "
+                "GEMMs emulated, for the same reason", r.block)
 
 
 def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.dtype,
@@ -138,8 +165,8 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.
     emulate: True runs every GEMM on the emulation (FP32 GEMMs on the FP8 values, the same
     numerics); False or None: torch's kernel wherever the probe finds one. On this project's
     CPUs both ran at the same speed, 0.6-0.7x an FP32 GEMM (benchmarks/bench_gemm.py)."""
-    conversion = Conversion(recipe)
     device = device_type or next(model.parameters()).device.type
+    conversion = Conversion(recipe, device=device)
     cls = linear_class(recipe)
     conversion.routes = ({g: "fp8.emulate = true" for g in GEMMS} if emulate
                          else cls.routes(recipe, device, compute_dtype))
@@ -161,6 +188,7 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.
         setattr(parent, child, new)
         conversion.modules[fqn] = new
     logger.info("fp8: %s", conversion.describe())
+    _log_partial_tiles(conversion)
     for fqn, reason in conversion.left_out.items():
         logger.info("fp8: %s stays in %s: %s", fqn, dtype_name(compute_dtype), reason)
     reasons = {}

@@ -17,13 +17,11 @@ refuses the layout or disagrees is not used, and the caller logs why.
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
+import torch.nn.functional as F
 
 from mixprec.fp8.scaling import EPS, Quantized, per_tile, quantize
-
-logger = logging.getLogger("mixprec")
 
 
 def emulated_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
@@ -82,8 +80,6 @@ def kernel_scales(a: Quantized, b: Quantized, blockwise: bool | None = None):
             return sa.reshape(()), sb.reshape(()), None
         # (M, 1) and (1, N) with unit strides (a size-1 dim's stride survives .contiguous())
         return sa.reshape(-1).contiguous().view(-1, 1), sb.reshape(-1).contiguous().view(1, -1), None
-    import torch.nn.functional as F
-
     if a.tile[0] != 1:
         raise ValueError(f"a's {a.tile} tiles: torch's block-wise GEMMs here take a in 1x128 tiles")
     k_tiles = sa.shape[1]
@@ -94,15 +90,57 @@ def kernel_scales(a: Quantized, b: Quantized, blockwise: bool | None = None):
     return _column_major(sa), _column_major(sb, -(-k_tiles // 4) * 4), types
 
 
+# The kernel each route of kernel_mm runs, as the conversion's log line names it.
+KERNELS = {"tensorwise": "torch._scaled_mm", "rowwise": "torch._scaled_mm row-wise",
+           "rowwise-after": "torch._scaled_mm with unit scales, the row scales applied to its FP32 output",
+           "blockwise": "torch.nn.functional.scaled_mm block-wise (mixprec::blockwise_scaled_mm)"}
+
+
+def scales_after(device_type: str, fast_accum: bool) -> bool:
+    """Whether a row-wise GEMM runs as a tensor-wise one with unit scales, the row scales
+    multiplied into its FP32 output after (torchao's route): on CUDA without fast
+    accumulation, where torch's row-wise kernel (CUTLASS) is slower than the tensor-wise
+    one (cuBLAS). The same sums, the same two scale products: with power-of-two scales
+    (the row-wise recipe's) both are exact; tests/fp8/test_gemm.py checks the results equal."""
+    return device_type == "cuda" and not fast_accum
+
+
+def route(layout_: str, device_type: str, fast_accum: bool) -> str:
+    """The key of KERNELS a GEMM of operands laid out as `layout_` runs on."""
+    if layout_ == "rowwise" and scales_after(device_type, fast_accum):
+        return "rowwise-after"
+    return layout_
+
+
+@torch.library.custom_op("mixprec::blockwise_scaled_mm", mutates_args=())
+def blockwise_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                        b_blocks: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """torch's block-wise scaled GEMM (1x128 tiles of a; b in 128x128 blocks, or in 1x128
+    tiles along K), as one op: torch.compile keeps it in the block's graph, whatever torch
+    version's functional wrapper it calls (a call that Dynamo cannot trace would split the
+    graph around the FP8 matmul, and leave the casts beside it unfused)."""
+    kind_b = F.ScalingType.BlockWise128x128 if b_blocks else F.ScalingType.BlockWise1x128
+    return F.scaled_mm(a, b, scale_a, F.ScalingType.BlockWise1x128, scale_b, kind_b, output_dtype=out_dtype)
+
+
+@blockwise_scaled_mm.register_fake
+def _(a, b, scale_a, scale_b, b_blocks, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
 def kernel_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False,
-              blockwise: bool | None = None) -> torch.Tensor:
-    """torch's scaled GEMM: a row-major, b column-major (a transposed row-major tensor)."""
+              blockwise: bool | None = None, scales_after_: bool | None = None) -> torch.Tensor:
+    """torch's scaled GEMM: a row-major, b column-major (a transposed row-major tensor).
+    scales_after_: row-wise scales applied after a unit-scaled GEMM (None: where
+    `scales_after` chooses it for a's device)."""
     A, B = a.data.contiguous(), b.data.t().contiguous().t()
     scale_a, scale_b, types = kernel_scales(a, b, blockwise)
     if types is not None:
-        import torch.nn.functional as F
-
-        return F.scaled_mm(A, B, scale_a, types[0], scale_b, types[1], output_dtype=out_dtype)
+        return blockwise_scaled_mm(A, B, scale_a, scale_b, types[1] == F.ScalingType.BlockWise128x128, out_dtype)
+    if scale_a.dim() == 2 and (scales_after(A.device.type, fast_accum) if scales_after_ is None else scales_after_):
+        one = torch.ones((), device=A.device)
+        out = torch._scaled_mm(A, B, one, one, out_dtype=torch.float32)
+        return (out * scale_a * scale_b).to(out_dtype)
     return torch._scaled_mm(A, B, scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
@@ -111,18 +149,15 @@ def _whole_tiles(a: Quantized, b: Quantized) -> bool:
     return all(size % tile == 0 for q in (a, b) for size, tile in zip(q.data.shape, q.tile))
 
 
-@functools.lru_cache(maxsize=None)
-def _log_partial_blocks(a_shape, a_tile, b_shape, b_tile) -> None:
-    logger.info("fp8: a %s x %s GEMM with %s and %s tiles is emulated: torch's block-wise kernel takes whole tiles "
-                "only", "x".join(map(str, a_shape)), b_shape[1], a_tile, b_tile)
-
-
 def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, kernel: bool,
               fast_accum: bool = False, blockwise: bool | None = None) -> torch.Tensor:
-    if kernel and not _whole_tiles(a, b):  # e.g. a Linear narrower than one 128-block
-        _log_partial_blocks(tuple(a.data.shape), a.tile, tuple(b.data.shape), b.tile)
-        kernel = False
-    return kernel_mm(a, b, out_dtype, fast_accum, blockwise) if kernel else emulated_mm(a, b, out_dtype)
+    """On torch's kernel (`kernel`) where the tiles are whole, else on the emulation. A
+    Linear whose own dimensions are not whole tiles is logged at conversion
+    (mixprec.fp8.convert); a micro-batch whose token count is not is said there too: no
+    log line here, inside a compiled graph."""
+    if kernel and _whole_tiles(a, b):
+        return kernel_mm(a, b, out_dtype, fast_accum, blockwise)
+    return emulated_mm(a, b, out_dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,8 +171,6 @@ def probe(device: str, a_tile: tuple[int, int], b_tile: tuple[int, int], a_dtype
     a, _ = quantize(torch.randn(512, 512, generator=gen).to(device), a_dtype, a_tile)
     b, _ = quantize(torch.randn(512, 512, generator=gen).to(device), b_dtype, b_tile)
     if "blockwise" in (layout(a, "a"), layout(b, "b")):
-        import torch.nn.functional as F
-
         if device == "cpu":
             return "torch has no block-wise scaled GEMM on the CPU"
         if not hasattr(F, "scaled_mm"):

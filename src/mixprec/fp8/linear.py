@@ -133,7 +133,7 @@ class FP8Linear(nn.Linear):
         if not self.fp8_enabled:  # the module object stays (FSDP2 and hooks hold on to it), the GEMM is plain
             return super().forward(x)
         # (..., K) -> (..., N) in the compute dtype; autocast has no say over FP8 GEMMs
-        with torch.autocast(x.device.type, enabled=False):
+        with torch.autocast(x.device.type if x.device.type != "meta" else "cpu", enabled=False):  # meta: tracing (tests)
             out = self.matmul.apply(x.reshape(-1, x.shape[-1]), self.weight, self.plan, self.matmul_state())
             out = out.unflatten(0, x.shape[:-1])
             return out if self.bias is None else out + self.bias.to(out.dtype)

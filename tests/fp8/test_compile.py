@@ -1,0 +1,69 @@
+"""Each FP8 recipe's transformer block compiles whole: one graph, forward and backward
+(`fullgraph=True` raises at a graph break), on the route each device takes. The CPU's
+(torch._scaled_mm for tensor- and row-wise, the emulation for block-wise) is trained
+compiled against eager, with no graph break, in tests/train/test_compiled_presets.py;
+CUDA's is traced here on the meta device (no GPU needed): every GEMM on torch's kernels,
+  block-wise through the registered op mixprec::blockwise_scaled_mm, whose checks torch's
+  meta functions run (tests/fp8/test_gemm.py). A log call inside the matmul, or a wrapper
+  Dynamo cannot trace, would split the graph there."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch._dynamo
+
+from mixprec.fp8.convert import convert_to_fp8
+from mixprec.fp8.gemm import kernel_mm
+from mixprec.fp8.linear import FP8Linear
+from mixprec.fp8.recipe import E4M3, E5M2, FP8Recipe
+from mixprec.fp8.scaling import quantize
+from mixprec.models.llama import build_model, model_args, rope_tables
+
+RECIPES = ["tensorwise", "delayed", "rowwise", "blockwise"]
+
+
+def block(recipe: str, dim: int, kernels: bool | None = None):
+    """The first block of a 2-layer Llama in FP8 (kernels True: every GEMM on torch's kernel)."""
+    args = model_args("debug", 256, dim=dim, multiple_of=128)
+    model = build_model(args, device="cpu", storage_dtype=torch.float32, seed=0)
+    convert_to_fp8(model, FP8Recipe.from_name(recipe), compute_dtype=torch.bfloat16)
+    if kernels:
+        for m in model.modules():
+            if isinstance(m, FP8Linear):
+                m.plan = dataclasses.replace(m.plan, kernels=(True, True, True))
+    return model.layers[0], args
+
+
+def inputs(args, T: int, device: str):
+    x = torch.randn(2, T, args.dim, generator=torch.Generator().manual_seed(0)).to(device).requires_grad_()
+    cos, sin = rope_tables(T, args.head_dim, args.rope_theta, device)
+    return x, cos, sin, torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
+
+
+def forward_backward(fn, x, *rest):
+    y = fn(x, *rest)  # the meta device has no autocast; the FP8 GEMMs are outside it anyway
+    y.float().square().mean().backward()
+    return y
+
+
+@pytest.mark.parametrize("recipe, dim", [(r, 256) for r in RECIPES] + [("blockwise", 64)])
+def test_the_cuda_route_traces_as_one_graph(recipe, dim):
+    # dim 256: whole 128-tiles, block-wise on its kernel; 64: tiles cut short, emulated (its
+    # log line once said so from inside the matmul: a graph break in every such layer)
+    blk, args = block(recipe, dim=dim, kernels=True)
+    blk = blk.to("meta")
+    x, *rest = inputs(args, 128, "meta")
+    torch._dynamo.reset()
+    y = forward_backward(torch.compile(blk, backend="aot_eager", fullgraph=True), x, *rest)
+    assert y.shape == x.shape and all(p.grad is not None for p in blk.parameters())
+
+
+def test_the_rowwise_cuda_route_compiles_as_one_graph():
+    """The unit-scaled GEMM and the scales after it, compiled, equal to the eager route."""
+    gen = torch.Generator().manual_seed(0)
+    a = quantize(torch.randn(256, 128, generator=gen), E4M3, (1, 0), power_of_2=True)[0]
+    b = quantize(torch.randn(128, 192, generator=gen), E5M2, (0, 1), power_of_2=True)[0]
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b: kernel_mm(a, b, torch.bfloat16, scales_after_=True), fullgraph=True)
+    assert torch.equal(compiled(a, b), kernel_mm(a, b, torch.bfloat16, scales_after_=True))
