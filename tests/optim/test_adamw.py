@@ -49,3 +49,64 @@ def test_closure_and_bad_arguments():
     assert opt.step(lambda: torch.tensor(3.0)) == 3.0
     with pytest.raises(ValueError, match="moments_dtype"):
         AdamW(params, moments_dtype=torch.int8)
+
+
+@pytest.mark.parametrize("moments_dtype", [torch.float32, torch.bfloat16])
+def test_a_step_skipped_on_the_device_is_the_host_step_or_nothing(moments_dtype):
+    """The path the trainer takes (found_inf set: one kernel a parameter, step counts on the
+    device) against the host path, bit for bit on the CPU, with a skipped step between."""
+    def run(device_skip: bool):
+        torch.manual_seed(0)
+        params = [torch.randn(64, 32, requires_grad=True), torch.randn(32, requires_grad=True)]
+        opt = AdamW([{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:], "weight_decay": 0.0}],
+                    lr=1e-2, betas=(0.9, 0.95), moments_dtype=moments_dtype)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(6):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            if device_skip:
+                opt.grad_scale, opt.found_inf = None, torch.tensor(float(step == 3))
+                opt.step()
+            elif step != 3:
+                opt.step()
+        return params, opt
+
+    (ours, opt), (ref, ref_opt) = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+    for p, q in zip(ours, ref):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][key], ref_opt.state[q][key]), key
+
+
+@pytest.mark.slow
+def test_the_gpu_kernel_is_as_close_to_float64_adamw_as_the_reference_path():
+    """fused_adamw.adamw_moments_, compiled (the GPU path; here Inductor's CPU code), against
+    AdamW in float64 with float64 moments, beside the eager path: the two differ in the last
+    bits (multiply-adds, the order of the moment update), and the compiled kernel's error
+    is that of the eager one. Measured 2026-11-26 (AVX512 CPU), 20 steps, bfloat16 moments:
+    the weights' movement off float64's by 2.3e-3 relative, compiled and eager alike (the
+    moments' rounding, not the kernel's arithmetic)."""
+    from mixprec.optim import fused_adamw
+
+    group = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(0)
+    w0 = torch.randn(4096, generator=gen)
+    grads = [torch.randn(4096, generator=gen) for _ in range(20)]
+    ref = w0.double().requires_grad_()
+    ref_opt = torch.optim.AdamW([ref], **group, foreach=False)
+    eager = w0.clone().requires_grad_()
+    eager_opt = AdamW([eager], **group, moments_dtype=torch.bfloat16)
+    kernel = torch.compile(fused_adamw.adamw_moments_, dynamic=True)
+    w, m, v = w0.clone(), torch.zeros(4096, dtype=torch.bfloat16), torch.zeros(4096, dtype=torch.bfloat16)
+    for step, g in enumerate(grads, 1):
+        ref.grad, eager.grad = g.double(), g
+        ref_opt.step()
+        eager_opt.grad_scale, eager_opt.found_inf = None, torch.zeros(())
+        eager_opt.step()
+        kernel(w, g, m, v, torch.zeros(()), *fused_adamw.scalars(group, torch.tensor([float(step)]))[0])
+    moved = (ref.detach() - w0.double()).norm()
+    err_eager = float((eager.detach().double() - ref.detach()).norm() / moved)
+    err_kernel = float((w.double() - ref.detach()).norm() / moved)
+    assert err_kernel < 1.5 * err_eager + 1e-7, (err_kernel, err_eager)
+    assert torch.equal(m, eager_opt.state[eager]["exp_avg"]) or (m.float() - eager_opt.state[eager]["exp_avg"].float()
+                                                                  ).abs().max() < 2**-7 * m.float().abs().max()

@@ -52,9 +52,8 @@ class AdamW(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         inv_scale = grad_scale.double().reciprocal().float() if grad_scale is not None else None
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
                 state = self.state[p]
                 if not state:
                     # on the CPU, as torch's: reading it costs no device sync (on the device
@@ -63,11 +62,12 @@ class AdamW(torch.optim.Optimizer):
                     state["step"] = torch.tensor(0.0, device=device)
                     state["exp_avg"] = torch.zeros_like(p, dtype=self.moments_dtype)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moments_dtype)
-                grad = p.grad if inv_scale is None else p.grad * inv_scale.to(p.grad.device)
-                if found_inf is None:
-                    self._update(p, grad, state, group)
-                else:
-                    self._update_unless(p, grad, state, group, found_inf)
+            grads = [p.grad if inv_scale is None else p.grad * inv_scale.to(p.grad.device) for p in params]
+            if found_inf is None:
+                for p, grad in zip(params, grads):
+                    self._update(p, grad, self.state[p], group)
+            elif params:
+                self._steps_unless(group, params, grads, found_inf)
         return loss
 
     def _update(self, p, grad, state, group) -> None:
@@ -87,6 +87,25 @@ class AdamW(torch.optim.Optimizer):
         if self.moments_dtype != torch.float32:
             state["exp_avg"].copy_(exp_avg)  # rounds to nearest
             state["exp_avg_sq"].copy_(exp_avg_sq)
+
+    def _steps_unless(self, group, params, grads, found_inf: torch.Tensor) -> None:
+        """One step of `params` of `group` taken or skipped on the device (found_inf 1: nothing
+        changes), the step counts and bias corrections there too. On a GPU each parameter is
+        one compiled kernel (fused_adamw.adamw_moments_: FP32 in registers, the moments read
+        and written in their own dtype); on a CPU _update_unless, the reference."""
+        if params[0].device.type == "cpu":
+            for p, grad in zip(params, grads):
+                self._update_unless(p, grad, self.state[p], group, found_inf)
+            return
+        skip = found_inf.to(params[0].device)
+        steps = [self.state[p]["step"] for p in params]
+        for i, p in enumerate(params):
+            if steps[i].device != p.device:  # loaded onto the CPU: beside the parameter
+                steps[i] = self.state[p]["step"] = steps[i].to(p.device)
+        torch._foreach_add_(steps, [1 - skip] * len(steps))  # a list: the one-tensor overload reads it on the host
+        kernel = self.__dict__.setdefault("_kernel", torch.compile(fused_adamw.adamw_moments_, dynamic=True))
+        for p, grad, scalars in zip(params, grads, fused_adamw.scalars(group, torch.stack(steps))):
+            kernel(p, grad, self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"], skip, *scalars)
 
     def _update_unless(self, p, grad, state, group, found_inf: torch.Tensor) -> None:
         """_update's arithmetic with the step count and bias corrections on the device (the

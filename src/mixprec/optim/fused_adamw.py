@@ -51,6 +51,17 @@ def adamw_stochastic_(p, g, m, v, key, skip, *scalars) -> None:
     v.copy_(torch.where(keep, v.float(), v32))
 
 
+def adamw_moments_(p, g, m, v, skip, *scalars) -> None:
+    """One AdamW step of an FP32 parameter p whose moments m, v are stored narrower
+    (bfloat16: DeepSeek-V3's), in place, unless `skip` is nonzero: FP32 in registers, the
+    moments rounded to nearest on their way back to memory. `scalars` as adamw_kahan_'s."""
+    w, m32, v32 = _adamw(p, g, m, v, *scalars)
+    keep = skip != 0
+    p.copy_(torch.where(keep, p, w))
+    m.copy_(torch.where(keep, m.float(), m32))
+    v.copy_(torch.where(keep, v.float(), v32))
+
+
 def unsupported(optimizer: torch.optim.Optimizer) -> str | None:
     """Why these kernels cannot stand in for `optimizer`'s step, or None when they can."""
     if type(optimizer) is not torch.optim.AdamW:
@@ -75,7 +86,7 @@ def scalars(group: dict, steps: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
     lr, (beta1, beta2) = group["lr"], group["betas"]
     rest = tuple(torch.tensor(x, dtype=torch.float64) for x in (lr, beta1, beta2, group["eps"],
                                                                 group["weight_decay"],
-                                                                -1.0 if group["maximize"] else 1.0))
+                                                                -1.0 if group.get("maximize") else 1.0))
     return [(a, b, *rest) for a, b in zip(step_size.unbind(), bias_correction2_sqrt.unbind())]
 
 
