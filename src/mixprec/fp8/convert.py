@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from mixprec.fp8 import blockwise_cast
 from mixprec.fp8.gemm import KERNELS, route
 from mixprec.fp8.linear import FP8Linear, Plan, linear_class
 from mixprec.fp8.recipe import E4M3, GEMMS, FP8Recipe, Granularity
@@ -148,6 +149,10 @@ def _log_partial_tiles(conversion: Conversion) -> None:
                     "%d-element tiles only", ", ".join(fqns), shape, r.block)
     logger.info("fp8: a micro-batch whose token count is not a multiple of %d runs its block-wise weight-gradient "
                 "GEMMs emulated, for the same reason", r.block)
+    if conversion.device == "cuda":
+        logger.info("fp8: block-wise backward casts %s", "in one Triton kernel per operand, both layouts at once "
+                    "(mixprec.fp8.blockwise_cast)" if blockwise_cast.has_triton() else
+                    "with torch's ops, a transposing copy each (Triton is not installed)")
 
 
 def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.dtype,

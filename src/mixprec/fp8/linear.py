@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mixprec.fp8 import blockwise_cast
 from mixprec.fp8.gathered import BACKWARD, FORWARD, gathered_copy
 from mixprec.fp8.gemm import probe, scaled_mm
 from mixprec.fp8.recipe import E4M3, FP8Recipe, Granularity, Tiles
@@ -66,8 +67,14 @@ class _FP8Matmul(torch.autograd.Function):
         xq, wq = Quantized(x_data, x_scale_inv, ctx.x_tile), Quantized(w_data, w_scale_inv, ctx.w_tile)
         pow2 = r.power_of_2_scales
         dy = dy.contiguous()
+        # block-wise on CUDA: dy cast once into both layouts, and x re-cast straight into the
+        # layout the weight-gradient GEMM reads (mixprec.fp8.blockwise_cast)
+        fused = not r.delayed and blockwise_cast.applies(dy, r.grad_dtype, (t.g, t.g_wgrad), pow2)
+        gq_w = None
         if r.delayed:
             gq = _delayed_cast(dy, state, DelayedScales.GRAD, r.grad_dtype)
+        elif fused:
+            gq, gq_w = blockwise_cast.cast_transpose(dy, triton=True)
         else:
             gq, _ = quantize(dy, r.grad_dtype, t.g, power_of_2=pow2)
         if t.w_dgrad:  # W scaled along N: the backward's gathered copy, or a cast of the weight
@@ -75,8 +82,12 @@ class _FP8Matmul(torch.autograd.Function):
         else:
             wq_d = wq
         dx = scaled_mm(gq, wq_d, plan.compute_dtype, kernel=plan.kernels[1], blockwise=plan.blockwise).to(ctx.x_dtype)
-        gq_w = quantize(dy, r.grad_dtype, t.g_wgrad, power_of_2=pow2)[0] if t.g_wgrad else gq
-        xq_w = quantize(xq.dequantize(), E4M3, t.x_wgrad, power_of_2=pow2)[0] if t.x_wgrad else xq
+        if gq_w is None:
+            gq_w = quantize(dy, r.grad_dtype, t.g_wgrad, power_of_2=pow2)[0] if t.g_wgrad else gq
+        if fused and blockwise_cast.applies(x_data, E4M3, (ctx.x_tile, t.x_wgrad), pow2):
+            xq_w = blockwise_cast.recast_transposed(xq, triton=True)
+        else:
+            xq_w = quantize(xq.dequantize(), E4M3, t.x_wgrad, power_of_2=pow2)[0] if t.x_wgrad else xq
         dw = scaled_mm(gq_w.t(), xq_w, torch.float32, kernel=plan.kernels[2], blockwise=plan.blockwise).to(weight.dtype)
         return dx, dw, None, None
 

@@ -1,0 +1,161 @@
+"""The block-wise recipe's backward casts, each reading its operand once and writing every
+FP8 copy in the layout its GEMM reads (Transformer Engine's cast-transpose):
+
+    gq, gq_t = cast_transpose(dy)   # dy (M, N): 1 x 128 tiles row-major (the input-gradient GEMM's
+                                    # first operand) and 128 x 1 tiles stored as (N, M) row-major
+                                    # (the weight-gradient GEMM's first operand, dy^T)
+    xq_t = recast_transposed(xq)    # the saved input, dequantised and cast again in 128 x 1 tiles,
+                                    # stored as (K, M) row-major (the weight-gradient GEMM's second
+                                    # operand, column-major as torch's kernel takes it)
+
+Written with torch's ops these are two reads of dy and a transposing copy of each FP8
+result that Inductor does not fuse into one kernel (a reduction along rows and one along
+columns). On CUDA, with Triton installed and whole tiles, each is one Triton kernel per
+128 x 128 tile, registered as a torch op (torch.library.triton_op) so that a compiled block
+keeps it in its graph. The pure-PyTorch casts (mixprec.fp8.scaling.quantize) are the
+reference and every other route; tests/fp8/test_blockwise_cast.py runs the kernels on the
+CPU in Triton's interpreter against them, bit for bit.
+
+The kernel rounds to e4m3 itself (to nearest, ties to even, on the FP32 bits) and stores the
+byte: Triton's interpreter converts FP32 to FP8 wrongly where rounding carries into the
+exponent (127.2 became 64), and NaN became -448; the GPU's conversion is not needed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from mixprec.fp8.recipe import E4M3
+from mixprec.fp8.scaling import EPS, FP8_MAX, Quantized, quantize
+
+BLOCK = 128
+
+
+def _cast_tiles(x_ptr, xs_ptr, q_ptr, qs_ptr, qt_ptr, qts_ptr, M, N, BLOCK: tl.constexpr, DEQUANT: tl.constexpr,
+                ROWS: tl.constexpr):
+    """One 128 x 128 tile of x (M, N): with ROWS its 1 x 128 casts (q (M, N) bytes, qs (M, N/128)
+    scale_inv), always its 128 x 1 casts stored transposed (qt (N, M) bytes, qts (N, M/128)).
+    DEQUANT: x holds e4m3 values in 1 x 128 tiles, xs their scale_inv: dequantised first.
+    (A plain function: Triton is optional, and triton.jit is applied on first use.)"""
+    import triton.language as tl
+
+    pm, pn = tl.program_id(0), tl.program_id(1)
+    rows = pm * BLOCK + tl.arange(0, BLOCK)
+    cols = pn * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + rows[:, None] * N + cols[None, :]).to(tl.float32)
+    if DEQUANT:
+        x = x * tl.load(xs_ptr + rows * (N // BLOCK) + pn)[:, None]
+    for axis in tl.static_range(2):
+        if axis == 1 or ROWS:
+            # scale = 448 / max(amax, EPS), correctly rounded, as amax_to_scale
+            scale = tl.div_rn(tl.full([BLOCK], 448.0, tl.float32),
+                              tl.maximum(tl.max(tl.abs(x), axis=1 - axis), 1e-12))
+            s = x * (scale[:, None] if axis == 0 else scale[None, :])
+            v = tl.minimum(tl.maximum(s, -448.0), 448.0)
+            # e4m3fn by hand: normal values keep 3 of FP32's 23 mantissa bits (round to
+            # nearest even, the carry may step the exponent); below 2^-6 the step is 2^-9
+            a = tl.abs(v)
+            bits = a.to(tl.int32, bitcast=True)
+            normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)
+            sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+            code = tl.where(a >= 0.015625, normal, sub)
+            code = tl.where(s != s, 0x7F, code)  # NaN stays NaN, as under torch.clamp
+            code = code | ((s.to(tl.int32, bitcast=True) >> 24) & 0x80)  # the sign, NaN's and -0's too
+            inv = tl.div_rn(tl.full([BLOCK], 1.0, tl.float32), scale)
+            if axis == 0:
+                tl.store(q_ptr + rows[:, None] * N + cols[None, :], code.to(tl.uint8))
+                tl.store(qs_ptr + rows * (N // BLOCK) + pn, inv)
+            else:
+                tl.store(qt_ptr + cols[None, :] * M + rows[:, None], code.to(tl.uint8))
+                tl.store(qts_ptr + cols * (M // BLOCK) + pm, inv)
+
+
+@functools.cache
+def _kernel():
+    """The kernel compiled for CUDA; run in Triton's interpreter on CPU tensors when the process
+    started with TRITON_INTERPRET=1 (Triton reads it at import: the tests start one such)."""
+    import triton
+
+    return triton.jit(_cast_tiles)
+
+
+@functools.cache
+def has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _launch(kernel, x, xs, rows: bool):
+    M, N = x.shape
+    q = torch.empty((M, N) if rows else (0,), dtype=torch.uint8, device=x.device)
+    qs = torch.empty((M, N // BLOCK) if rows else (0,), dtype=torch.float32, device=x.device)
+    qt = torch.empty((N, M), dtype=torch.uint8, device=x.device)
+    qts = torch.empty((N, M // BLOCK), dtype=torch.float32, device=x.device)
+    kernel[(M // BLOCK, N // BLOCK)](x, xs if xs is not None else x, q, qs, qt, qts, M, N, BLOCK=BLOCK,
+                                     DEQUANT=xs is not None, ROWS=rows)
+    return q.view(E4M3), qs, qt.view(E4M3), qts
+
+
+def _triton_op():
+    """The kernel as torch ops, registered once (on first use: Triton is optional)."""
+    from torch.library import triton_op, wrap_triton
+
+    @triton_op("mixprec::blockwise_cast_transpose", mutates_args=())
+    def cast_transpose_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _launch(wrap_triton(_kernel()), x, None, True)
+
+    @triton_op("mixprec::blockwise_recast_transposed", mutates_args=())
+    def recast_op(data: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _launch(wrap_triton(_kernel()), data, scale_inv, False)[2:]
+
+    return cast_transpose_op, recast_op
+
+
+_ops = functools.cache(_triton_op)
+
+
+def applies(x: torch.Tensor, dtype: torch.dtype, tiles, power_of_2: bool, triton: bool | None = None) -> bool:
+    """Whether the kernel computes this cast: e4m3 in (1 x 128, 128 x 1) tiles of a 2-D tensor
+    of whole tiles, scales not rounded to powers of two (the reference rounds through log2,
+    which the kernel does not repeat), and Triton on a CUDA tensor (triton None) or as told."""
+    if tuple(tiles) != ((1, BLOCK), (BLOCK, 1)) or dtype != E4M3 or power_of_2 or x.dim() != 2:
+        return False
+    if x.shape[0] % BLOCK or x.shape[1] % BLOCK:
+        return False
+    return (x.device.type == "cuda" and has_triton()) if triton is None else triton
+
+
+def cast_transpose(x: torch.Tensor, triton: bool | None = None) -> tuple[Quantized, Quantized]:
+    """x (M, N) in 1 x 128 tiles, and in 128 x 1 tiles held as the transpose of an (N, M)
+    row-major tensor (`.t()` of it is what the weight-gradient GEMM reads, no copy). triton:
+    the kernel (True: on any device; a CPU tensor needs Triton's interpreter), the reference (False), or
+    where `applies` (None); the caller has checked `applies` for the kernel."""
+    if not triton:
+        return quantize(x, E4M3, (1, BLOCK))[0], quantize(x, E4M3, (BLOCK, 1))[0]
+    x = x.contiguous()
+    if x.device.type == "cpu":
+        q, qs, qt, qts = _launch(_kernel(), x, None, True)
+    else:
+        q, qs, qt, qts = _ops()[0](x)
+    return Quantized(q, qs, (1, BLOCK)), Quantized(qt.t(), qts.t(), (BLOCK, 1))
+
+
+def recast_transposed(xq: Quantized, triton: bool | None = None) -> Quantized:
+    """xq (M, K) in 1 x 128 tiles, dequantised and cast again in 128 x 1 tiles, held as the
+    transpose of a (K, M) row-major tensor. triton as cast_transpose's."""
+    if not triton:
+        return quantize(xq.dequantize(), E4M3, (BLOCK, 1))[0]
+    data = xq.data.contiguous()
+    if data.device.type == "cpu":
+        qt, qts = _launch(_kernel(), data, xq.scale_inv.contiguous(), False)[2:]
+    else:
+        qt, qts = _ops()[1](data, xq.scale_inv.contiguous())
+    return Quantized(qt.t(), qts.t(), (BLOCK, 1))
+
+
+assert FP8_MAX[E4M3] == 448.0 and EPS == 1e-12  # the constants written into the kernel

@@ -1,0 +1,38 @@
+"""mixprec.fp8.blockwise_cast: where its Triton kernel applies, and the kernel itself bit for
+bit against the pure-PyTorch casts in Triton's interpreter on the CPU
+(tests/fp8/blockwise_cast_cases.py, in a process of its own: TRITON_INTERPRET is read when
+Triton is imported, and a process that compiled for a GPU must not run interpreted)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mixprec.fp8 import blockwise_cast
+from mixprec.fp8.recipe import E4M3
+
+
+@pytest.mark.slow
+def test_the_kernel_equals_the_reference_casts_in_tritons_interpreter():
+    pytest.importorskip("triton")
+    cases = Path(__file__).with_name("blockwise_cast_cases.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(cases)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert re.search(r"\b6 passed", proc.stdout), proc.stdout[-1000:]
+
+
+def test_where_it_applies():
+    x = torch.zeros(256, 128)
+    tiles = ((1, 128), (128, 1))
+    assert not blockwise_cast.applies(x, E4M3, tiles, False)  # a CPU tensor: the reference
+    assert blockwise_cast.applies(x, E4M3, tiles, False, triton=True)
+    assert not blockwise_cast.applies(torch.zeros(200, 128), E4M3, tiles, False, triton=True)  # a partial tile
+    assert not blockwise_cast.applies(x, torch.float8_e5m2, tiles, False, triton=True)
+    assert not blockwise_cast.applies(x, E4M3, tiles, True, triton=True)  # power-of-two scales
+    assert not blockwise_cast.applies(x, E4M3, ((1, 0), (0, 1)), False, triton=True)
