@@ -58,21 +58,43 @@ NVFP4_TENSOR_SCALE_MIN = 2.0**-120  # 1 / (2^-120 x 2^-6) = 2^126: the cast's fa
 
 
 class Blocked(NamedTuple):
+    """A microscaled tensor. data and scale are in torch's dtypes (float4_e2m1fn_x2, float8_e8m0fnu)
+    wherever a user sees them; inside mixprec's ops they may be their bytes (uint8: packed e2m1
+    codes, biased E8M0 exponents), the form Inductor compiles (`bits`)."""
     data: torch.Tensor  # float8 (R, C), or float4_e2m1fn_x2 (R, C/2)
     scale: torch.Tensor  # float8_e8m0fnu or float8_e4m3fn, one per block: (R/br, C/bc)
     block: tuple[int, int]  # (1, 32), (1, 16) or (16, 16)
     tensor_scale: torch.Tensor | None  # NVFP4's FP32 second level (0-dim), None for MX
     shape: tuple[int, int]  # (R, C) before padding to whole blocks
+    values: torch.Tensor | None = None  # the GEMM's operand, dequantised without the tensor scale, where the cast made it
+
+    def bits(self) -> "Blocked":
+        """The same tensor with e2m1 data and E8M0 scales as their bytes (uint8)."""
+        data = self.data.view(torch.uint8) if self.data.dtype == E2M1 else self.data
+        scale = self.scale.view(torch.uint8) if self.scale.dtype == E8M0 else self.scale
+        return self._replace(data=data, scale=scale)
+
+    def typed(self) -> "Blocked":
+        """bits() undone: uint8 data is packed e2m1, a uint8 scale is E8M0."""
+        data = self.data.view(E2M1) if self.data.dtype == torch.uint8 else self.data
+        scale = self.scale.view(E8M0) if self.scale.dtype == torch.uint8 else self.scale
+        return self._replace(data=data, scale=scale)
 
     def elements(self) -> torch.Tensor:
         """The elements as FP32 values, before any scale: (R, C padded)."""
-        if self.data.dtype == E2M1:
+        if self.data.dtype in (E2M1, torch.uint8):
             return decode_e2m1(self.data.view(torch.uint8))
         return self.data.float()
 
+    def _factors(self) -> torch.Tensor:
+        """One FP32 scale per block (E8M0 decoded from its byte, as float8_e8m0fnu's .float())."""
+        if self.scale.dtype in (E8M0, torch.uint8):
+            return e8m0_values(self.scale.view(torch.uint8))
+        return self.scale.float()
+
     def scales(self, with_tensor_scale: bool = True) -> torch.Tensor:
         """The FP32 factor of each element, (R, C padded)."""
-        s = self.scale.float()
+        s = self._factors()
         if self.tensor_scale is not None and with_tensor_scale:
             s = s * self.tensor_scale
         return s.repeat_interleave(self.block[0], 0).repeat_interleave(self.block[1], 1)
@@ -85,7 +107,7 @@ class Blocked(NamedTuple):
         more (e4m3 elements, amax above ~2^-115; 2^-117 for e5m2; every e2m1 block). A GEMM
         on them loses nothing before its FP32 accumulation."""
         R, C = self.shape
-        factor = self.scale.float()
+        factor = self._factors()
         if self.tensor_scale is not None and with_tensor_scale:
             factor = factor * self.tensor_scale
         return per_tile(torch.mul, self.elements().to(dtype), factor.to(dtype), self.block)[:R, :C]
@@ -93,11 +115,12 @@ class Blocked(NamedTuple):
     def t(self) -> "Blocked":
         """The transpose of a tensor in square blocks: the same elements and scales."""
         assert self.block[0] == self.block[1], "only square blocks serve a tensor and its transpose"
-        if self.data.dtype == E2M1:
-            data = encode_pack(decode_codes(self.data.view(torch.uint8)).t().contiguous())
+        if self.data.dtype in (E2M1, torch.uint8):
+            data = pack(decode_codes(self.data.view(torch.uint8)).t().contiguous()).view(self.data.dtype)
         else:
             data = self.data.t().contiguous()
-        return Blocked(data, self.scale.t().contiguous(), self.block, self.tensor_scale, self.shape[::-1])
+        return Blocked(data, self.scale.t().contiguous(), self.block, self.tensor_scale, self.shape[::-1],
+                       None if self.values is None else self.values.t())
 
 
 def _pad(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -139,9 +162,22 @@ def round_e2m1(v: torch.Tensor, bits: torch.Tensor | None = None) -> torch.Tenso
     return code.to(torch.uint8) | sign
 
 
+def pack(codes: torch.Tensor) -> torch.Tensor:
+    """(R, C) uint8 codes -> (R, C/2) uint8: element 2j in the low nibble."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
 def encode_pack(codes: torch.Tensor) -> torch.Tensor:
     """(R, C) uint8 codes -> (R, C/2) float4_e2m1fn_x2: element 2j in the low nibble."""
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(E2M1)
+    return pack(codes).view(E2M1)
+
+
+def e8m0_values(exponents: torch.Tensor) -> torch.Tensor:
+    """Biased E8M0 exponents (uint8) -> FP32 scales, as float8_e8m0fnu's .float(): 2^(e - 127),
+    0 the subnormal 2^-127, 255 NaN. From the bits (Inductor compiles no float8_e8m0fnu code)."""
+    e = exponents.to(torch.int32)
+    value = torch.where(e == 0, 1 << 22, e << 23).view(torch.float32)
+    return torch.where(e == 255, float("nan"), value)
 
 
 def decode_codes(packed: torch.Tensor) -> torch.Tensor:
@@ -167,13 +203,14 @@ _BYTE_VALUES = _byte_values()
 
 
 def _to_elements(v: torch.Tensor, dtype: torch.dtype, key: torch.Tensor | None = None) -> torch.Tensor:
-    """Scaled FP32 values, saturated, in the element format (clamp keeps NaN); with `key`
-    (FP4 only), stochastically rounded with random_bits16's bits for that key."""
+    """Scaled FP32 values, saturated, in the element format (clamp keeps NaN), e2m1 as packed
+    bytes (uint8); with `key` (FP4 only), stochastically rounded with random_bits16's bits for
+    that key."""
     limit = ELEMENT_MAX[dtype]
     v = v.clamp(-limit, limit)
     if dtype == E2M1:
         bits = None if key is None else random_bits16(v.numel(), key, v.device)
-        return encode_pack(round_e2m1(v, bits))
+        return pack(round_e2m1(v, bits))
     return v.to(dtype)
 
 
@@ -204,6 +241,12 @@ def quantize_mx(x: torch.Tensor, dtype: torch.dtype, *, block: int = 32, roundin
                 key: torch.Tensor | None = None) -> Blocked:
     """x (R, C) in blocks of 1 x `block` along C, one E8M0 scale per block.
     key: a 0-dim int32 key for stochastic rounding of e2m1 elements (None: to nearest)."""
+    return quantize_mx_bits(x, dtype, block=block, rounding=rounding, key=key).typed()
+
+
+def quantize_mx_bits(x: torch.Tensor, dtype: torch.dtype, *, block: int = 32, rounding: str = "ceil",
+                     key: torch.Tensor | None = None) -> Blocked:
+    """quantize_mx with its e2m1 data and E8M0 scales as bytes (Blocked.bits)."""
     shape, tile = tuple(x.shape), (1, block)
     x = _pad(x, tile)
     amax = _block_amax(x, tile)
@@ -218,7 +261,7 @@ def quantize_mx(x: torch.Tensor, dtype: torch.dtype, *, block: int = 32, roundin
         # 2^22 ulps (torchao divides by 2^-126 there, and such a block decodes to half its value)
         divisor = torch.where(exp == 0, 1 << 22, exp << 23).view(torch.float32)
         scaled = per_tile(torch.div, x, divisor, tile)
-    return Blocked(_to_elements(scaled, dtype, key), exp.to(torch.uint8).view(E8M0), tile, None, shape)
+    return Blocked(_to_elements(scaled, dtype, key), exp.to(torch.uint8), tile, None, shape)
 
 
 # ---- NVFP4: E4M3 block scales under one FP32 tensor scale ------------------------------------
@@ -246,6 +289,14 @@ def quantize_nvfp4(x: torch.Tensor, *, block: tuple[int, int] = (1, 16), tensor_
     smaller squared error. The tensor scale then maps the tensor's amax to 448 x 4, so both
     choices fit e4m3. key: as quantize_mx's, for stochastic rounding. amax: the tensor's amax
     when x is a shard of it (the low-precision all-gather casts each rank's rows alone)."""
+    return quantize_nvfp4_bits(x, block=block, tensor_scale=tensor_scale, key=key, four_over_six=four_over_six,
+                               amax=amax).typed()
+
+
+def quantize_nvfp4_bits(x: torch.Tensor, *, block: tuple[int, int] = (1, 16), tensor_scale: bool = True,
+                        key: torch.Tensor | None = None, four_over_six: bool = False,
+                        amax: torch.Tensor | None = None) -> Blocked:
+    """quantize_nvfp4 with its e2m1 data as bytes (Blocked.bits)."""
     shape = tuple(x.shape)
     x = _pad(x, block)
     tensor_amax = x.abs().amax() if amax is None else amax
@@ -261,8 +312,9 @@ def quantize_nvfp4(x: torch.Tensor, *, block: tuple[int, int] = (1, 16), tensor_
         err_best = _block_sq_error(x, best, block)
         err = _block_sq_error(x, q, block)
         take = err < err_best  # per block; ties keep 6
-        best = Blocked(_choose_elements(best.data, q.data, take, block), torch.where(take, q.scale, best.scale),
-                       block, ts, shape)
+        # the scales chosen through FP32 (exact both ways): Inductor promotes no bool with float8 in torch.where
+        scale = torch.where(take, q.scale.float(), best.scale.float()).to(E4M3)
+        best = Blocked(_choose_elements(best.data, q.data, take, block), scale, block, ts, shape)
     return best
 
 
@@ -284,18 +336,29 @@ def _block_sq_error(x: torch.Tensor, q: Blocked, block) -> torch.Tensor:
 
 
 def _choose_elements(a: torch.Tensor, b: torch.Tensor, take_b: torch.Tensor, block) -> torch.Tensor:
-    ca, cb = decode_codes(a.view(torch.uint8)), decode_codes(b.view(torch.uint8))
-    return encode_pack(torch.where(_spread(take_b, block), cb, ca))
+    ca, cb = decode_codes(a), decode_codes(b)
+    return pack(torch.where(_spread(take_b, block), cb, ca))
 
 
 # ---- Hadamard transforms ---------------------------------------------------------------------
 def hadamard_signs(n: int = 16, seed: int | None = None, device=None) -> torch.Tensor:
     """(n,) column signs of a random Hadamard transform drawn from `seed`; all +1 for None
-    (Sylvester's matrix itself: the deterministic transform)."""
+    (Sylvester's matrix itself: the deterministic transform). Drawn on the CPU once, copied
+    to each device once (kept: a copy per pass would be a blocking copy per layer per step)."""
     if seed is None:
         return torch.ones(n, device=device)
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 2, (n,), generator=gen) * 2 - 1).float().to(device)
+    drawn = _SIGNS.get((n, seed, "cpu"))
+    if drawn is None:  # (MXLinear draws it when made: a Generator cannot be traced by torch.compile)
+        gen = torch.Generator().manual_seed(seed)
+        drawn = _SIGNS[(n, seed, "cpu")] = (torch.randint(0, 2, (n,), generator=gen) * 2 - 1).float()
+    key = (n, seed, str(torch.device(device)) if device is not None else "cpu")
+    signs = _SIGNS.get(key)
+    if signs is None:
+        signs = _SIGNS[key] = drawn.to(device)
+    return signs
+
+
+_SIGNS: dict[tuple, torch.Tensor] = {}  # (n, seed, device) -> the signs there
 
 
 def hadamard(n: int = 16, signs: torch.Tensor | None = None) -> torch.Tensor:

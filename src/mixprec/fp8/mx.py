@@ -48,17 +48,14 @@ import torch.nn.functional as F
 from mixprec.errors import UserError
 from mixprec.fp8.gathered import BACKWARD, FORWARD, gathered_copy
 from mixprec.fp8.linear import FP8Linear, Plan, register_linear
-from mixprec.fp8.microscaling import (E2M1, E4M3, E5M2, ROUNDINGS, Blocked, hadamard_signs, quantize_mx,
-                                      quantize_nvfp4, rotate)
+from mixprec.fp8.microscaling import (E2M1, E4M3, E5M2, E8M0, ROUNDINGS, Blocked, hadamard_signs,
+                                      quantize_mx_bits, quantize_nvfp4_bits, rotate)
 from mixprec.fp8.recipe import GEMMS, FP8Recipe, Granularity, Tiles, register_recipe
 
 HADAMARDS = ("none", "random", "deterministic")
 SCALE_FORMATS = ("e8m0", "e4m3")
 HADAMARD_SIZE = 16
-HADAMARD_SIGNS_SEED = 0
-# Inside a compiled model each microscaled Linear runs eagerly (a graph break on either side):
-EAGER_WHY = ("Inductor generates no code for float8_e8m0fnu and float4_e2m1fn_x2 tensors (torch 2.13's C++ backend "
-             "asserts), so the microscaled casts run eagerly")  # the random signs of the random Hadamard transform: fixed, as Transformer Engine's
+HADAMARD_SIGNS_SEED = 0  # the random signs of the random Hadamard transform: fixed, as Transformer Engine's
 
 
 @dataclass(frozen=True)
@@ -104,8 +101,6 @@ class MXRecipe(FP8Recipe):
         check(fp4 or self.grad_dtype in (E4M3, E5M2), "grad_dtype", self.grad_dtype, "float8_e4m3fn, float8_e5m2")
 
     # ---- what the recipe is ---------------------------------------------------------------
-    eager_why = EAGER_WHY
-
     def emulation(self, device: str) -> str:
         why = gemm_route(device)
         if why is None:
@@ -177,16 +172,17 @@ class MXRecipe(FP8Recipe):
 
     # ---- the casts -------------------------------------------------------------------------
     def quantize(self, x: torch.Tensor, *, gradient: bool = False, key: torch.Tensor | None = None,
-                 square: bool = False, amax: torch.Tensor | None = None) -> Blocked:
+                 square: bool = False, amax: torch.Tensor | None = None, values: bool = False) -> Blocked:
         """x (R, C) in blocks along C (square: block x block tiles); gradient: the gradient's
         format, stochastically rounded with `key` where the recipe says so; amax: NVFP4's
-        tensor amax when x is a shard of the tensor."""
+        tensor amax when x is a shard of the tensor; values: also the dequantised operand of
+        the emulated GEMM (Blocked.values), from the same pass. One operator (mixprec::mx_quantize)."""
         key = key if gradient and self.stochastic_gradients else None
-        if self.nv:
-            return quantize_nvfp4(x, block=(self.block,) * 2 if square else (1, self.block), key=key,
-                                  four_over_six=self.four_over_six, amax=amax)
         dtype = self.grad_dtype if gradient and self.element != E2M1 else self.element
-        return quantize_mx(x, dtype, block=self.block, rounding=self.scale_rounding, key=key)
+        data, scale, ts, deq = torch.ops.mixprec.mx_quantize(x, dtype, self.block, self.scale_rounding, self.nv,
+                                                              square, self.four_over_six, key, amax, values)
+        block = (self.block, self.block) if square else (1, self.block)
+        return Blocked(data, scale, block, ts if self.nv else None, tuple(x.shape), deq if values else None)
 
     def transform(self, device) -> torch.Tensor | None:
         """The column signs of the weight-gradient GEMM's Hadamard blocks (`rotate`), or None."""
@@ -195,26 +191,120 @@ class MXRecipe(FP8Recipe):
         return hadamard_signs(HADAMARD_SIZE, HADAMARD_SIGNS_SEED if self.hadamard == "random" else None, device)
 
 
+# ---- the operators -------------------------------------------------------------------------
+# A compiled model keeps each microscaled Linear in its graph: Inductor generates no code for
+# float8_e8m0fnu and float4_e2m1fn_x2 tensors (torch 2.13), so the casts and the GEMM are
+# operators whose tensors of those dtypes only pass between them. Inside, on CUDA, each runs a
+# compiled function on the bytes (Blocked.bits: uint8 codes and exponents, which Inductor
+# fuses: one kernel reads an operand and writes its elements and scales, one reads them and
+# writes the bfloat16 operand of the GEMM); on a CPU the same functions run eagerly, the
+# reference (tests/fp8/test_mx_ops.py compiles them on the CPU against it, bit for bit).
+def _cast(x, element, block, rounding, nv, square, four_over_six, key, amax, values_dtype=None) -> Blocked:
+    """The cast, and with values_dtype the dequantised GEMM operand from it (one fused kernel compiled)."""
+    tile = (block, block) if square else (1, block)
+    if nv:
+        q = quantize_nvfp4_bits(x, block=tile, key=key, four_over_six=four_over_six, amax=amax)
+    else:
+        q = quantize_mx_bits(x, element, block=block, rounding=rounding, key=key)
+    if values_dtype is None:
+        return q
+    return q._replace(values=q.dequantize(with_tensor_scale=False, dtype=values_dtype))
+
+
+def _operand_dtype(device_type: str) -> torch.dtype:
+    """The emulated GEMM's operand dtype on a device (gemm_route: bfloat16 where its FP32-output GEMM is exact)."""
+    return torch.bfloat16 if gemm_route(device_type) is None else torch.float32
+
+
+def _dequantize(data, scale, block, tensor_scale, shape, dtype) -> torch.Tensor:
+    return Blocked(data, scale, block, tensor_scale, shape).dequantize(with_tensor_scale=False, dtype=dtype)
+
+
+def _transpose(data, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    t = Blocked(data, scale, (1, 1), None, (0, 0)).t()
+    return t.data, t.scale
+
+
+_COMPILED: dict = {}
+
+
+def compiled(fn, device_type: str):
+    """fn compiled for `device_type` on CUDA (dynamic shapes: one compile for every layer); fn itself elsewhere."""
+    if device_type != "cuda":
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn]
+
+
+@torch.library.custom_op("mixprec::mx_quantize", mutates_args=())
+def _mx_quantize(x: torch.Tensor, element: torch.dtype, block: int, rounding: str, nv: bool, square: bool,
+                 four_over_six: bool, key: torch.Tensor | None, amax: torch.Tensor | None, values: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    device = x.device.type
+    q = compiled(_cast, device)(x, element, block, rounding, nv, square, four_over_six, key, amax,
+                                _operand_dtype(device) if values else None).typed()
+    return (q.data, q.scale, q.tensor_scale if q.tensor_scale is not None else x.new_empty(0),
+            q.values if values else x.new_empty(0))
+
+
+@_mx_quantize.register_fake
+def _(x, element, block, rounding, nv, square, four_over_six, key, amax, values):
+    (R, C), (br, bc) = x.shape, ((block, block) if square else (1, block))
+    rows, cols = -(-R // br) * br, -(-C // bc) * bc
+    data = x.new_empty((rows, cols // 2 if element == E2M1 else cols), dtype=element)
+    scale = x.new_empty((rows // br, cols // bc), dtype=E4M3 if nv else E8M0)
+    deq = x.new_empty((R, C), dtype=_operand_dtype(x.device.type)) if values else x.new_empty(0)
+    return data, scale, x.new_empty(() if nv else 0, dtype=torch.float32), deq
+
+
+@torch.library.custom_op("mixprec::mx_transpose", mutates_args=())
+def _mx_transpose(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tensor in square blocks, transposed (Blocked.t): the elements and scales of W^T."""
+    q = Blocked(data, scale, (1, 1), None, (0, 0)).bits()
+    t, ts = compiled(_transpose, data.device.type)(q.data, q.scale)
+    return t.view(data.dtype), ts.view(scale.dtype)
+
+
+@_mx_transpose.register_fake
+def _(data, scale):
+    rows, cols = data.shape
+    packed = 2 if data.dtype == E2M1 else 1
+    return data.new_empty((cols * packed, rows // packed)), scale.new_empty(scale.shape[::-1])
+
+
+def transpose(q: Blocked) -> Blocked:
+    """q in square blocks, transposed, as one operator."""
+    assert q.block[0] == q.block[1], "only square blocks serve a tensor and its transpose"
+    data, scale = torch.ops.mixprec.mx_transpose(q.data, q.scale)
+    return Blocked(data, scale, q.block, q.tensor_scale, q.shape[::-1])
+
+
 def mx_mm(a: Blocked, b: Blocked, out_dtype: torch.dtype) -> torch.Tensor:
     """a (M, K) @ b (N, K)^T, both blocked along K: the emulated microscaled GEMM, as one
     operator (mixprec::mx_mm) on the elements and scales, so `mixprec audit` sees each
     microscaled GEMM and its operands' formats at the dispatcher."""
     return torch.ops.mixprec.mx_mm(a.data, a.scale, a.tensor_scale, list(a.block), list(a.shape),
-                                   b.data, b.scale, b.tensor_scale, list(b.block), list(b.shape), out_dtype)
+                                   b.data, b.scale, b.tensor_scale, list(b.block), list(b.shape), out_dtype,
+                                   a.values, b.values)
 
 
 @torch.library.custom_op("mixprec::mx_mm", mutates_args=())
 def _mx_mm(a_data: torch.Tensor, a_scale: torch.Tensor, a_tensor_scale: torch.Tensor | None, a_block: list[int],
            a_shape: list[int], b_data: torch.Tensor, b_scale: torch.Tensor, b_tensor_scale: torch.Tensor | None,
-           b_block: list[int], b_shape: list[int], out_dtype: torch.dtype) -> torch.Tensor:
-    a = Blocked(a_data, a_scale, tuple(a_block), a_tensor_scale, tuple(a_shape))
-    b = Blocked(b_data, b_scale, tuple(b_block), b_tensor_scale, tuple(b_shape))
-    if gemm_route(a_data.device.type) is None:  # exact operands, FP32 accumulation and output
-        a16 = a.dequantize(with_tensor_scale=False, dtype=torch.bfloat16)
-        b16 = b.dequantize(with_tensor_scale=False, dtype=torch.bfloat16)
-        out = torch.mm(a16, b16.t(), out_dtype=torch.float32)
+           b_block: list[int], b_shape: list[int], out_dtype: torch.dtype, a_values: torch.Tensor | None = None,
+           b_values: torch.Tensor | None = None) -> torch.Tensor:
+    """a_values, b_values: the operands dequantised by their casts already (`values`), else dequantised here."""
+    a = Blocked(a_data, a_scale, tuple(a_block), a_tensor_scale, tuple(a_shape), a_values).bits()
+    b = Blocked(b_data, b_scale, tuple(b_block), b_tensor_scale, tuple(b_shape), b_values).bits()
+    device = a_data.device.type
+    dtype, dequantize = _operand_dtype(device), compiled(_dequantize, device)
+    a_op, b_op = (q.values if q.values is not None else dequantize(q.data, q.scale, q.block, None, q.shape, dtype)
+                  for q in (a, b))
+    if dtype == torch.bfloat16:  # exact operands, FP32 accumulation and output
+        out = torch.mm(a_op, b_op.t(), out_dtype=torch.float32)
     else:
-        out = a.dequantize(with_tensor_scale=False) @ b.dequantize(with_tensor_scale=False).t()
+        out = a_op @ b_op.t()
     for q in (a, b):
         if q.tensor_scale is not None:
             out = out * q.tensor_scale
@@ -223,7 +313,7 @@ def _mx_mm(a_data: torch.Tensor, a_scale: torch.Tensor, a_tensor_scale: torch.Te
 
 @_mx_mm.register_fake
 def _(a_data, a_scale, a_tensor_scale, a_block, a_shape, b_data, b_scale, b_tensor_scale, b_block, b_shape,
-      out_dtype):
+      out_dtype, a_values=None, b_values=None):
     return a_data.new_empty(a_shape[0], b_shape[0], dtype=out_dtype)
 
 
@@ -263,8 +353,9 @@ class _MXMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, plan: Plan, salt: int):
         r = plan.recipe
-        xq = r.quantize(x)  # (M, K) along K
-        wq = gathered_copy(weight, FORWARD) or r.quantize(weight, square=r.weight_2d)  # (N, K) along K
+        # values=True: each GEMM operand dequantised in its cast's own pass (not kept for backward)
+        xq = r.quantize(x, values=True)  # (M, K) along K
+        wq = gathered_copy(weight, FORWARD) or r.quantize(weight, square=r.weight_2d, values=True)  # (N, K) along K
         h = r.transform(x.device)
         xt = _pad_rows(x, HADAMARD_SIZE).t() if h is not None else x.t()
         xt_q = r.quantize(rotate(xt, h) if h is not None else xt)  # (K, M) along M, for the weight gradient
@@ -283,15 +374,16 @@ class _MXMatmul(torch.autograd.Function):
         xt_block, xt_shape, w_block, w_shape = ctx.blocks
         xt = Blocked(xt_data, xt_scale, xt_block, xt_ts, xt_shape)
         dy = dy.contiguous()
-        gq = r.quantize(dy, gradient=True, key=_key(dy, salt, 0))  # (M, N) along N
+        gq = r.quantize(dy, gradient=True, key=_key(dy, salt, 0), values=True)  # (M, N) along N
         if r.weight_2d:  # the forward's 16x16 blocks, transposed
-            wq_t = Blocked(w_data, w_scale, w_block, w_ts, w_shape).t()
+            wq_t = transpose(Blocked(w_data, w_scale, w_block, w_ts, w_shape))
         else:
-            wq_t = gathered_copy(weight, BACKWARD) or r.quantize(weight.t())  # (K, N) along N
+            wq_t = gathered_copy(weight, BACKWARD) or r.quantize(weight.t(), values=True)  # (K, N) along N
         dx = mx_mm(gq, wq_t, plan.compute_dtype).to(ctx.x_dtype)
         h = r.transform(dy.device)
         gt = _pad_rows(dy, HADAMARD_SIZE).t() if h is not None else dy.t()
-        gt_q = r.quantize(rotate(gt, h) if h is not None else gt, gradient=True, key=_key(dy, salt, 1))  # (N, M)
+        gt_q = r.quantize(rotate(gt, h) if h is not None else gt, gradient=True, key=_key(dy, salt, 1),
+                          values=True)  # (N, M)
         dw = mx_mm(gt_q, xt, torch.float32).to(weight.dtype)
         return dx, dw, None, None
 
@@ -303,7 +395,7 @@ class MXLinear(FP8Linear):
 
     @classmethod
     def from_linear(cls, linear, plan: Plan, fqn: str = "") -> "MXLinear":
-        _run_forward_eagerly()
+        plan.recipe.transform("cpu")  # the Hadamard signs drawn now, outside any compiled region
         new = super().from_linear(linear, plan, fqn)
         new.salt = zlib.crc32(fqn.encode())  # the layer's part of its stochastic-rounding keys
         return new
@@ -320,15 +412,6 @@ class MXLinear(FP8Linear):
             where = "a CPU" if device == "cpu" else f"this {device} device"
             why = f"torch has microscaled scaled GEMMs on Blackwell (SM100) GPUs only, not on {where}"
         return {g: why for g in GEMMS}
-
-
-def _run_forward_eagerly() -> None:
-    """Inside a compiled model MXLinear runs eagerly (EAGER_WHY). Set when the first layer is
-    made, not at import: torch.compiler.disable imports dynamo, ~2 s of every run's start that a
-    run without microscaled layers does not need."""
-    if not getattr(MXLinear.forward, "mixprec_eager", False):
-        MXLinear.forward = torch.compiler.disable(FP8Linear.forward, reason=EAGER_WHY)
-        MXLinear.forward.mixprec_eager = True
 
 
 register_linear(MXRecipe, MXLinear)

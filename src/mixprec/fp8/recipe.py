@@ -96,8 +96,6 @@ class FP8Recipe:
         check(self.moments_dtype in (torch.float32, torch.bfloat16), "moments_dtype", self.moments_dtype,
               "float32, bfloat16")
 
-    eager_why = ""  # why the Linear layers run eagerly inside a compiled model; empty: they compile
-
     def emulation(self, device: str) -> str:
         """What the emulation of this recipe's GEMMs computes on `device`, for the log line that says it is emulated."""
         return "the same numerics: FP32 partial sums of the FP8 products"

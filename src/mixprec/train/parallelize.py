@@ -82,10 +82,6 @@ def apply_compile(model: nn.Module, components: tuple[str, ...], policy: Policy,
                     "eager (compile.components model compiles its decoder layers)")
     if "loss" in components:
         model.output.forward = torch.compile(model.output.forward)
-    for recipe in policy.layout.recipes() if policy.layout else ():
-        if recipe.eager_why:
-            logger.info("compile: the %s Linear layers run eagerly inside the compiled blocks (graph breaks): %s",
-                        recipe.name, recipe.eager_why)
     logger.info("compile: torch.compile (Inductor) applied to %s", " and ".join(
         {"model": f"each of the {len(model.layers)} transformer blocks", "loss": "the output layer and loss"}[c]
         for c in components))

@@ -1,0 +1,73 @@
+"""The microscaled recipes' operators (mixprec::mx_quantize, mx_transpose, mx_mm). On CUDA each
+runs a function compiled by Inductor on the tensors' bytes; here the same functions are
+compiled by Inductor's CPU backend and checked against their eager run (the CPU's route, the
+reference), bit for bit: the elements, the scales and the dequantised bfloat16 operands, for
+every recipe's casts (E8M0 rounded up, down and to even; e5m2 gradients; NVFP4 with 2-D
+blocks, stochastic rounding and 4-over-6)."""
+
+import pytest
+import torch
+import torch._dynamo
+
+from mixprec.fp8 import mx
+from mixprec.fp8.microscaling import E2M1, E4M3, E5M2
+
+CASTS = {  # element, block, rounding, nv, square, four_over_six, stochastic
+    "mxfp8-ceil": (E4M3, 32, "ceil", False, False, False, False),
+    "mxfp8-floor-e5m2": (E5M2, 32, "floor", False, False, False, False),
+    "mxfp4-even-stochastic": (E2M1, 32, "even", False, False, False, True),
+    "nvfp4": (E2M1, 16, "ceil", True, False, False, False),
+    "nvfp4-2d-4over6-stochastic": (E2M1, 16, "ceil", True, True, True, True),
+}
+
+
+def values(R=96, C=160, seed=0) -> torch.Tensor:
+    # partial blocks on both sides, magnitudes over twelve decades, zeros
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(R, C, generator=gen) * torch.logspace(-6, 6, C)
+    x[::5, ::7] = 0.0
+    return x
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)) \
+        if a.element_size() == 1 else torch.equal(a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CASTS)
+def test_compiled_casts_and_dequantisation_equal_the_eager_ones(name):
+    element, block, rounding, nv, square, four_over_six, stochastic = CASTS[name]
+    x = values()
+    key = torch.tensor(12345, dtype=torch.int32) if stochastic else None
+    # with the GEMM operand dequantised in the same pass, as the operator asks on CUDA
+    args = (x, element, block, rounding, nv, square, four_over_six, key, None, torch.bfloat16)
+    torch._dynamo.reset()
+    eager, compiled = mx._cast(*args), torch.compile(mx._cast, dynamic=True)(*args)
+    assert same(eager.data, compiled.data) and same(eager.scale, compiled.scale)
+    assert torch.equal(eager.values, compiled.values)
+    if nv:
+        assert torch.equal(eager.tensor_scale, compiled.tensor_scale)
+    dequantize = torch.compile(mx._dequantize, dynamic=True)
+    for dtype in (torch.bfloat16, torch.float32):
+        want = mx._dequantize(eager.data, eager.scale, eager.block, None, eager.shape, dtype)
+        got = dequantize(eager.data, eager.scale, eager.block, None, eager.shape, dtype)
+        assert torch.equal(want, got), dtype
+    if square:
+        want = mx._transpose(eager.data, eager.scale)
+        got = torch.compile(mx._transpose, dynamic=True)(eager.data, eager.scale)
+        assert all(same(w, g) for w, g in zip(want, got))
+
+
+def test_the_operators_give_the_functions_results_in_torchs_dtypes():
+    recipe = mx.MXRecipe.from_name("nvfp4")
+    q = recipe.quantize(values(), square=True)
+    assert q.data.dtype == E2M1 and q.scale.dtype == E4M3 and q.tensor_scale.shape == ()
+    ref = mx._cast(values(), E2M1, 16, "ceil", True, True, False, None, None).typed()
+    assert same(q.data, ref.data) and same(q.scale, ref.scale) and q.values is None
+    with_values = recipe.quantize(values(), square=True, values=True)
+    assert torch.equal(with_values.values, q.dequantize(with_tensor_scale=False))  # FP32 operands on a CPU
+    t = mx.transpose(q)
+    assert t.shape == q.shape[::-1] and torch.equal(t.dequantize(), q.dequantize().t())
+    m = mx.MXRecipe.from_name("mxfp8").quantize(values())
+    assert m.scale.dtype == torch.float8_e8m0fnu and m.tensor_scale is None
