@@ -5,6 +5,8 @@ import torch
 from torch import nn
 
 from mixprec.fp8 import RECIPES, Conversion, FP8Linear, convert_to_fp8, sqnr
+from mixprec.fp8.gemm import KERNELS
+from mixprec.fp8.recipe import GEMMS
 
 
 def pair(recipe: str, K=256, N=384, seed=0):
@@ -111,3 +113,21 @@ def test_compiled_fp8_linear_matches_eager(recipe):
         assert sqnr(e, c) > 40
     if RECIPES[recipe].delayed:  # the amaxes recorded in the compiled forward and backward
         torch.testing.assert_close(compiled[0].amax_pending, eager[0].amax_pending)
+
+
+def test_the_conversion_names_each_gemms_kernel():
+    """The startup line's kernel per GEMM (the CPU twin of test_gpu.py's audit check): on CUDA
+    row-wise runs the tensor-wise kernel with the row scales after, tensor-wise's forward keeps
+    fast accumulation on torch's kernel, block-wise goes through the registered op."""
+    def names(recipe: str, device: str, emulated=()):
+        routes = {g: ("no kernel" if g in emulated else None) for g in GEMMS}
+        return Conversion(RECIPES[recipe], routes=routes, device=device).kernels()
+
+    assert set(names("rowwise", "cuda").values()) == {KERNELS["rowwise-after"]}
+    assert set(names("rowwise", "cpu").values()) == {KERNELS["rowwise"]}
+    assert set(names("tensorwise", "cuda").values()) == {KERNELS["tensorwise"]}
+    assert set(names("blockwise", "cuda").values()) == {KERNELS["blockwise"]}
+    mixed = names("blockwise", "cpu", emulated=GEMMS[1:])
+    assert mixed[GEMMS[0]] == KERNELS["blockwise"] and mixed[GEMMS[2]] == "emulated"
+    assert "forward: torch._scaled_mm with unit scales" in Conversion(
+        RECIPES["rowwise"], routes={g: None for g in GEMMS}, device="cuda").describe()
