@@ -187,7 +187,10 @@ def decode_codes(packed: torch.Tensor) -> torch.Tensor:
 
 def decode_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """(R, C/2) uint8 -> (R, C) FP32 values, both nibbles of a byte looked up at once."""
-    table = _BYTE_VALUES.to(packed.device) if _BYTE_VALUES.device != packed.device else _BYTE_VALUES
+    device = str(packed.device)
+    table = _BYTE_VALUES_ON.get(device)
+    if table is None:  # copied to a device once: a copy in every pass would make the host wait each time
+        table = _BYTE_VALUES_ON[device] = _BYTE_VALUES.to(packed.device)
     return table[packed.long()].flatten(-2)
 
 
@@ -200,6 +203,7 @@ def _byte_values() -> torch.Tensor:
 
 
 _BYTE_VALUES = _byte_values()
+_BYTE_VALUES_ON: dict[str, torch.Tensor] = {"cpu": _BYTE_VALUES}  # device -> the table there
 
 
 def _to_elements(v: torch.Tensor, dtype: torch.dtype, key: torch.Tensor | None = None) -> torch.Tensor:

@@ -141,10 +141,15 @@ class MXRecipe(FP8Recipe):
 
     @property
     def backward_fp32_copies(self) -> int:
-        """FP32 copies of an activation a backward holds at once: the widened gradient, the
-        dequantised operands and, for e2m1, the rounding's temporaries (measured with
-        MemTracker on the debug flavor: 4 for e4m3 elements, 8 for e2m1)."""
-        return 8 if self.element == E2M1 else 4
+        """FP32 copies of an activation a backward holds at once between operators: the
+        widened gradient and the dequantised operands, and with the Hadamard transform its
+        FP32 copies (measured with MemTracker on the debug flavor, 2026-11-26: 4 for e4m3
+        elements, 3 for e2m1, 8 for e2m1 with the transform). The casts' own temporaries (e2m1's
+        rounding) live inside mixprec::mx_quantize: fused away where it is compiled (CUDA); on a
+        CPU it runs eagerly and they add to the peak unseen by MemTracker."""
+        if self.element != E2M1:
+            return 4
+        return 8 if self.hadamard != "none" else 3
 
     def summary(self) -> str:
         fmt = "e2m1" if self.element == E2M1 else "e4m3"

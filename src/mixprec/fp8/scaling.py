@@ -131,7 +131,9 @@ class DelayedScales:
         new = torch.where(torch.isfinite(pending), pending, torch.zeros_like(pending))
         history.copy_(torch.cat([new[:, None], history[:, :-1]], dim=1))
         ref = history.amax(dim=1) if algo == "max" else history[:, 0]
-        fp8_max = torch.tensor([FP8_MAX[d] for d in dtypes], device=history.device)
+        fp8_max = torch.empty(len(dtypes), device=history.device)
+        for i, d in enumerate(dtypes):  # filled on the device: a tensor made from a list is a blocking copy
+            fp8_max[i] = FP8_MAX[d]
         fresh = fp8_max / ref.clamp(min=EPS) / 2.0**margin
         scale.copy_(torch.where(ref > 0, fresh, scale))  # nothing recorded: keep the old scale
         pending.zero_()

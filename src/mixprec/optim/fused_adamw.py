@@ -96,5 +96,6 @@ def bias_corrections(group: dict, steps: torch.Tensor) -> tuple[torch.Tensor, to
     give (bit-equal on a CPU)."""
     lr, (beta1, beta2) = group["lr"], group["betas"]
     steps = steps.double()
-    half, lr_t = (torch.tensor(x, dtype=torch.float64, device=steps.device) for x in (0.5, lr))
+    # filled on the device: torch.tensor(x, device=...) copies from the host and makes it wait
+    half, lr_t = (torch.full((), x, dtype=torch.float64, device=steps.device) for x in (0.5, lr))
     return lr_t / (1 - torch.pow(beta1, steps)), torch.pow(1 - torch.pow(beta2, steps), half)
