@@ -36,3 +36,18 @@ def test_where_it_applies():
     assert not blockwise_cast.applies(x, torch.float8_e5m2, tiles, False, triton=True)
     assert not blockwise_cast.applies(x, E4M3, tiles, True, triton=True)  # power-of-two scales
     assert not blockwise_cast.applies(x, E4M3, ((1, 0), (0, 1)), False, triton=True)
+
+
+def test_the_probe_decides_where_the_kernel_is_used(monkeypatch):
+    x, tiles = torch.zeros(256, 128), ((1, 128), (128, 1))
+    assert "CUDA only" in blockwise_cast.probe("cpu")
+    monkeypatch.setitem(blockwise_cast._PROBED, "cpu", None)  # as where the probe passed
+    assert blockwise_cast.applies(x, E4M3, tiles, False)
+
+
+@pytest.mark.gpu
+def test_the_kernel_compiles_and_equals_torchs_casts_on_cuda():
+    # the CPU twin: test_the_kernel_equals_the_reference_casts_in_tritons_interpreter
+    pytest.importorskip("triton")
+    blockwise_cast._PROBED.pop("cuda", None)
+    assert blockwise_cast.probe("cuda") is None

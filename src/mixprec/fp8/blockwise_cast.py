@@ -119,15 +119,47 @@ def _triton_op():
 _ops = functools.cache(_triton_op)
 
 
+_PROBED: dict[str, str | None] = {}  # device type -> None where the kernel is used, else why not
+
+
+def probe(device_type: str) -> str | None:
+    """None where the kernel runs on `device_type` and gives the reference casts' bytes and
+    scales on a 256 x 384 tensor (both casts); otherwise why the PyTorch casts are used. Run
+    once, at conversion (mixprec.fp8.convert logs it): `applies` only reads the answer, so a
+    compiled step never probes."""
+    if device_type not in _PROBED:
+        _PROBED[device_type] = _probe(device_type)
+    return _PROBED[device_type]
+
+
+def _probe(device_type: str) -> str | None:
+    if device_type != "cuda":
+        return f"the Triton kernel runs on CUDA only, not on {device_type}"
+    if not has_triton():
+        return "Triton is not installed"
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(256, 384, generator=gen) * torch.logspace(-4, 4, 384)).to(device_type)
+    try:
+        got = [*cast_transpose(x, triton=True), recast_transposed(quantize(x, E4M3, (1, BLOCK))[0], triton=True)]
+    except Exception as e:  # noqa: BLE001 - whatever Triton raises, the PyTorch casts are used and the reason logged
+        return f"the Triton kernel failed ({str(e).splitlines()[0][:160] if str(e) else type(e).__name__})"
+    want = [*cast_transpose(x, triton=False), recast_transposed(quantize(x, E4M3, (1, BLOCK))[0], triton=False)]
+    for g, w in zip(got, want):
+        if not (torch.equal(g.data.view(torch.uint8), w.data.view(torch.uint8)) and torch.equal(g.scale_inv, w.scale_inv)):
+            return "the Triton kernel's casts differ from torch's here"
+    return None
+
+
 def applies(x: torch.Tensor, dtype: torch.dtype, tiles, power_of_2: bool, triton: bool | None = None) -> bool:
     """Whether the kernel computes this cast: e4m3 in (1 x 128, 128 x 1) tiles of a 2-D tensor
     of whole tiles, scales not rounded to powers of two (the reference rounds through log2,
-    which the kernel does not repeat), and Triton on a CUDA tensor (triton None) or as told."""
+    which the kernel does not repeat), and on x's device the probe passed (triton None) or as
+    told."""
     if tuple(tiles) != ((1, BLOCK), (BLOCK, 1)) or dtype != E4M3 or power_of_2 or x.dim() != 2:
         return False
     if x.shape[0] % BLOCK or x.shape[1] % BLOCK:
         return False
-    return (x.device.type == "cuda" and has_triton()) if triton is None else triton
+    return _PROBED.get(x.device.type, "not probed") is None if triton is None else triton
 
 
 def cast_transpose(x: torch.Tensor, triton: bool | None = None) -> tuple[Quantized, Quantized]:

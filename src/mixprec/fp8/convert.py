@@ -149,10 +149,12 @@ def _log_partial_tiles(conversion: Conversion) -> None:
                     "%d-element tiles only", ", ".join(fqns), shape, r.block)
     logger.info("fp8: a micro-batch whose token count is not a multiple of %d runs its block-wise weight-gradient "
                 "GEMMs emulated, for the same reason", r.block)
-    if conversion.device == "cuda":
-        logger.info("fp8: block-wise backward casts %s", "in one Triton kernel per operand, both layouts at once "
-                    "(mixprec.fp8.blockwise_cast)" if blockwise_cast.has_triton() else
-                    "with torch's ops, a transposing copy each (Triton is not installed)")
+    why = blockwise_cast.probe(conversion.device)
+    if why is None:
+        logger.info("fp8: block-wise backward casts in one Triton kernel per operand, both layouts at once "
+                    "(mixprec.fp8.blockwise_cast)")
+    elif conversion.device == "cuda":
+        logger.info("fp8: block-wise backward casts with torch's ops, a transposing copy each: %s", why)
 
 
 def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.dtype,
