@@ -47,11 +47,11 @@ def test_compiled_casts_and_dequantisation_equal_the_eager_ones(name):
     assert torch.equal(eager.values, compiled.values)
     if nv:
         assert torch.equal(eager.tensor_scale, compiled.tensor_scale)
-    dequantize = torch.compile(mx._dequantize, dynamic=True)
-    for dtype in (torch.bfloat16, torch.float32):
-        want = mx._dequantize(eager.data, eager.scale, eager.block, None, eager.shape, dtype)
-        got = dequantize(eager.data, eager.scale, eager.block, None, eager.shape, dtype)
-        assert torch.equal(want, got), dtype
+    # bfloat16: the operands of CUDA's GEMM (FP32 ones only where its FP32-output GEMM is refused)
+    want = mx._dequantize(eager.data, eager.scale, eager.block, None, eager.shape, torch.bfloat16)
+    got = torch.compile(mx._dequantize, dynamic=True)(eager.data, eager.scale, eager.block, None, eager.shape,
+                                                       torch.bfloat16)
+    assert torch.equal(want, got)
     if square:
         want = mx._transpose(eager.data, eager.scale)
         got = torch.compile(mx._transpose, dynamic=True)(eager.data, eager.scale)
