@@ -133,10 +133,12 @@ class Conversion:
         return f"{len(self.modules)} Linear layers in {self.recipe.label} ({self.recipe.name}: {self.recipe.summary()}; {kernels})"
 
 
-def _log_partial_tiles(conversion: Conversion) -> None:
-    """Torch's block-wise kernel takes whole 128-tiles only: a layer narrower than that, or a
+def _log_blockwise(conversion: Conversion) -> None:
+    """Block-wise's choices, said here once rather than from inside a compiled graph: torch's
+    block-wise kernel takes whole 128-tiles only, so a layer narrower than that, or a
     micro-batch of tokens that is not a whole number of tiles, has its GEMMs emulated
-    (mixprec.fp8.gemm.scaled_mm), said here once rather than from inside a compiled graph."""
+    (mixprec.fp8.gemm.scaled_mm); and whether the backward casts run on the Triton kernel
+    (probed here, mixprec.fp8.blockwise_cast)."""
     r = conversion.recipe
     if r.granularity is not Granularity.BLOCKWISE or all(why is not None for why in conversion.routes.values()):
         return
@@ -195,7 +197,7 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.
         setattr(parent, child, new)
         conversion.modules[fqn] = new
     logger.info("fp8: %s", conversion.describe())
-    _log_partial_tiles(conversion)
+    _log_blockwise(conversion)
     for fqn, reason in conversion.left_out.items():
         logger.info("fp8: %s stays in %s: %s", fqn, dtype_name(compute_dtype), reason)
     reasons = {}

@@ -69,7 +69,7 @@ class _FP8Matmul(torch.autograd.Function):
         dy = dy.contiguous()
         # block-wise on CUDA: dy cast once into both layouts, and x re-cast straight into the
         # layout the weight-gradient GEMM reads (mixprec.fp8.blockwise_cast)
-        fused = not r.delayed and blockwise_cast.applies(dy, r.grad_dtype, (t.g, t.g_wgrad), pow2)
+        fused = blockwise_cast.applies(dy, r.grad_dtype, (t.g, t.g_wgrad), pow2)  # never for delayed (tensor-wise)
         gq_w = None
         if r.delayed:
             gq = _delayed_cast(dy, state, DelayedScales.GRAD, r.grad_dtype)

@@ -187,11 +187,17 @@ def decode_codes(packed: torch.Tensor) -> torch.Tensor:
 
 def decode_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """(R, C/2) uint8 -> (R, C) FP32 values, both nibbles of a byte looked up at once."""
-    device = str(packed.device)
-    table = _BYTE_VALUES_ON.get(device)
-    if table is None:  # copied to a device once: a copy in every pass would make the host wait each time
-        table = _BYTE_VALUES_ON[device] = _BYTE_VALUES.to(packed.device)
-    return table[packed.long()].flatten(-2)
+    return byte_values(packed.device)[packed.long()].flatten(-2)
+
+
+def byte_values(device) -> torch.Tensor:
+    """The decode table on `device`, copied there once (MXLinear asks when it is made): a copy
+    in every pass would make the host wait each time."""
+    key = str(torch.device(device))
+    table = _BYTE_VALUES_ON.get(key)
+    if table is None:
+        table = _BYTE_VALUES_ON[key] = _BYTE_VALUES.to(device)
+    return table
 
 
 def _byte_values() -> torch.Tensor:

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from mixprec.errors import UserError
 from mixprec.fp8.gathered import BACKWARD, FORWARD, gathered_copy
 from mixprec.fp8.linear import FP8Linear, Plan, register_linear
-from mixprec.fp8.microscaling import (E2M1, E4M3, E5M2, E8M0, ROUNDINGS, Blocked, hadamard_signs,
+from mixprec.fp8.microscaling import (E2M1, E4M3, E5M2, E8M0, ROUNDINGS, Blocked, byte_values, hadamard_signs,
                                       quantize_mx_bits, quantize_nvfp4_bits, rotate)
 from mixprec.fp8.recipe import GEMMS, FP8Recipe, Granularity, Tiles, register_recipe
 
@@ -400,7 +400,11 @@ class MXLinear(FP8Linear):
 
     @classmethod
     def from_linear(cls, linear, plan: Plan, fqn: str = "") -> "MXLinear":
-        plan.recipe.transform("cpu")  # the Hadamard signs drawn now, outside any compiled region
+        # the Hadamard signs drawn and the decode table copied now, outside any compiled region
+        # and any step (on the weight's device; a model still on the meta device copies at first use)
+        device = linear.weight.device if linear.weight.device.type != "meta" else torch.device("cpu")
+        plan.recipe.transform(device)
+        byte_values(device)
         new = super().from_linear(linear, plan, fqn)
         new.salt = zlib.crc32(fqn.encode())  # the layer's part of its stochastic-rounding keys
         return new

@@ -131,9 +131,21 @@ class DelayedScales:
         new = torch.where(torch.isfinite(pending), pending, torch.zeros_like(pending))
         history.copy_(torch.cat([new[:, None], history[:, :-1]], dim=1))
         ref = history.amax(dim=1) if algo == "max" else history[:, 0]
-        fp8_max = torch.empty(len(dtypes), device=history.device)
-        for i, d in enumerate(dtypes):  # filled on the device: a tensor made from a list is a blocking copy
-            fp8_max[i] = FP8_MAX[d]
-        fresh = fp8_max / ref.clamp(min=EPS) / 2.0**margin
+        fresh = _maxima(tuple(dtypes), history.device) / ref.clamp(min=EPS) / 2.0**margin
         scale.copy_(torch.where(ref > 0, fresh, scale))  # nothing recorded: keep the old scale
         pending.zero_()
+
+
+def _maxima(dtypes: tuple, device: torch.device) -> torch.Tensor:
+    """(len(dtypes),) the formats' largest values on `device`, made there once (filled, not
+    copied from the host: a tensor made from a list would be a blocking copy every step)."""
+    key = (dtypes, str(device))
+    if key not in _MAXIMA:
+        maxima = torch.empty(len(dtypes), device=device)
+        for i, d in enumerate(dtypes):
+            maxima[i] = FP8_MAX[d]
+        _MAXIMA[key] = maxima
+    return _MAXIMA[key]
+
+
+_MAXIMA: dict[tuple, torch.Tensor] = {}  # (dtypes, device) -> _maxima's tensor

@@ -10,9 +10,17 @@ is a no-op and the parameters match torch.optim.AdamW(foreach=False) bit for bit
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mixprec.optim import fused_adamw
+
+
+@functools.cache
+def _moments_kernel():
+    """fused_adamw.adamw_moments_ compiled once per process (dynamic shapes: every parameter)."""
+    return torch.compile(fused_adamw.adamw_moments_, dynamic=True)
 
 
 class AdamW(torch.optim.Optimizer):
@@ -98,14 +106,11 @@ class AdamW(torch.optim.Optimizer):
                 self._update_unless(p, grad, self.state[p], group, found_inf)
             return
         skip = found_inf.to(params[0].device)
-        steps = [self.state[p]["step"] for p in params]
-        for i, p in enumerate(params):
-            if steps[i].device != p.device:  # loaded onto the CPU: beside the parameter
-                steps[i] = self.state[p]["step"] = steps[i].to(p.device)
-        torch._foreach_add_(steps, [1 - skip] * len(steps))  # a list: the one-tensor overload reads it on the host
-        kernel = self.__dict__.setdefault("_kernel", torch.compile(fused_adamw.adamw_moments_, dynamic=True))
-        for p, grad, scalars in zip(params, grads, fused_adamw.scalars(group, torch.stack(steps))):
-            kernel(p, grad, self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"], skip, *scalars)
+        states = [self.state[p] for p in params]
+        kernel = _moments_kernel()
+        for p, grad, state, scalars in zip(params, grads, states,
+                                           fused_adamw.device_steps(group, states, [p.device for p in params], skip)):
+            kernel(p, grad, state["exp_avg"], state["exp_avg_sq"], skip, *scalars)
 
     def _update_unless(self, p, grad, state, group, found_inf: torch.Tensor) -> None:
         """_update's arithmetic with the step count and bias corrections on the device (the

@@ -90,6 +90,18 @@ def scalars(group: dict, steps: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
     return [(a, b, *rest) for a, b in zip(step_size.unbind(), bias_correction2_sqrt.unbind())]
 
 
+def device_steps(group: dict, states: list[dict], devices, skip: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Each parameter's step count (its state["step"], moved beside it where it was loaded onto
+    the CPU) advanced by 1 - skip on the device, so a skipped step is not counted, and the
+    kernels' scalars at the new counts (`scalars`)."""
+    for state, device in zip(states, devices):
+        if state["step"].device != device:
+            state["step"] = state["step"].to(device)
+    steps = [state["step"] for state in states]
+    torch._foreach_add_(steps, [1 - skip] * len(steps))  # a list: the one-tensor overload reads it on the host
+    return scalars(group, torch.stack(steps))
+
+
 def bias_corrections(group: dict, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """AdamW's `lr / (1 - beta1**step)` and `(1 - beta2**step) ** 0.5` for step counts on the
     device, in float64 there: pow and correctly rounded division, the values Python's floats

@@ -212,13 +212,11 @@ class BF16Updates:
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     if self.method == "kahan":
                         state[COMPENSATION] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if state["step"].device != _local(p).device:  # loaded onto the CPU: keep it beside the parameter
-                    state["step"] = state["step"].to(_local(p).device)
             device = _local(mine[0]).device
             skip = found_inf.to(device) if found_inf is not None else torch.zeros((), device=device)
-            steps = [optimizer.state[p]["step"] for p in mine]
-            torch._foreach_add_(steps, [1 - skip] * len(steps))  # a list: the one-tensor overload reads it on the host
-            for p, scalars in zip(mine, fused_adamw.scalars(group, torch.stack(steps))):
+            all_scalars = fused_adamw.device_steps(group, [optimizer.state[p] for p in mine],
+                                                   [_local(p).device for p in mine], skip)
+            for p, scalars in zip(mine, all_scalars):
                 state = optimizer.state[p]
                 tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
                 if self.method == "kahan":
