@@ -152,7 +152,8 @@ def one_mode(preset: str, impl: str, compiled: bool, flavor: str, device: str, b
     """One (preset, mixprec or plain, eager or compiled) run: tokens/s, MFU, peak memory."""
     from mixprec.config import load_config
     from mixprec.models.llama import build_model
-    from mixprec.train.metrics import peak_flops, peak_memory_bytes
+    from mixprec.reporting import peak_memory_bytes
+    from mixprec.train.metrics import peak_flops
     from mixprec.train.trainer import Trainer
 
     overrides = {"model.flavor": flavor, "precision.preset": preset, "checkpoint.enable": "false",

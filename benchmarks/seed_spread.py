@@ -64,9 +64,9 @@ def main() -> None:
 
 
 def plot(by_seed: dict[int, dict[str, float]], presets: list[str], reference: str, out: str) -> None:
-    from mixprec.train.metrics import _pyplot
+    from mixprec.reporting import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     others = [p for p in presets if p != reference]
     fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(others), 3.8))
     for i, p in enumerate(others):

@@ -165,7 +165,7 @@ def test_a_snapshot_of_cuda_tensors_sees_the_state_at_capture():
 
 def test_stochastic_rounding_gives_the_cpus_bits_on_cuda_eager_and_compiled():
     # CPU test: tests/optim/test_updates.py (counter-based bits: the same on every device)
-    from mixprec.optim.rounding import rounding_key, stochastic_round_bf16
+    from mixprec.rounding import rounding_key, stochastic_round_bf16
 
     x = torch.randn(4096, 33) * 10
     key = torch.tensor(rounding_key(0, 0, 3, 1), dtype=torch.int32)
@@ -177,7 +177,7 @@ def test_stochastic_rounding_gives_the_cpus_bits_on_cuda_eager_and_compiled():
 
 def test_nearest_rounding_on_cuda_is_torchs_cast_eager_and_compiled():
     # CPU test: tests/optim/test_updates.py (Veltkamp's split there; the bits here)
-    from mixprec.optim.rounding import nearest_bf16
+    from mixprec.rounding import nearest_bf16
 
     mantissas = torch.arange(1 << 23, dtype=torch.int32)
     x = torch.cat([((e << 23) | mantissas).view(torch.float32) for e in (1, 127, 250)]).cuda()

@@ -25,7 +25,7 @@ _WHERE = {
     "audit": "mixprec.analysis.audit", "format_audit": "mixprec.analysis.audit",
     "plan_memory": "mixprec.analysis.plan_model",
     # a compute format per Linear layer, chosen by measurement
-    "plan_precision": "mixprec.analysis.precision_plan", "format_plan": "mixprec.analysis.precision_plan",
+    "plan_precision": "mixprec.plan.planner", "format_plan": "mixprec.plan.planner",
     "PlanConfig": "mixprec.plan.config",
     # config
     "Config": "mixprec.config", "load_config": "mixprec.config", "build_policy": "mixprec.config",

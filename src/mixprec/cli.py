@@ -273,10 +273,21 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from mixprec.analysis.precision_plan import format_plan, run_plan
+    import time
 
-    config = load_config(args.config, {k: v for k, v in vars(args).items() if "." in k})
-    print(format_plan(run_plan(config)))
+    from mixprec.plan.planner import for_planning, format_plan, plan_layers, save
+    from mixprec.train.trainer import Trainer
+
+    config = for_planning(load_config(args.config, {k: v for k, v in vars(args).items() if "." in k}))
+    t0 = time.perf_counter()
+    trainer = Trainer(config)  # the config's model, data and base mode; its step is what the planner runs
+    if trainer.dims.world_size > 1:
+        raise UserError("mixprec plan runs in one process; accepted: python -m mixprec plan (not under torchrun)")
+    report = plan_layers(trainer.raw_model, trainer.policy, trainer.train_step, config.plan, trainer.device,
+                         config.model.hf_config or f"{config.model.flavor} flavor", exclude=config.fp8.filter_fqns,
+                         started=t0, progress=config.metrics.progress_bar)
+    save(report, config.plan.out, plot=config.metrics.plot)
+    print(format_plan(report))
     return 0
 
 

@@ -401,7 +401,7 @@ def build_policy(precision: Precision, training: Training,
 
     overrides = tuple(Override.parse(r) for r in precision.override)
     if precision.plan:
-        from mixprec.precision.plan_file import read_plan
+        from mixprec.plan.file import read_plan
 
         plan = read_plan(precision.plan)
         if plan.base and plan.base != (precision.preset or "bf16-mixed"):

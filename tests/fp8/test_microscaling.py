@@ -204,7 +204,7 @@ def test_stochastic_rounding_is_unbiased_and_reproducible():
 
 
 def _bits(v, key):
-    from mixprec.optim.rounding import random_bits16
+    from mixprec.rounding import random_bits16
 
     return random_bits16(v.numel(), torch.tensor(key, dtype=torch.int32), v.device)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mixprec.optim.fused_adamw import unsupported
-from mixprec.optim.rounding import MIX, nearest_bf16, nearest_bf16_bits, random_bits16, rounding_key, stochastic_round_bf16
+from mixprec.rounding import MIX, nearest_bf16, nearest_bf16_bits, random_bits16, rounding_key, stochastic_round_bf16
 from mixprec.optim.updates import COMPENSATION, BF16Updates
 
 BF16 = torch.bfloat16

@@ -1,4 +1,4 @@
-"""A trainer run under mixprec.analysis.host_reads.HostReads: every read of a device value
+"""A trainer run under host_reads.HostReads (tests/train/host_reads.py): every read of a device value
 labelled by where the loop was. Imported by tests/train/test_host_reads.py, and run as a
 script under torchrun by it (one JSON file of reads per rank).
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec.analysis.host_reads import HostReads, PythonReads
+from host_reads import HostReads, PythonReads
 from mixprec.config import load_config
 from mixprec.train.trainer import Trainer
 

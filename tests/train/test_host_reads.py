@@ -1,7 +1,7 @@
 """The trainer's step never reads a device value on the host: every decision (skip, clip,
 loss scale, step counts) is made on the device, and the loop reads once per read step
 (metrics.log_freq, evaluation, checkpoint, guard snapshot). Counted with a dispatch mode
-(mixprec.analysis.host_reads) in every preset, with clipping, two micro-batches, the
+(tests/train/host_reads.py) in every preset, with clipping, two micro-batches, the
 stability guard and a non-finite step that is not a read step; compiled; on two gloo
 ranks under FSDP2 and DDP."""
 

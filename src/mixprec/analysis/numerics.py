@@ -92,9 +92,9 @@ def gradient_census(model: torch.nn.Module, loss_scale: float = 1.0) -> dict[str
 
 def plot_census(model: torch.nn.Module, loss_scale: float, path) -> None:
     """Histogram of log2 |gradient| over all parameters, with each format's range."""
-    from mixprec.train.metrics import _pyplot
+    from mixprec.reporting import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     grads = torch.cat([(p.grad.detach().double().abs() * loss_scale).flatten() for p in model.parameters()
                        if p.grad is not None])
     grads = grads[grads > 0]

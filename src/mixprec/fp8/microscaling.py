@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.fp8.scaling import per_tile
-from mixprec.optim.rounding import random_bits16
+from mixprec.rounding import random_bits16
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 E2M1 = torch.float4_e2m1fn_x2  # two e2m1 codes per byte

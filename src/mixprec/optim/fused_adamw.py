@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mixprec.optim.rounding import round_trip, stochastic_round_bf16
+from mixprec.rounding import round_trip, stochastic_round_bf16
 
 
 def _adamw(w, g, m, v, step_size, bias_correction2_sqrt, lr, beta1, beta2, eps, weight_decay, sign):

@@ -9,7 +9,7 @@ neither needing a 4-byte master copy:
   last rounding dropped; the weight the optimizer steps is weight + compensation (16
   significant bits), and after the step weight = round(w32), compensation = w32 - weight.
 - stochastic: the stepped weight rounds up or down to a neighbouring bfloat16 value with
-  probability proportional to its distance (mixprec.optim.rounding), so the rounding is
+  probability proportional to its distance (mixprec.rounding), so the rounding is
   unbiased on average and small updates survive in expectation.
 
 Two paths, chosen once and logged:
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from mixprec.optim import fused_adamw
-from mixprec.optim.rounding import compile_options, compiled_nearest_unsafe, rounding_key, stochastic_round_bf16
+from mixprec.rounding import compile_options, compiled_nearest_unsafe, rounding_key, stochastic_round_bf16
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from pathlib import Path
 from mixprec.config import to_toml
 from mixprec.errors import UserError
 from mixprec.precision.presets import resolve_preset_name
-from mixprec.train.metrics import _pyplot, _save, read_metrics
+from mixprec.reporting import pyplot
+from mixprec.train.metrics import _save, read_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ def _entry(text: str) -> tuple[str, str, str]:
     """(name, preset, plan file) of one --presets entry: a preset, or plan:PATH (a plan file
     from `mixprec plan`, on the base mode it was measured under)."""
     if text.startswith("plan:"):
-        from mixprec.precision.plan_file import read_plan
+        from mixprec.plan.file import read_plan
 
         path = text.removeprefix("plan:")
         plan = read_plan(path)
@@ -141,7 +142,7 @@ def _shares(shares: dict[str, float]) -> str:
 
 
 def plot_loss_curves(metrics: dict[str, Path], out: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, (name, path) in enumerate(metrics.items()):
         records = read_metrics(path)
@@ -155,7 +156,7 @@ def plot_loss_curves(metrics: dict[str, Path], out: Path) -> None:
 
 
 def plot_speed_memory(report: dict, out: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     rows = report["presets"]
     names = [r["preset"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))

@@ -4,13 +4,13 @@ measurements, and the plots drawn from them (loss curve, loss scale, stability).
 from __future__ import annotations
 
 import json
-import resource
 import time
 from pathlib import Path
 
 import torch
 
 from mixprec.errors import UserError
+from mixprec.reporting import pyplot
 
 # Dense peak TFLOP/s by GPU name and what the matmuls compute in (vendor data sheets).
 # The data sheets' headline figures assume 2:4 sparsity: an H100 SXM's 1979 is BF16 with
@@ -58,13 +58,6 @@ def _best_seconds(a: torch.Tensor, repeats: int) -> float:
         a @ a
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA: peak allocated by tensors. CPU: peak resident set size of the process."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 class MetricsLogger:
@@ -125,24 +118,13 @@ def read_metrics(path: Path) -> list[dict]:
     return [r for line in _read_lines(path) if (r := _parse(line)) is not None]
 
 
-def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError("metrics.plot needs matplotlib: pip install matplotlib (or set metrics.plot false)") from None
-    return plt
-
-
 def plot_loss_scale(metrics_path: Path, out: Path) -> Path | None:
     """The loss scale over steps with the overflowed (skipped) steps marked; None when
     the run had no loss scaling."""
     records = [r for r in read_metrics(metrics_path) if r.get("loss_scale") is not None]
     if not records:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.step([r["step"] for r in records], [r["loss_scale"] for r in records], where="post", label="loss scale")
     skipped = [(r["step"], r["loss_scale"]) for r in records if r["skipped"]]
@@ -165,7 +147,7 @@ def _save(plt, fig, ax, out: Path, ylabel: str) -> Path:
 
 def plot_loss_curve(metrics_path: Path, out: Path, title: str) -> Path:
     """Training and validation loss over steps, from metrics.jsonl."""
-    plt = _pyplot()
+    plt = pyplot()
     records = read_metrics(metrics_path)
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
@@ -182,7 +164,7 @@ def plot_stability(metrics: list[dict], incidents: list[dict], out: Path, title:
     """stability.png: loss and gradient norm over the steps that survived, with every
     incident (mixprec.stability's incident log) marked where it happened and each rewind
     shaded back to the step it went to."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     for ax, key, label in ((axes[0], "loss", "training loss"), (axes[1], "grad_norm", "gradient norm")):
         points = [(r["step"], r[key]) for r in metrics if isinstance(r.get(key), (int, float))]

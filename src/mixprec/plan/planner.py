@@ -1,7 +1,8 @@
-"""`mixprec plan`: run a few real training steps of the config, measure every Linear layer
-FP8 can take in every candidate format on the last of them, choose a format per layer
-(mixprec.plan.choose) and write the plan file (mixprec.precision.plan_file) that
-`precision.plan` takes.
+"""`mixprec plan`: run a few real training steps, measure every Linear layer FP8 can take in
+every candidate format on the last of them (mixprec.plan.measure), choose a format per
+layer (mixprec.plan.choose) and write the plan file (mixprec.plan.file) that
+`precision.plan` takes. The command gives it the trainer's step (`for_planning` says how
+the config is run); a library user gives `plan_precision` a model, a policy and batches.
 
 The base mode is the config's (bf16-mixed by default); layers FP8 cannot take (the
 output projection, shapes that are not multiples of 16, fp8.filter_fqns) stay in it and
@@ -22,12 +23,13 @@ from torch import nn
 from mixprec.errors import UserError
 from mixprec.fp8.convert import output_projections, why_not
 from mixprec.fp8.recipe import FP8Recipe
-from mixprec.plan.choose import choose, floors, modeled_speedups
+from mixprec.plan.choose import choose, floors, margin, modeled_speedups
 from mixprec.plan.config import PlanConfig
+from mixprec.plan.file import write_plan
 from mixprec.plan.measure import GEMMS, Capture, gemm_times, measure
-from mixprec.precision.plan_file import write_plan
+from mixprec.plan.file import write_plan
 from mixprec.precision.spec import FP32, format_name, parse_format
-from mixprec.train.metrics import peak_memory_bytes
+from mixprec.reporting import device_name, peak_memory_bytes, pyplot
 
 logger = logging.getLogger(__name__)
 
@@ -85,22 +87,11 @@ def plan_precision(model: nn.Module, policy, optimizer: torch.optim.Optimizer, b
     return report
 
 
-def run_plan(config) -> dict:
-    """`mixprec plan`: the config's model, data and base mode, through the trainer's step."""
-    from mixprec.train.trainer import Trainer
-
-    # hooks see every layer in eager mode; the guard has nothing to recover in a few steps
-    config = dataclasses.replace(config, compile=dataclasses.replace(config.compile, enable=False),
-                                 stability=dataclasses.replace(config.stability, enable=False))
-    t0 = time.perf_counter()
-    trainer = Trainer(config)
-    if trainer.dims.world_size > 1:
-        raise UserError("mixprec plan runs in one process; accepted: python -m mixprec plan (not under torchrun)")
-    report = plan_layers(trainer.raw_model, trainer.policy, trainer.train_step, config.plan, trainer.device,
-                         config.model.hf_config or f"{config.model.flavor} flavor", exclude=config.fp8.filter_fqns,
-                         started=t0, progress=config.metrics.progress_bar)
-    save(report, config.plan.out, plot=config.metrics.plot)
-    return report
+def for_planning(config):
+    """The config as `mixprec plan` runs it: eager, so that the hooks see every layer; no
+    stability guard, which has nothing to recover in a few steps."""
+    return dataclasses.replace(config, compile=dataclasses.replace(config.compile, enable=False),
+                               stability=dataclasses.replace(config.stability, enable=False))
 
 
 def plan_layers(model: nn.Module, policy, step, pcfg: PlanConfig, device: torch.device, model_name: str, *,
@@ -162,7 +153,7 @@ def plan_layers(model: nn.Module, policy, step, pcfg: PlanConfig, device: torch.
     fp8_share = sum(feats[f] for f, fmt in chosen.items() if fmt != base) / max(1, sum(feats.values()))
     header = {"base": policy.requested, "objective": pcfg.objective, "target": pcfg.target or "this device",
               "floors_db": floor, "candidates": list(candidates), "steps": pcfg.steps,
-              "measured_steps": pcfg.measure_steps, "device": _device_name(device), "model": model_name,
+              "measured_steps": pcfg.measure_steps, "device": device_name(device), "model": model_name,
               "speed": speed_note, "fp8_flop_share": round(fp8_share, 4),
               "layers_in_fp8": sum(fmt != base for fmt in chosen.values()), "layers": len(chosen),
               "left_out": left_out, "planner_seconds": round(time.perf_counter() - t0, 1),
@@ -185,12 +176,6 @@ def save(report: dict, out: str | Path, plot: bool = False) -> None:
         report["plot"] = str(plot_plan(report, Path(out).with_suffix(".png")))
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({torch.backends.cpu.get_cpu_capability()})"
-
-
 def _speedups(pcfg, shapes, formats, base, policy, device) -> tuple[dict, str]:
     """Per layer, each candidate's expected speed-up of the three GEMMs over the base's."""
     if pcfg.objective != "speed":
@@ -210,7 +195,7 @@ def _speedups(pcfg, shapes, formats, base, policy, device) -> tuple[dict, str]:
                 logger.info("plan: %s at %s is emulated on this %s (%s): not counted as a speed-up", name,
                             "x".join(map(str, shape)), device.type, emulated)
     return ({fqn: {n: times[shape, n] for n in candidates} for fqn, shape in shapes.items()},
-            f"measured on this device ({_device_name(device)}): the three GEMMs at each layer's shapes, casts not timed")
+            f"measured on this device ({device_name(device)}): the three GEMMs at each layer's shapes, casts not timed")
 
 
 def format_plan(report: dict) -> str:
@@ -234,10 +219,7 @@ def format_plan(report: dict) -> str:
 
 def plot_plan(report: dict, out: Path) -> Path:
     """Each layer's worst-GEMM SQNR margin per candidate, the chosen one marked."""
-    from mixprec.plan.choose import margin
-    from mixprec.train.metrics import _pyplot
-
-    plt = _pyplot()
+    plt = pyplot()
     h = report["header"]
     floor = h["floors_db"]
     names = list(report["layer_rows"])
