@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec.interop.export import export
+from mixprec.runs.export import export
 from mixprec.models.llama import build_model, model_args
 
 

@@ -308,7 +308,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from mixprec.dtypes import parse_dtype
-    from mixprec.interop.export import export
+    from mixprec.runs.export import export
 
     if not args.max_shard_gb > 0:
         raise UserError(f"--max-shard-gb: bad value {args.max_shard_gb}; accepted: a positive number")
@@ -321,7 +321,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from mixprec.interop.generate import generate, load_model
+    from mixprec.runs.generate import generate, load_model
 
     for flag, ok, accepted in (("--max-new-tokens", args.max_new_tokens > 0, "a positive integer"),
                                ("--temperature", args.temperature >= 0, "a number >= 0"),

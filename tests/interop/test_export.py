@@ -8,8 +8,8 @@ import torch
 
 from conftest import run_train
 from mixprec.cli import main
-from mixprec.interop.export import export
-from mixprec.interop.generate import generate, load_model
+from mixprec.runs.export import export
+from mixprec.runs.generate import generate, load_model
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,26 @@ def test_fp32_export_loads_in_transformers_with_mixprecs_logits(tmp_path, run):
     # the run's tokens (UTF-8 bytes) as a tokenizer.json transformers reads
     text = "héllo, wörld\n\tdef f(): ✓"
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")(text)["input_ids"] == list(text.encode())
+
+
+def test_a_tied_llama_exports_its_embeddings_once(tmp_path, text_file):
+    """The tie rule (mixprec.models.ties) decides what export stores once: the output
+    projection is the embeddings, so the folder has no lm_head.weight and says it is tied."""
+    import transformers
+    from safetensors import safe_open
+
+    run_train(tmp_path / "run", text_file, "--precision.preset", "fp32", "--training.steps", "2",
+              "--checkpoint.interval", "2", "--model.flavor", "debug", "--model.tie_embeddings", "true")
+    export(tmp_path / "run", tmp_path / "hf", dtype=torch.float32)
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is True
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ours, _ = load_model(str(tmp_path / "run"))
+    assert ours.output.weight is ours.tok_embeddings.weight
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    assert (_logits(hf, x) - _logits(ours, x)).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "gpt2"])

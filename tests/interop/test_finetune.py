@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import first_batch, hf_loss, save_tiny
-from mixprec.interop.export import export
+from mixprec.runs.export import export
 
 PRESETS = ("fp32", "bf16-mixed", "fp8-rowwise")
 
@@ -64,7 +64,7 @@ def test_the_sharded_checkpoint_exports_and_transformers_loads_it(tmp_path, fine
     assert (root / preset / "checkpoint" / "step-8").is_dir()  # DCP, written by both ranks
     export(root / preset, tmp_path / "out", dtype=torch.float32)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    from mixprec.interop.generate import load_model
+    from mixprec.runs.generate import load_model
 
     ours, _ = load_model(str(root / preset))
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mixprec import UserError
-from mixprec.train.checkpoint import CheckpointManager
+from mixprec.interop.checkpoint import CheckpointManager
 
 
 def state(step):
@@ -130,7 +130,7 @@ def test_the_error_classes_of_a_checkpoint_read():
     assert does_not_fit(KeyError("best_val")) and does_not_fit(RuntimeError("Error(s) in loading state_dict for X"))
     for defect in (AttributeError("x"), TypeError("x"), IndexError("x"), RuntimeError("CUDA error: an illegal address")):
         assert not does_not_fit(defect)
-    from mixprec.train.checkpoint import restoring
+    from mixprec.interop.checkpoint import restoring
 
     with pytest.raises(KeyError):  # a rewind restores the run's own snapshot: no error there is the user's
         with restoring("memory snapshot", from_user=False):

@@ -18,6 +18,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from mixprec.dtypes import dtype_name
 from mixprec.fp8 import all_gather
 from mixprec.fp8.linear import FP8Linear
+from mixprec.models.ties import tied_modules
 from mixprec.precision import Policy
 from mixprec.precision.master import cast_parameters
 
@@ -48,12 +49,13 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, policy: Policy, *, reshard_af
                   reshard_after_forward=reshard_after_forward != "never",
                   offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     # Tied embeddings and output (the 1B flavor's): one tensor can be in one FSDP group only, the root's
-    tied = hasattr(model, "output") and model.output.weight is model.tok_embeddings.weight
-    if hasattr(model, "tok_embeddings") and not tied:  # mixprec's Llama; another model's stay in the root
+    tied = tied_modules(model)
+    # mixprec's Llama; another model's embeddings and head stay in the root
+    if hasattr(model, "tok_embeddings") and "tok_embeddings" not in tied:
         fully_shard(model.tok_embeddings, **kwargs)
     for block in blocks:
         fully_shard(block, **kwargs)
-    if hasattr(model, "output") and not tied:
+    if hasattr(model, "output") and "output" not in tied:
         fully_shard([model.norm, model.output], **kwargs)
     fully_shard(model, **{**kwargs, "reshard_after_forward": reshard_after_forward == "always"})
     all_gather.attach_units(model)

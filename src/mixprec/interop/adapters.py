@@ -1,10 +1,12 @@
-"""State-dict adapters: one per architecture, between mixprec's parameter names and layouts
-and a Hugging Face folder's, used by the initial load and by export alike.
+"""The state-dict adapters (mixprec.interop.interfaces.StateDictAdapter): one per
+architecture, between mixprec's parameter names and layouts and a Hugging Face folder's,
+used by the initial load and by export alike.
 
     adapter = adapter_for(model)                  # mixprec's Llama, or a transformers model
     adapter.hf_name("layers.0.attention.wq.weight")       # model.layers.0.self_attn.q_proj.weight
     adapter.to_hf(name, tensor)                   # the tensor as the folder stores it
     adapter.read(name, folder.read, rows)         # rows of a parameter, read from the folder's layout
+    adapter.hf_config("bfloat16")                 # config.json
 
 mixprec's Llama rotates the pairs (x[2i], x[2i+1]) of each head by RoPE's i-th frequency;
 Hugging Face's Llama rotates (x[i], x[i + hd/2]) (`rotate_half`). The two compute the same
@@ -20,6 +22,7 @@ import re
 import torch
 
 from mixprec.errors import UserError
+from mixprec.interop.interfaces import StateDictAdapter
 
 # mixprec Llama name -> Hugging Face Llama name ({i}: the layer)
 _LLAMA = {
@@ -63,10 +66,6 @@ class LlamaAdapter:
             raise KeyError(name)
         return self.names[name]
 
-    def tied(self, name: str) -> bool:
-        """Stored once in the folder: the output projection shares the embeddings."""
-        return self.args.tie_embeddings and name == "output.weight"
-
     def _rotated(self, name: str) -> bool:
         return name.endswith(("attention.wq.weight", "attention.wk.weight"))
 
@@ -76,7 +75,7 @@ class LlamaAdapter:
     def read(self, name: str, read, rows: slice | None = None) -> torch.Tensor:
         """Parameter `name` (or its `rows`) from a folder's `read(hf_name, rows)`. A rotated q/k
         row range is read as the whole heads that cover it, reordered, then cut."""
-        hf = self.hf_name("tok_embeddings.weight" if self.tied(name) else name)
+        hf = self.hf_name(name)
         if not self._rotated(name):
             return read(hf, rows)
         hd = self.args.head_dim
@@ -126,18 +125,15 @@ def llama_fields(config: dict, where: str) -> dict:
 
 class HFAdapter:
     """A transformers model trained by mixprec (`HFCausalLM`): the same names under `hf.`, the
-    same layouts; the tensors the model ties to another are stored once."""
+    same layouts. `fields`: its config.json's fields (a checkpoint's meta keeps them)."""
 
-    def __init__(self, tied: set[str]):
-        self._tied = tied  # names (ours) of parameters that share another's tensor
+    def __init__(self, fields: dict):
+        self.fields = fields
 
     def hf_name(self, name: str) -> str:
         if not name.startswith("hf."):
             raise KeyError(name)
         return name.removeprefix("hf.")
-
-    def tied(self, name: str) -> bool:
-        return name in self._tied
 
     def to_hf(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
@@ -145,26 +141,18 @@ class HFAdapter:
     def read(self, name: str, read, rows: slice | None = None) -> torch.Tensor:
         return read(self.hf_name(name), rows)
 
+    def hf_config(self, dtype: str) -> dict:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-def tie_pairs(model: torch.nn.Module) -> list[tuple[str, str]]:
-    """(name, the name that first holds the same Parameter) for each parameter another module
-    already holds (lm_head.weight when tied); a module reached by two paths (HFCausalLM.layers
-    is its decoder's list) is not a tie."""
-    first, pairs = {}, []
-    for fqn, module in model.named_modules():
-        for name, p in module.named_parameters(recurse=False):
-            full = f"{fqn}.{name}" if fqn else name
-            pairs.append((full, first[id(p)])) if id(p) in first else first.setdefault(id(p), full)
-    return pairs
+        return {**self.fields, "architectures": [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[self.fields["model_type"]]],
+                "torch_dtype": dtype}
 
 
-def tied_names(model: torch.nn.Module) -> set[str]:
-    return {name for name, _ in tie_pairs(model)}
-
-
-def adapter_for(model: torch.nn.Module):
-    from mixprec.models.hf import HFCausalLM
+def adapter_for(model: torch.nn.Module, fields: dict | None = None) -> StateDictAdapter:
+    """The model's adapter; `fields`: a transformers model's config.json fields as recorded
+    (default: its config's)."""
+    from mixprec.models.hf import HFCausalLM, meta_of
 
     if isinstance(model, HFCausalLM):
-        return HFAdapter(tied_names(model))
+        return HFAdapter(fields if fields is not None else meta_of(model.config))
     return LlamaAdapter(model.args)

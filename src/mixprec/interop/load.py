@@ -21,48 +21,37 @@ from torch import nn
 
 from mixprec.dtypes import dtype_name
 from mixprec.errors import UserError, dcp_failures, unreadable
-from mixprec.interop.adapters import adapter_for, tie_pairs, tied_names
+from mixprec.interop.adapters import adapter_for
+from mixprec.interop.checkpoint import read_checkpoint
 from mixprec.interop.hf_folder import HFFolder, is_hf_folder
+from mixprec.interop.interfaces import NameMap, WeightSource
+from mixprec.models.ties import retie, tie_pairs, tied_names
 
 logger = logging.getLogger(__name__)
 
 _IGNORED = ("rotary_emb.inv_freq",)  # recomputed buffers older transformers saved
 
 
-class Identity:
+class OwnNames:
     """mixprec's own names: a mixprec checkpoint into the model that wrote it."""
 
     def hf_name(self, name: str) -> str:
         return name
-
-    def tied(self, name: str) -> bool:
-        return False
 
     def read(self, name: str, read, rows: slice | None = None) -> torch.Tensor:
         return read(name, rows)
 
 
 class CheckpointWeights:
-    """The model tensors of a mixprec checkpoint, never its optimizer: a single file read by
-    torch.load(mmap=True, weights_only=True) (tensors paged in as touched), or the `model.*`
-    entries of a DCP folder of any world size. `meta` is what the run recorded of the model."""
+    """The model tensors of a mixprec checkpoint, never its optimizer: a single file read with
+    its tensors paged in as touched, or the `model.*` entries of a DCP folder of any world
+    size (a WeightSource). `meta` is what the run recorded of the model."""
 
     def __init__(self, path: str | Path, key: str = "checkpoint.initial_load"):
         self.path = Path(path).expanduser()
-        extras = self.path / "extras.pt" if self.path.is_dir() else self.path
-        try:
-            state = torch.load(extras, map_location="cpu", weights_only=True, mmap=not self.path.is_dir())
-        except FileNotFoundError:
-            raise UserError(f"{key} {path}: no such file or folder; accepted: a Hugging Face model folder, a "
-                            "mixprec checkpoint (step-N.pt or a step-N folder), or a run folder") from None
-        except Exception as e:  # torch.load raises many types for files that are not its own
-            if not unreadable(e):
-                raise
-            raise UserError(f"{key} {path}: not a mixprec checkpoint ({type(e).__name__}: {str(e)[:100]}); "
-                            "accepted: a step-N.pt file or step-N folder written by mixprec train") from None
-        if not isinstance(state, dict) or state.get("format") != 1 or "meta" not in state:
-            raise UserError(f"{key} {path}: not a mixprec checkpoint (format 1); accepted: a step-N.pt file or "
-                            "step-N folder written by mixprec train")
+        state = read_checkpoint(self.path, f"{key} {path}", "accepted: a Hugging Face model folder, a run folder, "
+                                "or a mixprec checkpoint (a step-N.pt file or step-N folder written by mixprec train)",
+                                mmap=True)
         self.meta, self.step = state["meta"], state.get("step")
         self.tensors = state["model"] if "model" in state else _dcp_model(self.path, key)
         if "hf_config" in self.meta:  # a transformers model's state_dict holds its decoder layers twice:
@@ -102,11 +91,11 @@ def _dcp_model(path: Path, key: str) -> dict[str, torch.Tensor]:
     return model
 
 
-def open_source(path: str | Path, model: nn.Module, key: str = "checkpoint.initial_load"):
-    """(the source, the adapter from the model's names to the source's)."""
+def open_source(path: str | Path, model: nn.Module, key: str = "checkpoint.initial_load") -> tuple[WeightSource, NameMap]:
+    """(the source, the map from the model's names to the source's)."""
     if is_hf_folder(path):
         return HFFolder(path, key), adapter_for(model)
-    return CheckpointWeights(path, key), Identity()
+    return CheckpointWeights(path, key), OwnNames()
 
 
 def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -119,11 +108,11 @@ def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
     return targets
 
 
-def check_fits(model: nn.Module, source, adapter, key: str) -> None:
+def check_fits(model: nn.Module, source: WeightSource, adapter: NameMap, key: str) -> None:
     """Every tensor the model needs is there in a shape and kind that fits, and nothing is left
-    over: one line naming the first that does not."""
+    over: one line naming the first that does not. A tie is read once, under its first name."""
     targets = _targets(model)
-    wanted = {adapter.hf_name(n): n for n in targets if not adapter.tied(n)}
+    wanted = {adapter.hf_name(n): n for n in targets}
     have = set(source.names())
     spare = {adapter.hf_name(n) for n in tied_names(model)} | {n for n in have if n.endswith(_IGNORED)}
     missing = [n for n in wanted if n not in have]
@@ -158,7 +147,7 @@ def _local(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, source, adapter, extra: dict[str, list[torch.Tensor]] | None = None,
+def load_weights(model: nn.Module, source: WeightSource, adapter: NameMap, extra: dict[str, list[torch.Tensor]] | None = None,
                  key: str = "checkpoint.initial_load") -> None:
     """Copy each parameter (and persistent buffer) of `model` from `source`, this rank's rows
     only; `extra` names further tensors to receive the same values (FP32 master weights)."""
@@ -210,7 +199,4 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         owner, _, attr = name.rpartition(".")
         buffer = getattr(model.get_submodule(owner), attr)
         buffer.zero_() if value is None else buffer.copy_(value)
-    for name, first in tied:
-        owner, _, attr = name.rpartition(".")
-        first_owner, _, first_attr = first.rpartition(".")
-        setattr(model.get_submodule(owner), attr, getattr(model.get_submodule(first_owner), first_attr))
+    retie(model, tied)

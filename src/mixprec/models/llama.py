@@ -20,6 +20,7 @@ from torch import nn
 
 from mixprec.errors import UserError
 from mixprec.models.loss import chunked_cross_entropy
+from mixprec.models.ties import retie, tie_pairs
 
 
 @dataclass(frozen=True)
@@ -285,8 +286,8 @@ def build_model(args: ModelArgs, *, device: torch.device | str, storage_dtype: t
         torch.set_default_dtype(previous)
     if seed is None:
         return model
+    tied = tie_pairs(model)
     model.to_empty(device=device)
-    if args.tie_embeddings:  # to_empty makes one tensor per module, re-tie them
-        model.output.weight = model.tok_embeddings.weight
+    retie(model, tied)  # to_empty makes one tensor per module
     model.init_weights(seed)
     return model

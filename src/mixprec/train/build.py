@@ -39,7 +39,7 @@ from mixprec.precision import Policy
 from mixprec.rng import seed_all
 from mixprec.plan.live import Replanner
 from mixprec.stability.guard import StabilityGuard
-from mixprec.train.checkpoint import CheckpointManager
+from mixprec.interop.checkpoint import CheckpointManager
 from mixprec.train.parallelize import parallelize
 from mixprec.train.run_folder import check_writable
 from mixprec.train.state import TrainingState

@@ -23,28 +23,13 @@ import torch
 from mixprec.data.tokenizer import ByteTokenizer
 from mixprec.dtypes import dtype_name
 from mixprec.errors import UserError
-from mixprec.interop.adapters import HFAdapter, LlamaAdapter
+from mixprec.interop.adapters import adapter_for
 from mixprec.interop.hf_folder import check_out, write_folder
 from mixprec.interop.load import CheckpointWeights
-from mixprec.interop.runs import resolve, tokenizer_file
+from mixprec.models.ties import tied_names
+from mixprec.runs.resolve import empty_model, resolve, tokenizer_file
 
 logger = logging.getLogger(__name__)
-
-
-def hf_model_config(meta: dict, dtype: torch.dtype) -> tuple[dict, object]:
-    """(config.json's fields, adapter) of the model a checkpoint's meta describes."""
-    if "hf_config" in meta:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-        config = dict(meta["hf_config"])
-        config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]]
-        config["torch_dtype"] = dtype_name(dtype)
-        tied = {"hf.lm_head.weight"} if config.get("tie_word_embeddings") else set()
-        return config, HFAdapter(tied)
-    from mixprec.models.llama import ModelArgs
-
-    adapter = LlamaAdapter(ModelArgs.from_architecture(meta))
-    return adapter.hf_config(dtype_name(dtype)), adapter
 
 
 def export(source: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloat16,
@@ -57,10 +42,12 @@ def export(source: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloa
         raise UserError(f"{source} is already a Hugging Face folder; accepted: a run folder or a "
                         "mixprec checkpoint")
     weights = CheckpointWeights(path, key="checkpoint")
-    config, adapter = hf_model_config(weights.meta, dtype)
+    model = empty_model(weights.meta)  # on the meta device: its names, and which of them are ties
+    adapter = adapter_for(model, weights.meta.get("hf_config"))
+    config, tied = adapter.hf_config(dtype_name(dtype)), tied_names(model)
     tensors = {}
     for name, t in weights.tensors.items():
-        if adapter.tied(name):
+        if name in tied:  # stored once, under the name it is tied to
             continue
         try:
             tensors[adapter.hf_name(name)] = adapter.to_hf(name, t)

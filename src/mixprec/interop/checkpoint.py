@@ -1,4 +1,5 @@
-"""Checkpoints, written atomically.
+"""mixprec's checkpoints on disk: written atomically, listed, and read by one reader
+(`read_checkpoint`), for a resume and for the weights alone (`interop.load`, export, generate).
 
 One process: a single file, written to `step-N.pt.tmp`, flushed, renamed to
 `step-N.pt`. torchrun runs: a folder `step-N` written by torch.distributed.checkpoint
@@ -101,17 +102,8 @@ class CheckpointManager:
                 f"accepted: {', '.join(map(str, steps)) or 'none saved yet'} or -1 (latest)"
             )
         path = self.path(step)
-        try:
-            state = torch.load(path / "extras.pt" if path.is_dir() else path, map_location="cpu", weights_only=True)
-        except Exception as e:
-            if not unreadable(e):
-                raise
-            raise UserError(
-                f"checkpoint {path} is corrupt or not a mixprec checkpoint ({type(e).__name__}); "
-                "accepted: a file written by mixprec train; remove it or set checkpoint.load_step"
-            ) from None
-        if not isinstance(state, dict) or "format" not in state or state["format"] != 1:
-            raise UserError(f"checkpoint {path} is not a mixprec checkpoint (format 1); remove it or set checkpoint.load_step")
+        state = read_checkpoint(path, f"checkpoint {path}", "accepted: a checkpoint written by mixprec train; "
+                                "remove it or set checkpoint.load_step")
         required = EXTRAS_KEYS if path.is_dir() else (*EXTRAS_KEYS, "model", "optimizer")
         missing = [k for k in required if k not in state]
         if missing:
@@ -125,6 +117,26 @@ class CheckpointManager:
 
 
 EXTRAS_KEYS = ("meta", "step", "scheduler", "data", "policy", "rng", "trainer")  # what every checkpoint holds
+
+
+def read_checkpoint(path: Path, where: str, accepted: str, *, mmap: bool = False) -> dict:
+    """What a checkpoint holds besides DCP's shards: a single file's whole state, or a step-N
+    folder's extras.pt. mmap: tensors paged in as they are touched. Anything that is not a
+    mixprec checkpoint is one line: `where` names it, `accepted` ends it."""
+    path = Path(path)
+    try:
+        state = torch.load(path / "extras.pt" if path.is_dir() else path, map_location="cpu", weights_only=True,
+                           mmap=mmap and not path.is_dir())
+    except FileNotFoundError:
+        raise UserError(f"{where}: no such file or folder; {accepted}") from None
+    except Exception as e:  # torch.load raises many types for files that are not its own
+        if not unreadable(e):
+            raise
+        raise UserError(f"{where} is corrupt or not a mixprec checkpoint ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())[:100]}); {accepted}") from None
+    if not isinstance(state, dict) or state.get("format") != 1 or "meta" not in state:
+        raise UserError(f"{where} is not a mixprec checkpoint (format 1); {accepted}")
+    return state
 
 
 @contextlib.contextmanager

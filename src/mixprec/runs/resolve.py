@@ -1,15 +1,23 @@
 """What a path names for export and generate: a run folder (its latest checkpoint), a
-checkpoint (step-N.pt or a DCP step-N folder), or a Hugging Face model folder; and the
-tokenizer.json a run trained with, where it has one."""
+checkpoint (step-N.pt or a DCP step-N folder), or a Hugging Face model folder; the
+tokenizer.json a run trained with, where it has one; and the model a checkpoint holds,
+built on the meta device (its ties are what export stores once)."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
+import torch
+
+from mixprec.config import load_config
+from mixprec.data.shards import is_prepared
 from mixprec.data.tokenizer import tokenizer_path
 from mixprec.errors import UserError
+from mixprec.interop.checkpoint import CheckpointManager
 from mixprec.interop.hf_folder import is_hf_folder
+from mixprec.interop.load import empty_parameters
+from mixprec.models.llama import Llama, ModelArgs
 
 logger = logging.getLogger(__name__)
 
@@ -17,15 +25,12 @@ RUN_CONFIG = "config.toml"
 
 
 def _run_config(folder: Path):
-    from mixprec.config import load_config
-
     return load_config(str(folder / RUN_CONFIG)) if (folder / RUN_CONFIG).is_file() else None
 
 
 def resolve(path: str | Path) -> tuple[str, Path, Path | None]:
     """(kind, path, run folder): kind "hf" (a Hugging Face folder) or "checkpoint" (the path of one,
     a run folder's latest), with the run folder the checkpoint belongs to where there is one."""
-    from mixprec.train.checkpoint import CheckpointManager
 
     p = Path(path).expanduser()
     if not p.exists():
@@ -53,8 +58,6 @@ def tokenizer_file(run: Path | None) -> Path | None:
     config = _run_config(run) if run is not None else None
     if config is None:
         return None
-    from mixprec.data.shards import is_prepared
-
     data = config.data
     if is_prepared(data.source):
         file = Path(data.source).expanduser() / "tokenizer.json"
@@ -65,3 +68,16 @@ def tokenizer_file(run: Path | None) -> Path | None:
     else:
         return None
     return file if file.is_file() else None
+
+
+def empty_model(meta: dict) -> torch.nn.Module:
+    """The model a checkpoint's (or a folder's) fields describe, its parameters on the meta
+    device: a transformers model where `meta` holds its config (needs mixprec[hf]), else
+    mixprec's Llama."""
+    if "hf_config" in meta:
+        from mixprec.models.hf import HFCausalLM, hf_config_from_dict
+
+        with empty_parameters():
+            return HFCausalLM(hf_config_from_dict(meta["hf_config"], "folder"))
+    with torch.device("meta"):
+        return Llama(ModelArgs.from_architecture(meta))

@@ -12,51 +12,32 @@ import logging
 
 import torch
 
+from mixprec.data.tokenizer import ByteTokenizer, load_tokenizer_file
 from mixprec.errors import UserError
 from mixprec.interop.adapters import adapter_for, llama_fields
 from mixprec.interop.hf_folder import HFFolder
-from mixprec.interop.load import CheckpointWeights, Identity, empty_parameters, load_weights, materialize
-from mixprec.interop.runs import resolve, tokenizer_file
+from mixprec.interop.load import CheckpointWeights, OwnNames, load_weights, materialize
+from mixprec.models.llama import ModelArgs
+from mixprec.runs.resolve import empty_model, resolve, tokenizer_file
 
 logger = logging.getLogger(__name__)
 
 
-def _llama(args):
-    from mixprec.models.llama import Llama
-
-    with torch.device("meta"):
-        return Llama(args)
-
-
-def _transformers_model(fields: dict):
-    from mixprec.models.hf import HFCausalLM, hf_config_from_dict
-
-    with empty_parameters():
-        return HFCausalLM(hf_config_from_dict(fields, "folder"))
-
-
 def load_model(path: str, device: torch.device | None = None):
     """(model in FP32 evaluation mode, tokenizer) of a run folder, checkpoint or Hugging Face folder."""
-    from mixprec.data.tokenizer import ByteTokenizer, load_tokenizer_file
-
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kind, p, run = resolve(path)
-    from mixprec.models.llama import ModelArgs
-
     if kind == "hf":
         source = HFFolder(p, key="folder")
         try:
-            model = _llama(ModelArgs(**llama_fields(source.config, "folder")))
+            model = empty_model(ModelArgs(**llama_fields(source.config, "folder")).architecture())
         except UserError:  # not a Llama mixprec's own computes: run it as the transformers model
-            model = _transformers_model(source.config)
+            model = empty_model({"hf_config": source.config})
         adapter = adapter_for(model)
         file = p / "tokenizer.json"
     else:
         source = CheckpointWeights(p, key="folder")
-        meta = source.meta
-        model = _transformers_model(meta["hf_config"]) if "hf_config" in meta else \
-            _llama(ModelArgs.from_architecture(meta))
-        adapter, file = Identity(), tokenizer_file(run)
+        model, adapter, file = empty_model(source.meta), OwnNames(), tokenizer_file(run)
     materialize(model.float(), device)
     load_weights(model, source, adapter, key="folder")
     if file is not None and file.is_file():
