@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mixprec import UserError
-from mixprec.precision.loss_scaler import LossScaleConfig, LossScaler
+from mixprec.precision.loss_scaling import LossScaleConfig, LossScaler
 
 UNBOUNDED = dict(min_scale=0.0, max_scale=math.inf)
 

@@ -67,17 +67,23 @@ def counted_run(overrides: dict[str, str], nan_step: int | None = NAN_STEP,
 
 
 def check(trainer: Trainer, reads: HostReads, at_most: int) -> dict:
-    """{label: count} of the reads; asserts none inside a step or after a step that is not a
-    read step, and at most `at_most` after a read step without an incident."""
+    """{label: count} of the reads; asserts none inside a step but the policy's one read at the
+    end of a read step, none after a step that is not a read step, and at most `at_most`
+    after a read step without an incident."""
     counts = reads.by_label()
-    inside = [e for e in reads.events if e[0] and e[0][0] == "in"]
+    # the one read a step makes: the policy's, of what the steps since the last read did, as the
+    # last thing its step does at a read step (its ReadSchedule's)
+    inside = [e for e in reads.events if e[0] and e[0][0] == "in"
+              and not (trainer.policy.reads.due(e[0][1]) and e[2].endswith(" settle"))]
     assert not inside, f"reads inside a step: {inside[:5]}"
-    stray = [e for e in reads.events if e[0] and not trainer.read_step(e[0][1])]
+    settles = [e for e in reads.events if e[0] and e[0][0] == "in" and e not in inside]
+    assert len(settles) == len({e[0] for e in settles}), f"more than one read in a step: {settles[:5]}"
+    stray = [e for e in reads.events if e[0] and not trainer.policy.reads.due(e[0][1])]
     assert not stray, f"reads after a step that is not a read step: {stray[:5]}"
     steps = trainer.config.training.steps
     incidents = [i["step"] for i in trainer.guard.incidents] if trainer.guard is not None else []
     # the read that handled an incident also re-ran its step (the locator): more reads there
-    busy = {min(r for r in range(s, steps + 1) if trainer.read_step(r)) for s in incidents}
+    busy = {min(r for r in range(s, steps + 1) if trainer.policy.reads.due(r)) for s in incidents}
     for label, n in counts.items():
         if label is not None and label[1] not in busy:
             assert n <= at_most, f"{n} reads after step {label[1]}: {[e for e in reads.events if e[0] == label]}"
@@ -93,7 +99,7 @@ if __name__ == "__main__":  # under torchrun: OUT KEY=VALUE ... (precision.prese
         rank = trainer.rank
         (out / f"{preset}-rank{rank}.json").write_text(json.dumps({
             "events": [[list(label) if label else None, op, where] for label, op, where in reads.events],
-            "read_steps": [s for s in range(1, trainer.config.training.steps + 1) if trainer.read_step(s)],
+            "read_steps": [s for s in range(1, trainer.config.training.steps + 1) if trainer.policy.reads.due(s)],
             "incidents": [i["step"] for i in trainer.guard.incidents] if trainer.guard is not None else [],
             "skipped": [r["step"] for r in (json.loads(x) for x in (Path(run["job.dump_folder"]) / "metrics.jsonl")
                                             .read_text().splitlines()) if r["skipped"]] if rank == 0 else None,

@@ -51,7 +51,7 @@ def test_log_freq_1_reads_every_step(tmp_path, text_file):
     trainer, reads = counted_run(overrides(tmp_path, text_file, "bf16-mixed", **{"metrics.log_freq": "1"}),
                                  nan_step=None)
     counts = check(trainer, reads, AT_MOST)
-    assert sorted(label[1] for label in counts if label) == list(range(1, 13))
+    assert sorted({label[1] for label in counts if label}) == list(range(1, 13))
 
 
 @pytest.mark.gpu
@@ -105,7 +105,8 @@ def test_no_step_reads_the_device_on_two_ranks(tmp_path, text_file, layout, pres
     for preset in presets:
         for rank in (0, 1):
             seen = json.loads((tmp_path / f"{preset}-rank{rank}.json").read_text())
-            inside = [e for e in seen["events"] if e[0] and e[0][0] == "in"]
+            inside = [e for e in seen["events"] if e[0] and e[0][0] == "in"
+                      and not (e[0][1] in seen["read_steps"] and e[2].endswith(" settle"))]
             stray = [e for e in seen["events"] if e[0] and e[0][1] not in seen["read_steps"]]
             assert not inside and not stray, (preset, (inside + stray)[:5])
             assert seen["incidents"] == [NAN_STEP], preset

@@ -4,14 +4,15 @@
 import importlib
 
 _WHERE = {
-    "Policy": "policy", "StepResult": "step", "has_fast_matmul": "emulation", "LossScaler": "loss_scaler",
+    "Policy": "policy", "StepResult": "step", "has_fast_matmul": "emulation",
+    "LossScaler": "loss_scaling", "LossScaling": "loss_scaling",
     "PrecisionSpec": "spec", "Override": "spec", "Update": "spec", "register_preset": "presets",
     "resolve": "layout", "Layout": "layout",
     "LossScaleConfig": "scaling_config", "PRESETS": "presets", "ALIASES": "presets", "APEX_LEVELS": "presets",
     "parse_dtype": "dtypes", "dtype_name": "dtypes",
 }
 __all__ = ["Policy", "StepResult", "PrecisionSpec", "Override", "Update", "register_preset", "resolve", "Layout",
-           "PRESETS", "ALIASES", "APEX_LEVELS", "LossScaler", "LossScaleConfig", "has_fast_matmul",
+           "PRESETS", "ALIASES", "APEX_LEVELS", "LossScaler", "LossScaling", "LossScaleConfig", "has_fast_matmul",
            "parse_dtype", "dtype_name"]
 
 

@@ -25,16 +25,14 @@ from mixprec.optim.updates import BF16Updates
 from mixprec.precision import describe as _describe
 from mixprec.precision.conversion import ModuleFormats
 from mixprec.precision.emulation import Emulation
-from mixprec.precision.fallback import fall_back, fallback_target
 from mixprec.precision.grad_norm import grad_norm
 from mixprec.precision.layout import Layout, resolve
-from mixprec.precision.loss_scaling import LossScaling
+from mixprec.precision.loss_scaling import LossScaling, device_skip, fall_back, fallback_target, step_unless
 from mixprec.precision.master import MasterWeights, cast_parameters
 from mixprec.precision.presets import FP32, name_of, spec_of_preset
 from mixprec.precision.scaling_config import LossScaleConfig
-from mixprec.precision.skip import device_skip, step_unless
 from mixprec.precision.spec import PrecisionSpec, Update, format_name, parse_format
-from mixprec.precision.step import StepCounts, StepResult
+from mixprec.precision.step import ReadSchedule, StepCounts, StepResult
 from mixprec.precision.tf32 import set_tf32, tf32_active
 
 logger = logging.getLogger(__name__)
@@ -45,9 +43,9 @@ class Policy:
     """`spec` says what each tensor is in; the keywords are run settings. loss_scale: the
     scaler's settings for a spec with loss scaling; emulate_matmul: None decides at setup;
     tf32: FP32 matmuls on CUDA as TF32; fp8_exclude / fp8_emulate: FP8 layers' filter and
-    GEMM route; update_seed: keys bf16-sr; read_every: steps between the policy's own reads of
-    what its steps did (`settle`; 0: only when the caller settles, as the trainer does at
-    its log steps). Without a spec, the spec's fields may be given
+    GEMM route; update_seed: keys bf16-sr; read_every: steps between reads of what the steps
+    did (`settle`; 0: only when the caller settles), the start of `reads`, the policy's
+    ReadSchedule, which the trainer and the framework integrations set up as they need. Without a spec, the spec's fields may be given
     as keywords (Policy(param_dtype="bfloat16"))."""
 
     def __init__(self, spec: PrecisionSpec | None = None, *, loss_scale: LossScaleConfig | None = None,
@@ -72,7 +70,7 @@ class Policy:
         self.formats = self.scaling = self.masters = self.updates = None
         self.model = self.optimizer = None  # what setup was given: a fallback recasts them
         self.counts = StepCounts()
-        self.read_every = read_every
+        self.reads = ReadSchedule(read_every)
         self._pending: list[StepResult] = []  # steps not read yet
         self._host_skip: str | None = None  # why this optimizer's steps read the skip on the host ("": they do not)
         self.fallback_step: int | None = None
@@ -202,24 +200,28 @@ class Policy:
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to backpropagate: times the loss scale where the mode scales."""
-        return self.scaling.scale(loss) if self.scaling is not None else loss
+        return self.scaling.scale_loss(loss) if self.scaling is not None else loss
 
     def backward(self, loss: torch.Tensor) -> None:
         with self.emulation.context():
             self.scale_loss(loss).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None) -> StepResult:
+    def step(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None, *,
+             step: int | None = None) -> StepResult:
         """Unscale, clip to `max_norm` (when given) on the true gradients, step unless a
         gradient overflowed or the norm is not finite, update the loss scale, clear the
         gradients. Every decision is made on the device: the host reads nothing here (but
         for an optimizer that cannot skip on the device: logged at its first step). A skipped step
         changes no parameter, optimizer state or step count. What the step did is read at
-        `settle()` (counts, log lines, the fallback), every `read_every` steps, or when
-        the caller reads a field of the StepResult (the caller's sync)."""
+        `settle()` (counts, log lines, the fallback), after the steps `reads` says are due,
+        or when the caller reads a field of the StepResult (the caller's sync). step: the
+        caller's number for this step (the trainer's, which a rewind takes back); default:
+        the steps this policy has taken."""
         self.optimizer = optimizer
         if self.masters is not None:
             self.masters.grads_to_master()
-        overflow = self.scaling.unscale(optimizer) if self.scaling is not None else None
+        # 1.0 on the device where a gradient overflowed, else 0.0
+        overflow = self.scaling.unscale(optimizer).clamp(max=1.0) if self.scaling is not None else None
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         total, groups = grad_norm(params)  # in the gradients' dtype: clipping divides by it as it is
         norm = total.float()  # the norm is the same on every rank, so is every decision below
@@ -238,21 +240,19 @@ class Policy:
             self._host_skip = device_skip(optimizer, self.updates) or ""
             if self._host_skip:
                 logger.warning("precision: each step reads its skip decision on the host: %s", self._host_skip)
-        step_unless(optimizer, skip, self.updates, on_host=bool(self._host_skip))
+        step_unless(optimizer, skip, updates=self.updates, on_host=bool(self._host_skip))
         if self.masters is not None:
             self.masters.master_to_model()  # a skipped step left the masters as they were
         optimizer.zero_grad(set_to_none=True)
         if self.formats is not None:
             self.formats.after_step()
-        scale = None
-        if self.scaling is not None:
-            scale = self.scaling.update()
+        scale = self.scaling.update(overflow) if self.scaling is not None else None
         values = torch.stack([1 - skip, torch.zeros_like(norm) if overflow is None else overflow,
                               nonfinite.float(), clipped.float(), norm,
                               torch.zeros_like(norm) if scale is None else scale.to(norm.device)])
         result = StepResult(values, self.name, scaled=scale is not None)
         self._pending.append(result)
-        if self.read_every and len(self._pending) >= self.read_every:
+        if self.reads.due(step if step is not None else self.counts.steps + len(self._pending)):
             self.settle()
         return result
 
@@ -270,7 +270,7 @@ class Policy:
         for r in pending:
             self.counts.record(r.applied, r.overflow, r.nonfinite, r.grad_norm)
             if r.scaled and self.scaling is not None:
-                reason = self.scaling.record(self.counts.steps, r.overflow, r.loss_scale)
+                reason = self.scaling.record(self.counts.steps, r.overflow, r.loss_scale, self.counts.overflows)
                 if reason:
                     fall_back(self, self.scaling.fallback_to, reason)
                     r.precision, r.fallback = self.name, reason
@@ -326,12 +326,12 @@ class Policy:
 
     def state_dict(self) -> dict:
         self.settle()
-        c, scaling = self.counts, self.scaling.state_dict() if self.scaling is not None else {}
+        c, scaling = self.counts, self.scaling
         return {
             "precision": self.requested, "precision_final": self.name, "steps": c.steps,
             "skipped": c.skipped, "nonfinite": c.nonfinite, "fallback_step": self.fallback_step,
-            "monitor": {"overflows": c.overflows, "consecutive": scaling.get("consecutive", 0)},
-            "scaler": scaling.get("scaler"),
+            "monitor": {"overflows": c.overflows, "consecutive": scaling.consecutive if scaling is not None else 0},
+            "scaler": scaling.state_dict() if scaling is not None else None,
             "fp8": self.formats.state_dict() if self.formats is not None else None,
             "updates": self.updates.state_dict() if self.updates is not None else None,
             "promoted": dict(self.promoted),
@@ -352,7 +352,7 @@ class Policy:
         self.counts = StepCounts(int(state["steps"]), int(state["skipped"]), int(state.get("nonfinite", 0)),
                                  int(monitor.get("overflows", 0)))
         if self.scaling is not None:
-            self.scaling.load_state_dict(monitor, state.get("scaler"))
+            self.scaling.load_state_dict(state.get("scaler"), int(monitor.get("consecutive", 0)))
         if self.formats is not None and state.get("fp8"):
             self.formats.load_state_dict(state["fp8"])
         if self.updates is not None and state.get("updates") and state["updates"]["method"] == self.update:

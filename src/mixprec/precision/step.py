@@ -1,8 +1,9 @@
 """What one optimizer step did: `Policy.step` returns it, the trainer logs it, the stability
 guard reads it. Truthy when the step was applied, so `if policy.step(optimizer): ...` reads
-as before. StepCounts: the policy's running counts of what the steps did.
+as before. StepCounts: the policy's running counts of what the steps did. ReadSchedule: when
+the host reads them, the one place that decides it.
 
-A step decides on the device (mixprec.precision.skip): its figures are one small
+A step decides on the device (mixprec.precision.loss_scaling.step_unless): its figures are one small
 tensor there, `StepResult.values`, and a field read on the host is a device-to-host copy,
 made on the first access (or by `Policy.settle`, which reads every step since the last
 read in one copy) and kept."""
@@ -10,6 +11,7 @@ read in one copy) and kept."""
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -78,3 +80,21 @@ class StepCounts:
             if self.nonfinite <= 10 or self.nonfinite % 100 == 0:
                 logger.warning("[NONFINITE] step %d: gradient norm %s: step skipped on the device (weights and "
                                "optimizer state untouched; %d such steps so far)", self.steps, norm, self.nonfinite)
+
+
+class ReadSchedule:
+    """When the host reads what the steps did: the one place a loop waits for the device.
+    Due every `every` steps (0: never by count) and at any step `also(step)` names. Each
+    policy holds one (`Policy.reads`) and settles at its due steps; whoever runs the loop sets
+    it up once and asks it, never counts on its own: the trainer adds its read steps
+    (evaluations, checkpoints, the guard's, re-planning) to its metrics.log_freq, a
+    framework's steps (mixprec.stability.framework) set its logging interval."""
+
+    def __init__(self, every: int = 10, also: Callable[[int], bool] | None = None):
+        if every < 0:
+            raise ValueError(f"read every {every} steps: accepted: a number of steps >= 0 (0: only when asked)")
+        self.every, self.also = every, also
+
+    def due(self, step: int) -> bool:
+        """Whether the host reads after step `step` (1-based)."""
+        return bool(self.every and step % self.every == 0) or bool(self.also is not None and self.also(step))

@@ -1,8 +1,9 @@
 """What a training framework's loop (Lightning, Fabric, the Hugging Face Trainer) gets from
 mixprec besides the precision policy's hooks: the step through the policy (unscale, clip on
 the true gradients, skip a non-finite step on the device, loss scale), the read of what the
-steps did every `read_every` steps (never in between: the step does not wait for the
-device; by default the framework's logging interval), and on a non-finite step the
+steps did every `read_every` steps (the policy's ReadSchedule, set to the framework's
+logging interval by default; never in between: the step does not wait for the device),
+and on a non-finite step the
 locator's re-run of that step's own batch, the line that names
 the module, and the repair the stability guard makes: a narrow (FP8) layer found first is
 promoted to the base dtype for the rest of the run.
@@ -20,6 +21,7 @@ import logging
 import torch
 
 from mixprec.precision import Policy
+from mixprec.precision.step import ReadSchedule
 from mixprec.stability.locate import Locator
 
 logger = logging.getLogger(__name__)
@@ -36,37 +38,47 @@ class FrameworkSteps:
 
     def __init__(self, policy: Policy, *, max_norm: float | None = None, read_every: int = READ_EVERY,
                  promote: bool = True):
-        if read_every < 1:
-            raise ValueError(f"read_every {read_every}: accepted: a positive number of steps")
-        self.policy, self.max_norm, self.read_every, self.promote = policy, max_norm, read_every, promote
-        policy.read_every = 0  # this class reads, every read_every steps
+        self.policy, self.max_norm, self.promote = policy, max_norm, promote
+        self.read_every = read_every
         self.steps = 0
         self.model: torch.nn.Module | None = None
         self.last = None  # the last step's StepResult (its figures on the device until read)
         self.incidents: list[dict] = []  # one per non-finite step: step, finding (module, phase, op, dtype), action
-        self._reruns: list = []  # each step since the last read: its re-run, or None
+        self._steps: list = []  # each step since the last read: (its StepResult, its re-run or None)
         self._optimizer = None
+
+    @property
+    def read_every(self) -> int:
+        return self.policy.reads.every
+
+    @read_every.setter
+    def read_every(self, steps: int) -> None:
+        if steps < 1:
+            raise ValueError(f"read_every {steps}: accepted: a positive number of steps")
+        self.policy.reads = ReadSchedule(steps)  # the policy reads at these steps, this class acts on them
 
     def step(self, optimizer: torch.optim.Optimizer, rerun=None, max_norm: float | None = None):
         norm = self.max_norm if max_norm is None else max_norm
-        self.last = result = self.policy.step(optimizer, max_norm=norm or None)
         self.steps += 1
-        self._reruns.append(rerun)
+        self.last = result = self.policy.step(optimizer, max_norm=norm or None, step=self.steps)
+        self._steps.append((result, rerun))
         self._optimizer = optimizer
-        if self.steps % self.read_every == 0:
+        if self.policy.reads.due(self.steps):
             self.read()
         return result
 
     def read(self) -> None:
-        """Read the pending steps; locate the first non-finite one by re-running its own batch.
-        The end of training calls it too: no step goes unread."""
-        results, reruns = self.policy.settle(), self._reruns
-        self._reruns = []
+        """Read the pending steps (the policy's read, made at its due step; the end of training
+        calls this too: no step goes unread); locate the first non-finite one by re-running
+        its own batch."""
+        self.policy.settle()
+        steps, self._steps = self._steps, []
+        results, reruns = [r for r, _ in steps], [rerun for _, rerun in steps]
         first = next((i for i, r in enumerate(results) if r.nonfinite), None)
         if first is None:
             return
         step = self.steps - len(results) + first + 1
-        rerun = reruns[first] if len(reruns) == len(results) else None
+        rerun = reruns[first]
         finding = None
         if rerun is not None and self.model is not None:
             finding = Locator(self.model).run(rerun, lambda loss: None)

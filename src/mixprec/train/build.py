@@ -279,7 +279,6 @@ def build(config: Config, *, accum: int | None = None) -> Parts:
     # with plain tensors), which one fused or foreach call cannot take.
     optimizer = build_optimizer(model, tcfg, fused=not dims.tp_enabled, foreach=False if dims.tp_enabled else None,
                                 moments_dtype=policy.optimizer_moments_dtype)
-    policy.read_every = 0  # the loop reads what the steps did at its own read steps (Trainer.read_step)
     model, optimizer = policy.setup(model, optimizer)
     if initial:
         load_initial(initial, raw_model, policy)

@@ -21,6 +21,7 @@ from mixprec.config import Config, to_toml
 from mixprec.distributed.elastic import attempt, check_restartable, log_restart
 from mixprec.errors import TrainingUnstable
 from mixprec.precision import Policy, StepResult
+from mixprec.precision.step import ReadSchedule
 from mixprec.train.build import build
 from mixprec.reporting import peak_memory_bytes
 from mixprec.train.metrics import MetricsLogger, peak_flops, read_metrics
@@ -60,6 +61,7 @@ class Trainer:
         self.config = config
         self.parts = build(config, accum=accum)
         self.metrics, self._batches = None, []
+        self.policy.reads = ReadSchedule(config.metrics.log_freq, also=self._reads_also)
         t0 = time.perf_counter()
         resumed = self.state.resume(config.checkpoint.load_step)
         if resumed:
@@ -128,11 +130,11 @@ class Trainer:
                 micro_loss, result = self.train_step()
             self.step += 1
             pending.append(Pending(self.step, micro_loss, result, lr, self._batches))
-            if not self.read_step(self.step):
+            if not self.policy.reads.due(self.step):
                 continue  # nothing read: the host queues the next step while the device works
-            # ---- the read: the one place the loop waits for the device ----
+            # ---- the read: the one place the loop waits for the device (the policy has read what
+            # the steps did at the end of this one: counts, loss-scale log, fallback) ----
             losses = torch.stack([p.loss for p in pending]).tolist()
-            self.policy.settle()  # what the steps did, in one copy: counts, loss-scale log, fallback
             now = time.perf_counter()
             speed = tokens_per_step * len(pending) / (now - since)  # over the steps read: each step's own is not seen
             steps, pending, since = pending, [], now
@@ -188,14 +190,14 @@ class Trainer:
             val_loss = evaluate(self.model, self.policy, self.val)
         return self._write_summary(self._summary(loss, val_loss, stopped_early, start_step, speeds))
 
-    def read_step(self, step: int) -> bool:
-        """Whether the loop reads from the device after step `step`: a log line
-        (metrics.log_freq), the last step, an evaluation, a checkpoint, a stability-guard
-        snapshot or drill, a re-planning. Between read steps the host reads nothing: each
-        step's loss and figures wait on the device, and are read, logged and acted on (the
-        guard, the fallback) together at the next read step."""
+    def _reads_also(self, step: int) -> bool:
+        """The read steps besides a log line's (metrics.log_freq, the policy's ReadSchedule):
+        the last step, an evaluation, a checkpoint, a stability-guard snapshot or drill, a
+        re-planning. Between read steps the host reads nothing: each step's loss and figures
+        wait on the device, and are read, logged and acted on (the guard, the fallback)
+        together at the next read step."""
         cfg, tcfg = self.config, self.config.training
-        return (step % cfg.metrics.log_freq == 0 or step >= tcfg.steps
+        return (step >= tcfg.steps
                 or bool(tcfg.eval_interval and step % tcfg.eval_interval == 0)
                 or bool(self.state.checkpoints and step % cfg.checkpoint.interval == 0)
                 or (self.guard is not None and self.guard.reads_at(step))
@@ -277,7 +279,7 @@ class Trainer:
         if self.dims.world_size > 1:
             torch.distributed.all_reduce(loss_sum)
             loss_sum /= self.dims.world_size
-        result = self.policy.step(self.optimizer, self.config.training.max_norm)
+        result = self.policy.step(self.optimizer, self.config.training.max_norm, step=self.step + 1)
         # torch.amp's convention: the schedule advances every iteration, a skipped step's too
         # (deciding otherwise would read the skip on the host)
         self.scheduler.step()
