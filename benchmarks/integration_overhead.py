@@ -40,10 +40,10 @@ def model_and_data(steps: int):
 def fabric(mixprec: bool, steps: int) -> list[float]:
     import lightning as L
 
-    from mixprec.lightning import Precision
+    from mixprec.lightning import FabricPrecision
 
     model, data = model_and_data(steps)
-    kwargs = {"plugins": [Precision("bf16-mixed", max_norm=1.0, device_type="cpu")]} if mixprec else \
+    kwargs = {"plugins": [FabricPrecision("bf16-mixed", max_norm=1.0, device_type="cpu")]} if mixprec else \
         {"precision": "bf16-mixed"}
     f = L.Fabric(accelerator="cpu", devices=1, **kwargs)
     model, opt = f.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
@@ -63,7 +63,7 @@ def fabric(mixprec: bool, steps: int) -> list[float]:
 def trainer(mixprec: bool, steps: int) -> list[float]:
     import lightning as L
 
-    from mixprec.lightning import Precision
+    from mixprec.lightning import TrainerPrecision
 
     model, data = model_and_data(steps)
 
@@ -89,7 +89,7 @@ def trainer(mixprec: bool, steps: int) -> list[float]:
             self.times.append(time.perf_counter() - self.start)
 
     clock = Clock()
-    kwargs = {"plugins": [Precision("bf16-mixed", device_type="cpu")]} if mixprec else {"precision": "bf16-mixed"}
+    kwargs = {"plugins": [TrainerPrecision("bf16-mixed", device_type="cpu")]} if mixprec else {"precision": "bf16-mixed"}
     L.Trainer(accelerator="cpu", devices=1, max_steps=steps, gradient_clip_val=1.0, logger=False,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
               **kwargs).fit(Module(), torch.utils.data.DataLoader(data, batch_size=None))

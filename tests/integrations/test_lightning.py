@@ -1,4 +1,4 @@
-"""mixprec.lightning.Precision through Fabric and the Lightning Trainer against mixprec's own
+"""mixprec.lightning's FabricPrecision and TrainerPrecision through Fabric and the Lightning Trainer against mixprec's own
 loop: the same tiny model, data and seed give bit-identical losses and weights over 20 steps."""
 
 import pytest
@@ -8,13 +8,13 @@ L = pytest.importorskip("lightning")
 
 from common import (BAD_STEPS, DRILL_STEP, MAX_NORM, PRESETS, STEPS, batches, check_delayed_location,  # noqa: E402
                     check_drill, optimizer, own_loop, poison, poison_batch, same_weights, settings, tiny_model)
-from mixprec.lightning import Precision  # noqa: E402
+from mixprec.lightning import FabricPrecision, TrainerPrecision  # noqa: E402
 
 
 def fabric_loop(preset, data, drill=False, read_every=None, bad=()):
     # the drill's NaN is transient (a hook during one step): located only when read at once
-    plugin = Precision(preset, max_norm=MAX_NORM, device_type="cpu", read_every=1 if drill else read_every,
-                       **settings(preset))
+    plugin = FabricPrecision(preset, max_norm=MAX_NORM, device_type="cpu", read_every=1 if drill else read_every,
+                             **settings(preset))
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     model = tiny_model()
     model, opt = fabric.setup(model, optimizer(model.parameters()))
@@ -78,7 +78,7 @@ class PoisonBatches(L.Callback):
 
 
 def trainer_loop(preset, data, drill=False, read_every=None, bad=()):
-    plugin = Precision(preset, device_type="cpu", read_every=1 if drill else read_every, **settings(preset))
+    plugin = TrainerPrecision(preset, device_type="cpu", read_every=1 if drill else read_every, **settings(preset))
     module = Module(tiny_model())
     callbacks = ([Drill()] if drill else []) + [PoisonBatches(bad)]
     trainer(plugin, max_steps=len(data), callbacks=callbacks).fit(
@@ -117,12 +117,13 @@ def test_a_step_read_later_is_located_on_its_own_batch(loop, data):
 
 
 def test_reads_follow_the_trainers_logging_interval(data):
-    plugin = Precision("bf16-mixed", device_type="cpu")
-    assert plugin.steps.read_every == 10  # Fabric, or before the Trainer connects: mixprec train's log_freq
+    plugin = TrainerPrecision("bf16-mixed", device_type="cpu")
+    assert plugin.steps.read_every == 10  # before the Trainer connects: mixprec train's log_freq
     trainer(plugin, max_steps=2, log_every_n_steps=7).fit(Module(tiny_model()),
                                                          torch.utils.data.DataLoader(data[:2], batch_size=None))
     assert plugin.steps.read_every == 7
-    assert Precision("bf16-mixed", read_every=3).steps.read_every == 3
+    fabric = FabricPrecision("bf16-mixed", read_every=3)
+    assert fabric.steps.read_every == fabric.policy.reads.every == 3  # one schedule: the policy's
 
 
 class Batches:
@@ -159,7 +160,7 @@ def test_a_resumed_trainer_continues_bit_for_bit(preset, drill, data, tmp_path):
                 trainer.save_checkpoint(path)
 
     def fit(ckpt=None):
-        plugin = Precision(preset, device_type="cpu", read_every=1, **settings(preset))  # the drill read at once
+        plugin = TrainerPrecision(preset, device_type="cpu", read_every=1, **settings(preset))  # the drill read at once
         module = Module(tiny_model())
         t = trainer(plugin, max_steps=STEPS, callbacks=[SaveAtStep10()] + ([Drill()] if drill else []))
         t.fit(module, Batches(data), ckpt_path=ckpt)
@@ -186,18 +187,22 @@ def test_presets_that_follow_the_optimizer_through_the_trainer(preset, data):
 def test_refusals_are_one_line(data):
     from mixprec import UserError
 
-    with pytest.raises(UserError, match="under Fabric: this preset keeps master weights"):
+    with pytest.raises(UserError, match="FabricPrecision\\('bf16-master'\\): this preset keeps master weights"):
         fabric_loop("bf16-master", data[:1])
-    plugin = Precision("bf16-mixed", device_type="cpu")
+    plugin = TrainerPrecision("bf16-mixed", device_type="cpu")
     with pytest.raises(UserError, match="gradient_clip_algorithm 'value'"):
         trainer(plugin, max_steps=1, gradient_clip_algorithm="value").fit(
             Module(tiny_model()), torch.utils.data.DataLoader(data[:1], batch_size=None))
-    f = L.Fabric(accelerator="cpu", devices=1, plugins=[Precision("bf16-mixed", device_type="cpu")])
+    f = L.Fabric(accelerator="cpu", devices=1, plugins=[FabricPrecision("bf16-mixed", device_type="cpu")])
     model = tiny_model()
     model, opt = f.setup(model, optimizer(model.parameters()))
     f.backward(model(**data[0]).loss)
-    with pytest.raises(UserError, match="accepted: Precision\\(..., max_norm=1.0\\)"):
+    with pytest.raises(UserError, match="accepted: FabricPrecision\\(..., max_norm=1.0\\)"):
         f.clip_gradients(model, opt, max_norm=1.0)
+    # each plugin in the other's place (Fabric takes any Lightning precision plugin: the Trainer's too)
+    f = L.Fabric(accelerator="cpu", devices=1, plugins=[TrainerPrecision("bf16-mixed", device_type="cpu")])
+    with pytest.raises(UserError, match="TrainerPrecision under Fabric; accepted: mixprec.lightning.FabricPrecision"):
+        f.setup(tiny_model(), optimizer(tiny_model().parameters()))
 
 
 def test_without_lightning_the_import_names_the_extra(monkeypatch):
