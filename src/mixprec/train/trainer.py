@@ -22,8 +22,8 @@ from mixprec.distributed.elastic import attempt, check_restartable, log_restart
 from mixprec.errors import TrainingUnstable
 from mixprec.precision import Policy, StepResult
 from mixprec.precision.step import ReadSchedule
-from mixprec.train.build import build
 from mixprec.reporting import peak_memory_bytes
+from mixprec.train.build import build
 from mixprec.train.metrics import MetricsLogger, peak_flops, read_metrics
 from mixprec.train.report import progress_bar, report_step, write_summary
 
