@@ -18,13 +18,14 @@ tensor, for the loader, export, FSDP2 and the model builder alike.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
 Read = Callable[[str, "slice | None"], torch.Tensor]  # a WeightSource's read: (name, rows) -> tensor
 
 
+@runtime_checkable
 class WeightSource(Protocol):
     path: object  # where it is, for messages
 
@@ -39,6 +40,7 @@ class WeightSource(Protocol):
         """The tensor, or only `rows` of its first dimension (a rank's shard), on the CPU."""
 
 
+@runtime_checkable
 class NameMap(Protocol):
     def hf_name(self, name: str) -> str:
         """The source's name for the model's parameter `name`; KeyError where it has none."""
@@ -47,6 +49,7 @@ class NameMap(Protocol):
         """Parameter `name` (or its `rows`) in the model's layout, from the source's `read`."""
 
 
+@runtime_checkable
 class StateDictAdapter(NameMap, Protocol):
     def to_hf(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The model's tensor `name` in the folder's layout (export)."""

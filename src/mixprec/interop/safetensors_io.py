@@ -68,6 +68,9 @@ class SafetensorsFile:
         return UserError(f"{self.path}: not a valid safetensors file ({what}); accepted: a file written by "
                          "safetensors or save_pretrained")
 
+    def names(self) -> list[str]:
+        return list(self.entries)
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self.entries[name][1]
 
