@@ -216,6 +216,13 @@ class _Steppable:
         return getattr(self._optimizer, name)
 
 
+def __getattr__(name: str):
+    if name == "Precision":  # the one class of earlier versions, for both loops
+        raise AttributeError("mixprec.lightning.Precision is now two classes: FabricPrecision (L.Fabric) and "
+                             "TrainerPrecision (L.Trainer)")
+    raise AttributeError(f"module 'mixprec.lightning' has no attribute {name!r}")
+
+
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
 

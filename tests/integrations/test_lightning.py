@@ -185,7 +185,11 @@ def test_presets_that_follow_the_optimizer_through_the_trainer(preset, data):
 
 
 def test_refusals_are_one_line(data):
+    import mixprec.lightning
     from mixprec import UserError
+
+    with pytest.raises(AttributeError, match="now two classes: FabricPrecision .* and TrainerPrecision"):
+        mixprec.lightning.Precision("bf16-mixed")
 
     with pytest.raises(UserError, match="FabricPrecision\\('bf16-master'\\): this preset keeps master weights"):
         fabric_loop("bf16-master", data[:1])
