@@ -127,7 +127,7 @@ class Trainer:
                 self.guard.before_step(self.step + 1)
             lr = self.scheduler.get_last_lr()[0] * (self.guard.lr_factor if self.guard is not None else 1.0)
             with self.replanner.watch(self.step + 1) if self.replanner is not None else contextlib.nullcontext():
-                micro_loss, result = self.train_step()
+                micro_loss, result = self.train_step(step=self.step + 1)
             self.step += 1
             pending.append(Pending(self.step, micro_loss, result, lr, self._batches))
             if not self.policy.reads.due(self.step):
@@ -258,9 +258,11 @@ class Trainer:
             summary["replanning"] = self.replanner.summary()
         return summary
 
-    def train_step(self, before_step=None) -> tuple[torch.Tensor, StepResult]:
+    def train_step(self, before_step=None, *, step: int | None = None) -> tuple[torch.Tensor, StepResult]:
         """One optimizer step over `accum` micro-batches: (mean loss, what the step did),
-        both on the device, read by nobody here. `before_step(micro)`, when given, is
+        both on the device; the policy reads what it did when its ReadSchedule is due at
+        `step` (the loop's number for it; default: the policy's own count, for callers outside
+        the loop such as the planner and the audit). `before_step(micro)`, when given, is
         called after each micro-batch's backward."""
         accum = self.accum
         loss_sum = torch.zeros((), device=self.device)
@@ -279,7 +281,7 @@ class Trainer:
         if self.dims.world_size > 1:
             torch.distributed.all_reduce(loss_sum)
             loss_sum /= self.dims.world_size
-        result = self.policy.step(self.optimizer, self.config.training.max_norm, step=self.step + 1)
+        result = self.policy.step(self.optimizer, self.config.training.max_norm, step=step)
         # torch.amp's convention: the schedule advances every iteration, a skipped step's too
         # (deciding otherwise would read the skip on the host)
         self.scheduler.step()
