@@ -91,7 +91,8 @@ def _dcp_model(path: Path, key: str) -> dict[str, torch.Tensor]:
     return model
 
 
-def open_source(path: str | Path, model: nn.Module, key: str = "checkpoint.initial_load") -> tuple[WeightSource, NameMap]:
+def open_source(path: str | Path, model: nn.Module,
+                key: str = "checkpoint.initial_load") -> tuple[WeightSource, NameMap]:
     """(the source, the map from the model's names to the source's)."""
     if is_hf_folder(path):
         return HFFolder(path, key), adapter_for(model)
@@ -147,8 +148,8 @@ def _local(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, source: WeightSource, adapter: NameMap, extra: dict[str, list[torch.Tensor]] | None = None,
-                 key: str = "checkpoint.initial_load") -> None:
+def load_weights(model: nn.Module, source: WeightSource, adapter: NameMap,
+                 extra: dict[str, list[torch.Tensor]] | None = None, key: str = "checkpoint.initial_load") -> None:
     """Copy each parameter (and persistent buffer) of `model` from `source`, this rank's rows
     only; `extra` names further tensors to receive the same values (FP32 master weights)."""
     check_fits(model, source, adapter, key)

@@ -27,7 +27,6 @@ from mixprec.plan.choose import choose, floors, margin, modeled_speedups
 from mixprec.plan.config import PlanConfig
 from mixprec.plan.file import write_plan
 from mixprec.plan.measure import GEMMS, Capture, gemm_times, measure
-from mixprec.plan.file import write_plan
 from mixprec.precision.spec import FP32, format_name, parse_format
 from mixprec.reporting import device_name, peak_memory_bytes, pyplot
 

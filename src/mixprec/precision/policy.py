@@ -45,8 +45,8 @@ class Policy:
     tf32: FP32 matmuls on CUDA as TF32; fp8_exclude / fp8_emulate: FP8 layers' filter and
     GEMM route; update_seed: keys bf16-sr; read_every: steps between reads of what the steps
     did (`settle`; 0: only when the caller settles), the start of `reads`, the policy's
-    ReadSchedule, which the trainer and the framework integrations set up as they need. Without a spec, the spec's fields may be given
-    as keywords (Policy(param_dtype="bfloat16"))."""
+    ReadSchedule, which the trainer and the framework integrations set up as they need.
+    Without a spec, the spec's fields may be given as keywords (Policy(param_dtype="bfloat16"))."""
 
     def __init__(self, spec: PrecisionSpec | None = None, *, loss_scale: LossScaleConfig | None = None,
                  emulate_matmul: bool | None = None, tf32: bool = False, fp8_exclude: tuple[str, ...] = (),

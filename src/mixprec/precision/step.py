@@ -3,10 +3,10 @@ guard reads it. Truthy when the step was applied, so `if policy.step(optimizer):
 as before. StepCounts: the policy's running counts of what the steps did. ReadSchedule: when
 the host reads them, the one place that decides it.
 
-A step decides on the device (mixprec.precision.loss_scaling.step_unless): its figures are one small
-tensor there, `StepResult.values`, and a field read on the host is a device-to-host copy,
-made on the first access (or by `Policy.settle`, which reads every step since the last
-read in one copy) and kept."""
+A step decides on the device (mixprec.precision.loss_scaling.step_unless): its figures are
+one small tensor there, `StepResult.values`, and a field read on the host is a
+device-to-host copy, made on the first access (or by `Policy.settle`, which reads every step
+since the last read in one copy) and kept."""
 
 from __future__ import annotations
 

@@ -31,7 +31,6 @@ def _run_config(folder: Path):
 def resolve(path: str | Path) -> tuple[str, Path, Path | None]:
     """(kind, path, run folder): kind "hf" (a Hugging Face folder) or "checkpoint" (the path of one,
     a run folder's latest), with the run folder the checkpoint belongs to where there is one."""
-
     p = Path(path).expanduser()
     if not p.exists():
         raise UserError(f"{path}: no such file or folder; accepted: a run folder, a checkpoint "

@@ -3,10 +3,9 @@ mixprec besides the precision policy's hooks: the step through the policy (unsca
 the true gradients, skip a non-finite step on the device, loss scale), the read of what the
 steps did every `read_every` steps (the policy's ReadSchedule, set to the framework's
 logging interval by default; never in between: the step does not wait for the device),
-and on a non-finite step the
-locator's re-run of that step's own batch, the line that names
-the module, and the repair the stability guard makes: a narrow (FP8) layer found first is
-promoted to the base dtype for the rest of the run.
+and on a non-finite step the locator's re-run of that step's own batch, the line that
+names the module, and the repair the stability guard makes: a narrow (FP8) layer found
+first is promoted to the base dtype for the rest of the run.
 
 The guard's rewinds are not done here: a rewind restores the weights, the optimizer and the
 data position together, and inside a framework the data loader and the checkpoints are the

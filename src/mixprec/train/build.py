@@ -30,6 +30,7 @@ from mixprec.distributed.tensor_parallel import check_tensor_parallel
 from mixprec.dtypes import dtype_name
 from mixprec.errors import UserError
 from mixprec.interop.adapters import llama_fields
+from mixprec.interop.checkpoint import CheckpointManager
 from mixprec.interop.hf_folder import HFFolder, is_hf_folder
 from mixprec.interop.load import empty_parameters, load_weights, materialize, open_source
 from mixprec.models.llama import ModelArgs, build_model, model_args, resolve_attention
@@ -39,7 +40,6 @@ from mixprec.precision import Policy
 from mixprec.rng import seed_all
 from mixprec.plan.live import Replanner
 from mixprec.stability.guard import StabilityGuard
-from mixprec.interop.checkpoint import CheckpointManager
 from mixprec.train.parallelize import parallelize
 from mixprec.train.run_folder import check_writable
 from mixprec.train.state import TrainingState

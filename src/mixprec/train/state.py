@@ -18,10 +18,10 @@ import logging
 import math
 
 from mixprec.errors import TrainingUnstable
+from mixprec.interop.checkpoint import (CheckpointManager, check_compatible, keep_optimizer_kernels,
+                                        load_full_into_sharded, load_sharded, restoring)
 from mixprec.rng import rng_state, set_rng_state
 from mixprec.stability.guard import clone_state
-from mixprec.interop.checkpoint import (CheckpointManager, check_compatible, keep_optimizer_kernels,
-                                      load_full_into_sharded, load_sharded, restoring)
 
 logger = logging.getLogger(__name__)
 
