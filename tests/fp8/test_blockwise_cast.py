@@ -51,3 +51,59 @@ def test_the_kernel_compiles_and_equals_torchs_casts_on_cuda():
     pytest.importorskip("triton")
     blockwise_cast._PROBED.pop("cuda", None)
     assert blockwise_cast.probe("cuda") is None
+    x = torch.randn(256, 384, device="cuda")
+    xq = blockwise_cast.quantize(x, E4M3, (1, 128))[0]
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")  # schema: FP8 inputs
+    torch.library.opcheck(torch.ops.mixprec.blockwise_cast_transpose.default, (x,))
+    torch.library.opcheck(torch.ops.mixprec.blockwise_recast_transposed.default, (xq.data, xq.scale_inv),
+                          test_utils=utils)
+
+
+def test_a_layer_converted_on_the_cpu_probes_the_kernel_where_it_is_moved(monkeypatch, caplog):
+    # the probe runs at conversion for the conversion's device; a layer moved to another
+    # (a model converted on the CPU or meta device, then moved to CUDA: the gpu twin below)
+    # probes there when moved, before any step, and says what it found
+    import logging
+
+    from mixprec.fp8.convert import convert_to_fp8
+    from mixprec.fp8.recipe import FP8Recipe
+
+    probed = []
+    monkeypatch.setattr(blockwise_cast, "_PROBED", {})
+    monkeypatch.setattr(blockwise_cast, "_probe", lambda device: probed.append(device) or None)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False))
+    convert_to_fp8(model, FP8Recipe.from_name("blockwise"), compute_dtype=torch.bfloat16)
+    assert probed == []  # the CPU's block-wise GEMMs are emulated: conversion probes nothing
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        model.to("meta")  # nothing runs on the meta device
+        assert probed == []
+        model.to_empty(device="cpu")
+        model.float()  # probed once per device
+    assert probed == ["cpu"]
+    assert "block-wise backward casts on cpu in one Triton kernel" in caplog.text
+
+
+@pytest.mark.gpu
+def test_a_layer_converted_on_the_cpu_probes_the_kernel_when_moved_to_cuda():
+    # the CPU twin: test_a_layer_converted_on_the_cpu_probes_the_kernel_where_it_is_moved
+    from mixprec.fp8.convert import convert_to_fp8
+    from mixprec.fp8.recipe import FP8Recipe
+
+    blockwise_cast._PROBED.pop("cuda", None)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False))
+    convert_to_fp8(model, FP8Recipe.from_name("blockwise"), compute_dtype=torch.bfloat16)
+    model.cuda()
+    assert "cuda" in blockwise_cast._PROBED
+
+
+def test_an_eager_backward_on_an_unprobed_device_probes_it_first(monkeypatch):
+    probed = []
+    monkeypatch.setattr(blockwise_cast, "_PROBED", {})
+    monkeypatch.setattr(blockwise_cast, "_probe", lambda device: probed.append(device) or "not here")
+    tiles = ((1, 128), (128, 1))
+    assert not blockwise_cast.applies(torch.zeros(256, 128), E4M3, tiles, False)
+    assert probed == ["cpu"] and blockwise_cast._PROBED == {"cpu": "not here"}
+    with torch._subclasses.FakeTensorMode():  # traced (compiled): never probed there
+        monkeypatch.setattr(blockwise_cast, "_PROBED", {})
+        assert not blockwise_cast.applies(torch.zeros(256, 128), E4M3, tiles, False)
+    assert probed == ["cpu"]

@@ -24,61 +24,26 @@ exponent (127.2 became 64), and NaN became -448; the GPU's conversion is not nee
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from mixprec.fp8.recipe import E4M3
 from mixprec.fp8.scaling import EPS, FP8_MAX, Quantized, quantize
 
+logger = logging.getLogger(__name__)
+
 BLOCK = 128
-
-
-def _cast_tiles(x_ptr, xs_ptr, q_ptr, qs_ptr, qt_ptr, qts_ptr, M, N, BLOCK: tl.constexpr, DEQUANT: tl.constexpr,
-                ROWS: tl.constexpr):
-    """One 128 x 128 tile of x (M, N): with ROWS its 1 x 128 casts (q (M, N) bytes, qs (M, N/128)
-    scale_inv), always its 128 x 1 casts stored transposed (qt (N, M) bytes, qts (N, M/128)).
-    DEQUANT: x holds e4m3 values in 1 x 128 tiles, xs their scale_inv: dequantised first.
-    (A plain function: Triton is optional, and triton.jit is applied on first use.)"""
-    import triton.language as tl
-
-    pm, pn = tl.program_id(0), tl.program_id(1)
-    rows = pm * BLOCK + tl.arange(0, BLOCK)
-    cols = pn * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + rows[:, None] * N + cols[None, :]).to(tl.float32)
-    if DEQUANT:
-        x = x * tl.load(xs_ptr + rows * (N // BLOCK) + pn)[:, None]
-    for axis in tl.static_range(2):
-        if axis == 1 or ROWS:
-            # scale = 448 / max(amax, EPS), correctly rounded, as amax_to_scale
-            scale = tl.div_rn(tl.full([BLOCK], 448.0, tl.float32),
-                              tl.maximum(tl.max(tl.abs(x), axis=1 - axis), 1e-12))
-            s = x * (scale[:, None] if axis == 0 else scale[None, :])
-            v = tl.minimum(tl.maximum(s, -448.0), 448.0)
-            # e4m3fn by hand: normal values keep 3 of FP32's 23 mantissa bits (round to
-            # nearest even, the carry may step the exponent); below 2^-6 the step is 2^-9
-            a = tl.abs(v)
-            bits = a.to(tl.int32, bitcast=True)
-            normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)
-            sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
-            code = tl.where(a >= 0.015625, normal, sub)
-            code = tl.where(s != s, 0x7F, code)  # NaN stays NaN, as under torch.clamp
-            code = code | ((s.to(tl.int32, bitcast=True) >> 24) & 0x80)  # the sign, NaN's and -0's too
-            inv = tl.div_rn(tl.full([BLOCK], 1.0, tl.float32), scale)
-            if axis == 0:
-                tl.store(q_ptr + rows[:, None] * N + cols[None, :], code.to(tl.uint8))
-                tl.store(qs_ptr + rows * (N // BLOCK) + pn, inv)
-            else:
-                tl.store(qt_ptr + cols[None, :] * M + rows[:, None], code.to(tl.uint8))
-                tl.store(qts_ptr + cols * (M // BLOCK) + pm, inv)
 
 
 @functools.cache
 def _kernel():
-    """The kernel compiled for CUDA; run in Triton's interpreter on CPU tensors when the process
-    started with TRITON_INTERPRET=1 (Triton reads it at import: the tests start one such)."""
-    import triton
+    """The kernel (mixprec.fp8.blockwise_cast_kernel), compiled for CUDA at its first launch; run
+    in Triton's interpreter on CPU tensors when the process started with TRITON_INTERPRET=1
+    (Triton reads it at import: the tests start one such)."""
+    from mixprec.fp8.blockwise_cast_kernel import cast_tiles
 
-    return triton.jit(_cast_tiles)
+    return cast_tiles
 
 
 @functools.cache
@@ -125,10 +90,17 @@ _PROBED: dict[str, str | None] = {}  # device type -> None where the kernel is u
 def probe(device_type: str) -> str | None:
     """None where the kernel runs on `device_type` and gives the reference casts' bytes and
     scales on a 256 x 384 tensor (both casts); otherwise why the PyTorch casts are used. Run
-    once, at conversion (mixprec.fp8.convert logs it): `applies` only reads the answer, so a
-    compiled step never probes."""
+    once per device and logged then: at conversion, when a converted block-wise layer is moved
+    to a device (FP8Linear._apply: a model converted on the CPU or the meta device, then moved
+    to CUDA), or at an eager backward's first cast there. `applies` only reads the answer in a
+    compiled step."""
     if device_type not in _PROBED:
-        _PROBED[device_type] = _probe(device_type)
+        why = _PROBED[device_type] = _probe(device_type)
+        if why is None:
+            logger.info("fp8: block-wise backward casts on %s in one Triton kernel per operand, both layouts at "
+                        "once (mixprec.fp8.blockwise_cast)", device_type)
+        elif device_type == "cuda":
+            logger.info("fp8: block-wise backward casts with torch's ops, a transposing copy each: %s", why)
     return _PROBED[device_type]
 
 
@@ -159,7 +131,16 @@ def applies(x: torch.Tensor, dtype: torch.dtype, tiles, power_of_2: bool, triton
         return False
     if x.shape[0] % BLOCK or x.shape[1] % BLOCK:
         return False
-    return _PROBED.get(x.device.type, "not probed") is None if triton is None else triton
+    if triton is not None:
+        return triton
+    if x.device.type not in _PROBED and not _tracing(x):
+        probe(x.device.type)  # a device no conversion or move probed: probed here, eagerly, once
+    return _PROBED.get(x.device.type, "not probed") is None
+
+
+def _tracing(x: torch.Tensor) -> bool:
+    """Whether x is being traced (Dynamo, or AOTAutograd's fake tensors): no kernel runs there."""
+    return torch.compiler.is_compiling() or torch._guards.detect_fake_mode((x,)) is not None
 
 
 def cast_transpose(x: torch.Tensor, triton: bool | None = None) -> tuple[Quantized, Quantized]:

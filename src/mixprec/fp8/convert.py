@@ -151,12 +151,7 @@ def _log_blockwise(conversion: Conversion) -> None:
                     "%d-element tiles only", ", ".join(fqns), shape, r.block)
     logger.info("fp8: a micro-batch whose token count is not a multiple of %d runs its block-wise weight-gradient "
                 "GEMMs emulated, for the same reason", r.block)
-    why = blockwise_cast.probe(conversion.device)
-    if why is None:
-        logger.info("fp8: block-wise backward casts in one Triton kernel per operand, both layouts at once "
-                    "(mixprec.fp8.blockwise_cast)")
-    elif conversion.device == "cuda":
-        logger.info("fp8: block-wise backward casts with torch's ops, a transposing copy each: %s", why)
+    blockwise_cast.probe(conversion.device)  # logs where the casts run, once per device
 
 
 def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.dtype,

@@ -136,6 +136,14 @@ class FP8Linear(nn.Linear):
             new.register_buffer("scale", torch.zeros(3, device=dev), persistent=False)
         return new
 
+    def _apply(self, fn, recurse=True):
+        """Moved (.to, .cuda, to_empty): a block-wise layer probes its Triton casts on the new
+        device, outside any step (a model converted on the CPU or meta device, then moved)."""
+        out = super()._apply(fn, recurse)
+        if self.plan.blockwise and self.weight.device.type != "meta":
+            blockwise_cast.probe(self.weight.device.type)
+        return out
+
     def matmul_state(self):
         """What `matmul` takes besides the plan: delayed scaling's buffers."""
         return (self.amax_history, self.amax_pending, self.scale) if self.plan.recipe.delayed else None
