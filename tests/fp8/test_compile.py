@@ -47,13 +47,16 @@ def forward_backward(fn, x, *rest):
     return y
 
 
-@pytest.mark.parametrize("recipe, dim", [(r, 256) for r in RECIPES] + [("blockwise", 64)])
-def test_the_cuda_route_traces_as_one_graph(recipe, dim):
+@pytest.mark.parametrize("recipe, dim, T", [(r, 256, 128) for r in RECIPES] + [("blockwise", 64, 128)]
+                         + [(r, 256, 100) for r in RECIPES])
+def test_the_cuda_route_traces_as_one_graph(recipe, dim, T):
     # dim 256: whole 128-tiles, block-wise on its kernel; 64: tiles cut short, emulated (its
-    # log line once said so from inside the matmul: a graph break in every such layer)
+    # log line once said so from inside the matmul: a graph break in every such layer).
+    # T 100: 200 tokens, which torch._scaled_mm's weight-gradient GEMM (summing over them)
+    # takes only padded to a multiple of 16; block-wise emulates that GEMM (no whole tiles)
     blk, args = block(recipe, dim=dim, kernels=True)
     blk = blk.to("meta")
-    x, *rest = inputs(args, 128, "meta")
+    x, *rest = inputs(args, T, "meta")
     torch._dynamo.reset()
     y = forward_backward(torch.compile(blk, backend="aot_eager", fullgraph=True), x, *rest)
     assert y.shape == x.shape and all(p.grad is not None for p in blk.parameters())
@@ -65,5 +68,5 @@ def test_the_rowwise_cuda_route_compiles_as_one_graph():
     a = quantize(torch.randn(256, 128, generator=gen), E4M3, (1, 0), power_of_2=True)[0]
     b = quantize(torch.randn(128, 192, generator=gen), E5M2, (0, 1), power_of_2=True)[0]
     torch._dynamo.reset()
-    compiled = torch.compile(lambda a, b: kernel_mm(a, b, torch.bfloat16, scales_after_=True), fullgraph=True)
-    assert torch.equal(compiled(a, b), kernel_mm(a, b, torch.bfloat16, scales_after_=True))
+    compiled = torch.compile(lambda a, b: kernel_mm(a, b, torch.bfloat16, after=True), fullgraph=True)
+    assert torch.equal(compiled(a, b), kernel_mm(a, b, torch.bfloat16, after=True))

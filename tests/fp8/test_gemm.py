@@ -1,9 +1,10 @@
 import pytest
 import torch
 
+from mixprec.fp8 import gemm
 from mixprec.fp8.gemm import emulated_mm, kernel_mm, probe, scales_after
 from mixprec.fp8.recipe import E4M3, E5M2
-from mixprec.fp8.scaling import quantize
+from mixprec.fp8.scaling import Quantized, quantize
 
 
 def operands(M=192, K=384, N=256, a_tile=(0, 0), b_tile=(0, 0), a_dtype=E4M3, b_dtype=E4M3, device="cpu"):
@@ -144,14 +145,41 @@ def test_rowwise_scales_after_a_unit_scaled_gemm_equal_the_rowwise_kernel(power_
     a, _ = quantize(x, E4M3, (1, 0), power_of_2=power_of_2)
     b, _ = quantize(y, E5M2, (0, 1), power_of_2=power_of_2)
     for out in (torch.float32, torch.bfloat16):
-        after = kernel_mm(a, b, out, scales_after_=True)
+        after = kernel_mm(a, b, out, after=True)
         emulated = emulated_mm(a, b, out)
         # bfloat16: one unit in the last place apart where a sum sits near a rounding boundary
         within = dict(rtol=1e-5 if out == torch.float32 else 2**-7, atol=1e-5 * emulated.abs().max().item())
         torch.testing.assert_close(after, emulated, **within)
         if probe("cpu", (1, 0), (0, 1), E4M3, E5M2, out) is None:
-            rowwise = kernel_mm(a, b, out, scales_after_=False)
+            rowwise = kernel_mm(a, b, out, after=False)
             if power_of_2:
                 assert torch.equal(after, rowwise), out
             torch.testing.assert_close(rowwise, emulated, **within)
     assert not scales_after("cpu", False) and scales_after("cuda", False) and not scales_after("cuda", True)
+
+
+@pytest.mark.parametrize("layout", ["tensorwise", "rowwise"])
+def test_a_summed_dimension_off_the_16_grid_is_padded_with_zeros_exactly(layout):
+    # the weight-gradient GEMM sums over the tokens, 200 here (2 x 100): torch._scaled_mm wants
+    # that dimension a multiple of 16 (on CUDA; its meta function says so), so kernel_mm pads
+    # both operands there with zero bytes (+0 in e4m3 and e5m2); the scales do not run along
+    # it. The same sums as the unpadded GEMM (the CPU's kernel, which takes any K, is not
+    # padded: its summation order would change the last bits)
+    gen = torch.Generator().manual_seed(2)
+    tiles = ((0, 0), (0, 0)) if layout == "tensorwise" else ((1, 0), (0, 1))
+    a = quantize(torch.randn(48, 200, generator=gen), E5M2, tiles[0], power_of_2=True)[0]
+    b = quantize(torch.randn(200, 64, generator=gen), E4M3, tiles[1], power_of_2=True)[0]
+    A, B = gemm._pad_k(a.data, b.data.t().contiguous().t())
+    assert A.shape == (48, 208) and B.shape == (208, 64) and B.t().is_contiguous()
+    assert not A[:, 200:].view(torch.uint8).any() and not B[200:].view(torch.uint8).any()
+    assert torch.equal(A[:, :200].view(torch.uint8), a.data.view(torch.uint8))
+    scale_a, scale_b, _ = gemm.kernel_scales(a, b)
+    padded = torch._scaled_mm(A, B, scale_a, scale_b, out_dtype=torch.float32)
+    torch.testing.assert_close(padded, emulated_mm(a, b, torch.float32), rtol=1e-5, atol=1e-5)
+    assert torch.equal(kernel_mm(a, b, torch.float32, after=False),
+                       torch._scaled_mm(a.data, b.data.t().contiguous().t(), scale_a, scale_b, out_dtype=torch.float32))
+    # CUDA's rules, on the meta device: torch's meta function takes the padded operands
+    meta = lambda q: Quantized(q.data.to("meta"), q.scale_inv.to("meta"), q.tile)  # noqa: E731
+    assert kernel_mm(meta(a), meta(b), torch.bfloat16, after=False).shape == (48, 64)
+    with pytest.raises(RuntimeError, match="divisible by 16"):
+        _meta_scaled_mm(a, b, torch.bfloat16, blockwise=False)  # unpadded: refused

@@ -178,6 +178,41 @@ def test_round_up_scales_are_exact_where_a_float32_log2_is_not(dtype):
     assert (q.elements()[:, 0] < top).all()  # rounded up: the amax lands below the top, nothing saturates
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2, E2M1], ids=["e4m3", "e5m2", "e2m1"])
+def test_round_up_scales_are_the_smallest_power_of_two_that_fits_over_all_of_fp32(dtype):
+    # every FP32 exponent, subnormals included, each with mantissas at and around the format
+    # maximum's: the exponent is the smallest k with amax <= max 2^k (exact in float64), clamped
+    top = {E4M3: 448.0, E5M2: 57344.0, E2M1: 6.0}[dtype]
+    gen = torch.Generator().manual_seed(0)
+    top_bits = torch.tensor(top).view(torch.int32).item() & 0x7FFFFF
+    mantissas = torch.cat([torch.tensor([0, 1, top_bits - 1, top_bits, top_bits + 1, 0x7FFFFF]),
+                           torch.randint(0, 1 << 23, (10,), generator=gen)])
+    bits = (torch.arange(0, 255)[:, None] << 23 | mantissas[None, :]).flatten().to(torch.int32)
+    amax = bits.view(torch.float32)
+    want = []
+    for a in amax.double().tolist():
+        k = math.ceil(math.log2(a / top)) if a > 0 else -127
+        while k > -200 and a <= top * 2.0**(k - 1):
+            k -= 1
+        while a > top * 2.0**k:
+            k += 1
+        want.append(min(max(k, -127), 127) + 127)
+    assert torch.equal(e8m0_exponent(amax, dtype, "ceil").long(), torch.tensor(want))
+
+
+@pytest.mark.parametrize("rounding", ["ceil", "floor", "even"])
+def test_mx_casts_divide_nothing(rounding):
+    # a division is approximate in Triton's code on CUDA unless asked otherwise: the MX casts
+    # scale by powers of two built from bits, the same on every backend by construction
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mixprec.fp8.microscaling import quantize_mx_bits
+
+    graph = make_fx(lambda x: quantize_mx_bits(x, E4M3, rounding=rounding))(torch.randn(40, 48)).graph
+    ops = {str(n.target) for n in graph.nodes if n.op == "call_function"}
+    assert not {op for op in ops if "div" in op or "reciprocal" in op}, ops
+
+
 def test_nonfinite_inputs_make_their_block_or_tensor_nonfinite():
     x = torch.randn(4, 64)
     x[0, 3], x[1, 40], x[2, 5] = float("nan"), float("inf"), -float("inf")

@@ -128,16 +128,30 @@ def _(a, b, scale_a, scale_b, b_blocks, out_dtype):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
+def _pad_k(A: torch.Tensor, B: torch.Tensor, multiple: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (M, K) row-major and B (K, N) column-major with K padded with zeros to a multiple of
+    `multiple` (torch._scaled_mm's rule on CUDA): zero products add nothing, and tensor- and
+    row-wise scales do not run along K, so the result is the same sum. Where a GEMM sums over the tokens
+    (the weight gradient), any micro-batch of an odd length needs it."""
+    pad = -A.shape[1] % multiple
+    if not pad:
+        return A, B
+    widen = lambda t: F.pad(t.view(torch.uint8), (0, pad)).view(t.dtype)  # noqa: E731 - a zero byte is +0 in e4m3 and e5m2
+    return widen(A), widen(B.t()).t()
+
+
 def kernel_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False,
-              blockwise: bool | None = None, scales_after_: bool | None = None) -> torch.Tensor:
+              blockwise: bool | None = None, after: bool | None = None) -> torch.Tensor:
     """torch's scaled GEMM: a row-major, b column-major (a transposed row-major tensor).
-    scales_after_: row-wise scales applied after a unit-scaled GEMM (None: where
-    `scales_after` chooses it for a's device)."""
+    after: row-wise scales applied after a unit-scaled GEMM (None: where `scales_after`
+    chooses it for a's device)."""
     A, B = a.data.contiguous(), b.data.t().contiguous().t()
     scale_a, scale_b, types = kernel_scales(a, b, blockwise)
     if types is not None:
         return blockwise_scaled_mm(A, B, scale_a, scale_b, types[1] == F.ScalingType.BlockWise128x128, out_dtype)
-    if scale_a.dim() == 2 and (scales_after(A.device.type, fast_accum) if scales_after_ is None else scales_after_):
+    if A.device.type != "cpu":  # the CPU's kernel takes any K: padded there, its sums would reorder (last bits)
+        A, B = _pad_k(A, B)
+    if scale_a.dim() == 2 and (scales_after(A.device.type, fast_accum) if after is None else after):
         one = torch.ones((), device=A.device)
         out = torch._scaled_mm(A, B, one, one, out_dtype=torch.float32)
         return (out * scale_a * scale_b).to(out_dtype)
@@ -145,7 +159,8 @@ def kernel_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bo
 
 
 def _whole_tiles(a: Quantized, b: Quantized) -> bool:
-    """torch's kernels take whole tiles only (tensor- and row-wise tiles always are)."""
+    """torch's kernels take whole tiles only (tensor- and row-wise tiles always are; their K is
+    padded to torch._scaled_mm's multiple of 16 in kernel_mm)."""
     return all(size % tile == 0 for q in (a, b) for size, tile in zip(q.data.shape, q.tile))
 
 

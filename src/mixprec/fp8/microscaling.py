@@ -51,6 +51,8 @@ E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0-7; bit 3 is the 
 ELEMENT_MAX = {E4M3: 448.0, E5M2: 57344.0, E2M1: 6.0}
 ELEMENT_MAX_POW2 = {E4M3: 8, E5M2: 15, E2M1: 2}  # the exponent of each format's largest power of two
 ELEMENT_MBITS = {E4M3: 3, E5M2: 2, E2M1: 1}
+# the 23-bit FP32 mantissa of each format's largest value: 448 = 1.75 x 2^8, 57344 = 1.75 x 2^15, 6 = 1.5 x 2^2
+_MAX_MANTISSA = {dtype: int((top / 2.0**ELEMENT_MAX_POW2[dtype] - 1) * 2**23) for dtype, top in ELEMENT_MAX.items()}
 E8M0_BIAS = 127
 ROUNDINGS = ("ceil", "floor", "even")  # E8M0 scale: amax/max rounded up (RCEIL), OCP v1.0's floor, torchao's floor after RNE
 E4M3_TINY = 2.0**-6  # NVFP4 block scales are kept at or above e4m3's smallest normal
@@ -97,7 +99,7 @@ class Blocked(NamedTuple):
         s = self._factors()
         if self.tensor_scale is not None and with_tensor_scale:
             s = s * self.tensor_scale
-        return s.repeat_interleave(self.block[0], 0).repeat_interleave(self.block[1], 1)
+        return _spread(s, self.block)
 
     def dequantize(self, with_tensor_scale: bool = True, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The values this tensor stands for, (R, C), in `dtype`. Without the tensor scale each
@@ -137,7 +139,10 @@ def _block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 
 def _spread(s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    return s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    """One value per block (R/br, C/bc) -> one per element (R, C) of whole blocks: a broadcast
+    view of the (R/br, br, C/bc, bc) blocks, copied once by the reshape."""
+    (nr, nc), (br, bc) = s.shape, block
+    return s[:, None, :, None].expand(nr, br, nc, bc).reshape(nr * br, nc * bc)
 
 
 # ---- e2m1 ------------------------------------------------------------------------------------
@@ -167,14 +172,10 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
     return codes[:, 0::2] | (codes[:, 1::2] << 4)
 
 
-def encode_pack(codes: torch.Tensor) -> torch.Tensor:
-    """(R, C) uint8 codes -> (R, C/2) float4_e2m1fn_x2: element 2j in the low nibble."""
-    return pack(codes).view(E2M1)
-
-
 def e8m0_values(exponents: torch.Tensor) -> torch.Tensor:
-    """Biased E8M0 exponents (uint8) -> FP32 scales, as float8_e8m0fnu's .float(): 2^(e - 127),
-    0 the subnormal 2^-127, 255 NaN. From the bits (Inductor compiles no float8_e8m0fnu code)."""
+    """Biased E8M0 exponents (uint8, or int32 0-255) -> FP32 scales, as float8_e8m0fnu's .float():
+    2^(e - 127), 0 the subnormal 2^-127, 255 NaN. From the bits (Inductor compiles no
+    float8_e8m0fnu code)."""
     e = exponents.to(torch.int32)
     value = torch.where(e == 0, 1 << 22, e << 23).view(torch.float32)
     return torch.where(e == 255, float("nan"), value)
@@ -228,18 +229,20 @@ def _to_elements(v: torch.Tensor, dtype: torch.dtype, key: torch.Tensor | None =
 def e8m0_exponent(amax: torch.Tensor, dtype: torch.dtype, rounding: str) -> torch.Tensor:
     """The biased E8M0 exponent (int32, 0-255; 255 is NaN) of each block's scale.
     ceil: 2^ceil(log2(amax / max)), the smallest power of two that keeps the block within the
-          format (no element saturates), from the bits of the FP32 quotient;
+          format (no element saturates), from the bits of amax;
     floor: 2^(floor(log2(amax)) - emax), OCP's rule: the top of the block may saturate;
     even: floor after rounding amax to the element's mantissa width (torchao's choice, not OCP's)."""
-    if rounding == "ceil":
-        descale = amax / ELEMENT_MAX[dtype]
-        bits = descale.view(torch.int32)
-        biased, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
-        exp = torch.where(biased > 0, biased - E8M0_BIAS + (mantissa > 0).int(),
-                          torch.where(mantissa > 1 << 22, -126, -127))  # subnormal quotients: 2^-126 or 2^-127
-        exp = exp.clamp(-E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS
-        return torch.where(torch.isnan(descale), 255, torch.where(torch.isinf(descale), 254, exp))
     bits = amax.view(torch.int32)
+    if rounding == "ceil":
+        # amax = m 2^E and max = m_max 2^emax (m, m_max in [1, 2)): amax <= max 2^k first holds
+        # at k = E - emax, or one above where m > m_max (m/m_max is then in (1, 2)). From the
+        # bits, as the hardware's cvt.rp rounds, and with no division (which Triton emits
+        # approximately on CUDA: a quotient one ulp above a power of two would round up). A
+        # subnormal amax (E below -126) gives a k far below -127, the clamp's floor.
+        biased, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+        exp = biased - E8M0_BIAS - ELEMENT_MAX_POW2[dtype] + (mantissa > _MAX_MANTISSA[dtype]).int()
+        exp = exp.clamp(-E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS
+        return torch.where(torch.isnan(amax), 255, torch.where(torch.isinf(amax), 254, exp))
     if rounding == "even":  # round amax's mantissa to the element's width first (a carry may bump the exponent)
         bits = (bits + (1 << (22 - ELEMENT_MBITS[dtype]))) & (0x1FF << 23)
     exp = ((bits >> 23) & 0xFF) - E8M0_BIAS - ELEMENT_MAX_POW2[dtype]
@@ -261,16 +264,13 @@ def quantize_mx_bits(x: torch.Tensor, dtype: torch.dtype, *, block: int = 32, ro
     x = _pad(x, tile)
     amax = _block_amax(x, tile)
     exp = e8m0_exponent(amax, dtype, rounding)
-    if rounding == "ceil":
-        # x times 2^(127 - exp), the reciprocal of the stored scale: exact (2^127 for the
-        # smallest scale, 2^-127 for exp 254, the scale of an infinite amax)
-        factor = torch.where(exp == 255, float("nan"), torch.exp2((E8M0_BIAS - exp).float()))
-        scaled = per_tile(torch.mul, x, factor, tile)
-    else:
-        # x / 2^(exp - 127), the scale that is stored: 2^-127 (biased 0) is FP32's subnormal
-        # 2^22 ulps (torchao divides by 2^-126 there, and such a block decodes to half its value)
-        divisor = torch.where(exp == 0, 1 << 22, exp << 23).view(torch.float32)
-        scaled = per_tile(torch.div, x, divisor, tile)
+    # x times 2^(127 - exp), the reciprocal of the stored scale 2^(exp - 127), built from its
+    # bits as an E8M0 value (254 - exp): exact on every backend, where a division may not be
+    # (Triton's default fp32 division on CUDA is approximate). 2^127 for the smallest scale
+    # 2^-127 (torchao divides by 2^-126 there, and such a block decodes to half its value),
+    # FP32's subnormal 2^-127 for exp 254 (an infinite amax's), NaN for the NaN code.
+    factor = torch.where(exp == 255, float("nan"), e8m0_values(E8M0_BIAS * 2 - exp))
+    scaled = per_tile(torch.mul, x, factor, tile)
     return Blocked(_to_elements(scaled, dtype, key), exp.to(torch.uint8), tile, None, shape)
 
 

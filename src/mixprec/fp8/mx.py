@@ -249,8 +249,10 @@ def _mx_quantize(x: torch.Tensor, element: torch.dtype, block: int, rounding: st
     device = x.device.type
     q = compiled(_cast, device)(x, element, block, rounding, nv, square, four_over_six, key, amax,
                                 _operand_dtype(device) if values else None).typed()
-    return (q.data, q.scale, q.tensor_scale if q.tensor_scale is not None else x.new_empty(0),
-            q.values if values else x.new_empty(0))
+    # as the fake function says: the operand contiguous (a slice of the padded blocks where x is
+    # not whole blocks), MX's placeholder for the tensor scale an empty FP32 tensor
+    return (q.data, q.scale, q.tensor_scale if q.tensor_scale is not None else x.new_empty(0, dtype=torch.float32),
+            q.values.contiguous() if values else x.new_empty(0))
 
 
 @_mx_quantize.register_fake
