@@ -66,12 +66,67 @@ def test_every_fp8_recipe_runs_its_planned_layers_in_fp8_and_nothing_else(tmp_pa
     assert audit(tmp_path, text_file, "--precision.preset", preset) == 0
     report = json.loads(capsys.readouterr().out)
     stages = {r["stage"]: r for r in report["stages"]}
-    assert stages["FP8 layers (forward GEMMs in float8)"]["observed"] == ["14 ran"]  # 7 projections x 2 blocks
+    assert stages["narrow layers (forward GEMMs in float8 or e2m1)"]["observed"] == ["14 ran"]  # 7 projections x 2 blocks
     assert stages["FP8 backward GEMMs"]["observed"] == ["56"]  # 2 per layer and micro-batch, 2 micro-batches
     assert stages["matmul output"]["observed"] == ["bfloat16"]  # attention and the output layer stay bf16
     assert any("output left in bfloat16" in n for n in report["notes"])
     grads = "float8_e4m3fn" if preset in ("fp8-rowwise", "fp8-blockwise") else "float8_e5m2"
     assert grads in stages["FP8 backward operands"]["observed"]
+
+
+AUDITED = ["fp32", "bf16-mixed", "bf16-true", "fp16-mixed", "fp16-master", "bf16-master", "fp16-true",
+           "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "fp8-blockwise", "bf16-kahan", "bf16-sr", "mxfp8", "nvfp4",
+           "mxfp4"]
+
+
+def test_every_preset_the_help_lists_is_audited(capsys):
+    import re
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    listed = re.search(r"--precision.preset STR (.*?), or an alias", text).group(1).split(", ")
+    assert set(listed) == set(AUDITED), listed
+
+
+@pytest.mark.parametrize("preset, narrow", [("bf16-kahan", None), ("bf16-sr", None), ("mxfp8", "14 float8 1x32 tiles"),
+                                            ("nvfp4", "7 e2m1 1x16 tiles"), ("mxfp4", "14 e2m1 1x32 tiles")])
+def test_the_update_and_microscaled_presets_keep_their_promise(tmp_path, text_file, capsys, preset, narrow):
+    assert audit(tmp_path, text_file, "--precision.preset", preset) == 0
+    report = json.loads(capsys.readouterr().out)
+    stages = {r["stage"]: r for r in report["stages"]}
+    assert report["ok"] and report["precision"] == preset
+    if narrow is None:
+        assert stages["stored parameters"]["observed"] == ["bfloat16"]
+        return
+    # what ran, seen through the operators: the element format and the blocks of the input's scales
+    assert narrow in stages["Linear layers by compute (per module)"]["observed"]
+    assert stages["Linear layers by compute (per module)"]["ok"]
+    fp4 = "float4_e2m1fn_x2" if preset != "mxfp8" else "float8_e4m3fn"
+    assert stages["FP8 forward operands"]["observed"] == [fp4]
+
+
+def test_a_microscaled_layer_whose_recipe_is_swapped_behind_the_plans_back_fails(tmp_path, text_file, capsys,
+                                                                                 monkeypatch):
+    import dataclasses
+
+    from mixprec.fp8.mx import MXRecipe
+
+    setup = Policy.setup
+
+    def swaps(self, model, optimizer=None):
+        out = setup(self, model, optimizer)
+        layer = model.layers[0].attention.wq
+        layer.plan = dataclasses.replace(layer.plan, recipe=MXRecipe.from_name("mxfp4"))  # not through the policy
+        return out
+
+    monkeypatch.setattr(Policy, "setup", swaps)
+    assert audit(tmp_path, text_file, "--precision.preset", "mxfp8") == 1
+    report = json.loads(capsys.readouterr().out)
+    stages = {r["stage"]: r for r in report["stages"]}
+    assert not stages["Linear layers by compute (per module)"]["ok"]
+    assert "module layers.0.attention.wq: promised float8 1x32 tiles (" in " ".join(report["notes"])
+    assert "its forward GEMMs ran in e2m1 1x32 tiles" in " ".join(report["notes"])
 
 
 def test_a_layer_quantised_behind_the_plans_back_fails(tmp_path, text_file, capsys, monkeypatch):
@@ -88,7 +143,7 @@ def test_a_layer_quantised_behind_the_plans_back_fails(tmp_path, text_file, caps
                  "--fp8.filter_fqns", "layers.1.feed_forward.w2") == 1
     report = json.loads(capsys.readouterr().out)
     stages = {r["stage"]: r for r in report["stages"]}
-    assert not stages["FP8 layers (forward GEMMs in float8)"]["ok"]
+    assert not stages["narrow layers (forward GEMMs in float8 or e2m1)"]["ok"]
     assert "fp8: layers.1.feed_forward.w2 ran in FP8 but the plan leaves it out" in report["notes"]
     assert not stages["Linear layers by compute (per module)"]["ok"]
     assert any(n.startswith("module layers.1.feed_forward.w2: promised bfloat16") for n in report["notes"])

@@ -123,7 +123,7 @@ def test_the_audit_on_the_trainers_own_batches(data, tmp_path):
     report = trainer.audit()
     assert report["ok"], format_audit(report)
     rows = {r["stage"]: r for r in report["stages"]}
-    assert rows["FP8 layers (forward GEMMs in float8)"]["observed"] == ["14 ran"]
+    assert rows["narrow layers (forward GEMMs in float8 or e2m1)"]["observed"] == ["14 ran"]
 
 
 @pytest.mark.parametrize("preset", ["bf16-master", "bf16-kahan"])

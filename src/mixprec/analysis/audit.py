@@ -20,7 +20,7 @@ from collections import defaultdict
 
 import torch
 
-from mixprec.analysis.audit_fp8 import FP8Tracker, fp8_rows, promised_granularity
+from mixprec.analysis.audit_fp8 import NARROW, FP8Tracker, element_name, fp8_rows, promised_granularity
 from mixprec.optim.updates import COMPENSATION
 from mixprec.precision.dtypes import dtype_name
 from mixprec.precision.emulation import _MATMULS, EmulatedMatmul
@@ -258,9 +258,10 @@ def per_module_rows(tracker: FP8Tracker, layout, micro_batches: int) -> tuple[li
             want = format_name(m.compute)
         else:
             rows = tracker.rows.get(fqn, 2)
-            want = f"float8 {promised_granularity(m.compute, rows, tracker.in_features.get(fqn, 0))}"
-            if "float8" in got:
-                got = (got - {"float8"}) | {f"float8 {g}" for g in tracker.scaling.get(fqn, {"(scales not seen)"})}
+            element = element_name(next(iter(m.compute.operand_formats[0])))
+            want = f"{element} {promised_granularity(m.compute, rows, tracker.in_features.get(fqn, 0))}"
+            scales = tracker.scaling.get(fqn, {"(scales not seen)"})
+            got = (got - set(NARROW)) | {f"{kind} {g}" for kind in got & set(NARROW) for g in scales}
             gemms = tracker.backward_by_module.get(fqn, set())
             dtypes = {d for _, pair in gemms for d in pair}
             wanted = m.compute.operand_formats[1]

@@ -18,13 +18,21 @@ from collections import defaultdict
 
 import torch
 
-import mixprec.fp8  # noqa: F401 - registers the microscaled recipes' GEMM operator
+import mixprec.fp8  # noqa: F401 - registers the microscaled recipes' operators
 from mixprec.precision.dtypes import dtype_name
 from mixprec.precision.emulation import _MATMULS
 
 aten = torch.ops.aten
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+E2M1 = torch.float4_e2m1fn_x2
 MX_MM = torch.ops.mixprec.mx_mm.default  # registered by mixprec.fp8.mx
+MX_QUANTIZE = torch.ops.mixprec.mx_quantize.default
+NARROW = ("float8", "e2m1")  # how the report names a GEMM's element format
+
+
+def element_name(dtype: torch.dtype) -> str:
+    """A narrow GEMM's element format as the report names it: float8 (e4m3, e5m2) or e2m1 (FP4)."""
+    return "e2m1" if dtype == E2M1 else "float8"
 _VIEWS = {aten.slice.Tensor, aten.t.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default,
           aten.expand.default, aten.alias.default, aten.permute.default, aten.narrow.default}
 
@@ -49,10 +57,10 @@ class FP8Tracker:
         self._serials = itertools.count()
         self._backward_pairs: set[tuple] = set()
         self.module: str | None = None  # the Linear whose forward (or, in backward, whose backward) is running
-        self.forward: dict[str, set[str]] = defaultdict(set)  # Linear -> "float8" or a plain GEMM's dtype
+        self.forward: dict[str, set[str]] = defaultdict(set)  # Linear -> "float8", "e2m1" or a plain GEMM's dtype
         self.scaling: dict[str, set[str]] = defaultdict(set)  # Linear -> its input cast's granularity
         self.backward_by_module: dict[str, set[tuple]] = defaultdict(set)  # Linear -> its backward FP8 GEMMs
-        self._amax_seen: set[str] = set()
+        self._cast_seen: set[str] = set()
         self.in_features: dict[str, int] = {}
         self.rows: dict[str, int] = {}  # the rows (tokens) of each Linear's last FP8 input cast
         self.operands = {"forward": set(), "backward": set()}
@@ -76,14 +84,19 @@ class FP8Tracker:
     def observe(self, func, args, out, backward: bool) -> bool:
         """Record `func`; True when it was an FP8 GEMM (the caller keeps it out of the plain matmul stages)."""
         first = args[0] if args else None
-        if (func is aten.amax.default and not backward and self.module is not None and first.dim() == 4
-                and self.module not in self._amax_seen):
+        casting = not backward and self.module is not None and self.module not in self._cast_seen
+        if casting and func is aten.amax.default and first.dim() == 4:
             # the input's cast comes first in an FP8 Linear's forward: its amax runs over a
             # (rows / tr, tr, cols / tc, tc) view of the input, one max per (tr, tc) tile
-            self._amax_seen.add(self.module)
             rows, (tr, tc) = first.shape[0] * first.shape[1], (first.shape[1], first.shape[3])
-            self.rows[self.module] = rows
-            self.scaling[self.module].add(granularity(tr, tc, rows, self.in_features[self.module]))
+            self._cast(rows, tr, tc)
+        elif casting and func is MX_QUANTIZE:
+            # a microscaled Linear's first cast is its input's, one operator: its blocks are
+            # read off what it returned, the elements (rows padded, columns packed two a byte
+            # for e2m1) against one scale per block
+            data, scale = out[0], out[1]
+            rows, cols = data.shape[0], data.shape[1] * (2 if data.dtype == E2M1 else 1)
+            self._cast(first.shape[0], rows // scale.shape[0], cols // scale.shape[1])
         if func is aten._to_copy.default and isinstance(first, torch.Tensor) and first.dtype in FP8_DTYPES:
             self._track(out, (first.dtype, next(self._serials)))  # an FP8 tensor widened for the emulated GEMM
         elif func in _VIEWS and (src := self._source(first)) is not None and out.dtype not in FP8_DTYPES:
@@ -101,6 +114,11 @@ class FP8Tracker:
             return False
         return self._record(sources, backward)
 
+    def _cast(self, rows: int, tr: int, tc: int) -> None:
+        self._cast_seen.add(self.module)
+        self.rows[self.module] = rows
+        self.scaling[self.module].add(granularity(tr, tc, rows, self.in_features[self.module]))
+
     def _record(self, sources, backward: bool) -> bool:
         self.operands["backward" if backward else "forward"].update(dtype for dtype, _ in sources)
         if backward:
@@ -109,12 +127,12 @@ class FP8Tracker:
             if self.module is not None:
                 self.backward_by_module[self.module].add((pair, tuple(dtype for dtype, _ in sources)))
         elif self.module is not None:
-            self.forward[self.module].add("float8")
+            self.forward[self.module].add(element_name(sources[0][0]))
         return True
 
     def _enter(self, name: str) -> None:
         self.module = name
-        self._amax_seen.discard(name)
+        self._cast_seen.discard(name)
 
     def hooks(self, model: torch.nn.Module) -> list:
         """Forward hooks on every Linear that tell the tracker whose forward is running."""
@@ -143,8 +161,8 @@ def fp8_rows(tracker: FP8Tracker, policy, micro_batches: int) -> tuple[list[dict
     conversion, layout = policy.fp8_conversion, policy.layout
     recipe = conversion.recipe
     planned = set(layout.fp8())
-    in_fp8 = {name for name, kinds in tracker.forward.items() if "float8" in kinds}
-    mixed = {name for name in in_fp8 if tracker.forward[name] != {"float8"}}
+    in_fp8 = {name for name, kinds in tracker.forward.items() if kinds & set(NARROW)}
+    mixed = {name for name in in_fp8 if len(tracker.forward[name]) != 1}
     notes = [f"fp8: {c.describe()}" for c in policy.formats.conversions]
     for name in sorted(planned - in_fp8):
         notes.append(f"fp8: {name} was planned for FP8 but its forward GEMM ran in "
@@ -166,7 +184,7 @@ def fp8_rows(tracker: FP8Tracker, policy, micro_batches: int) -> tuple[list[dict
     forward_formats = {d for r in layout.recipes() for d in r.operand_formats[0]}
     grad_formats = {d for r in layout.recipes() for d in r.operand_formats[1]}
     rows = [
-        {"stage": "FP8 layers (forward GEMMs in float8)", "promised": [f"{len(planned)} planned"],
+        {"stage": "narrow layers (forward GEMMs in float8 or e2m1)", "promised": [f"{len(planned)} planned"],
          "observed": [f"{len(in_fp8)} ran"], "ok": in_fp8 == planned and not mixed},
         {"stage": "FP8 forward operands", "promised": sorted(map(dtype_name, forward_formats)),
          "observed": sorted(map(dtype_name, tracker.operands["forward"])),
