@@ -119,22 +119,125 @@ def test_a_checkpoint_that_lacks_a_key_or_holds_other_shapes_is_one_line(tmp_pat
         torch.save(good, path)
 
 
-def test_the_error_classes_of_a_checkpoint_read():
+def test_the_error_classes_of_a_checkpoint_read(tmp_path):
+    # by where an error was raised and what it says, not by its Python type
     import pickle
+    import traceback
 
-    from mixprec.errors import does_not_fit, unreadable
+    from mixprec.errors import dcp_failures, does_not_fit, unreadable
 
+    def raised(fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - the error under test
+            return e
+        raise AssertionError("nothing raised")
+
+    garbage = tmp_path / "step-3.pt"
+    garbage.write_bytes(b"PK\x03\x04 not a zip at all")
+    damaged = raised(lambda: torch.load(garbage, weights_only=True))
+    assert isinstance(damaged, RuntimeError) and unreadable(damaged)  # torch's zip reader said it
+    assert not unreadable(RuntimeError(str(damaged)))  # the same type and words raised anywhere else: a defect
+    assert unreadable(pickle.UnpicklingError("weights only load failed")) and unreadable(EOFError())
     oom = torch.OutOfMemoryError("CUDA out of memory")
     assert not unreadable(oom) and not does_not_fit(oom) and not unreadable(MemoryError())
-    assert unreadable(pickle.UnpicklingError("weights only load failed")) and unreadable(EOFError())
-    assert does_not_fit(KeyError("best_val")) and does_not_fit(RuntimeError("Error(s) in loading state_dict for X"))
-    for defect in (AttributeError("x"), TypeError("x"), IndexError("x"), RuntimeError("CUDA error: an illegal address")):
-        assert not does_not_fit(defect)
+    lost = torch.distributed.DistBackendError("Connection reset by peer")
+    device = RuntimeError("CUDA error: an illegal memory access was encountered")
+    for e in (lost, device):
+        assert not unreadable(e) and not does_not_fit(e)
+    # torch's own word that a state does not fit: load_state_dict's and torch.optim's
+    shape = raised(lambda: torch.nn.Linear(2, 2).load_state_dict({"weight": torch.ones(3, 2), "bias": torch.ones(2)}))
+    groups = raised(lambda: torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1).load_state_dict(
+        {"state": {}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}))
+    assert isinstance(groups, ValueError) and does_not_fit(shape) and does_not_fit(groups)
+    for defect in (KeyError("best_val"), ValueError("x"), AttributeError("x"), TypeError("x"), IndexError("x")):
+        assert not does_not_fit(defect) and not unreadable(defect)  # raised in mixprec's (here: this test's) code
+    # another rank's failure arrives through DCP pickled, its frames kept beside it
+    remote = pickle.loads(pickle.dumps(damaged))
+    frames = traceback.extract_tb(damaged.__traceback__)
+    gathered = type("CheckpointException", (Exception,), {})()
+    gathered.failures = {1: (remote, frames)}
+    assert [unreadable(f) for f in dcp_failures(gathered)] == [True]
+
     from mixprec.interop.checkpoint import restoring
 
     with pytest.raises(KeyError):  # a rewind restores the run's own snapshot: no error there is the user's
-        with restoring("memory snapshot", from_user=False):
+        with restoring("memory snapshot", from_user=False, saved={}, own=lambda: {"trainer": {"best_val": 1}}):
             raise KeyError("best_val")
-    with pytest.raises(UserError, match="does not fit"):
-        with restoring("step-3.pt"):
+    with pytest.raises(UserError, match=r"does not fit this run \(it lacks trainer.best_val\)"):
+        with restoring("step-3.pt", saved={"trainer": {}}, own=lambda: {"trainer": {"best_val": 1.0}}):
             raise KeyError("best_val")
+    with pytest.raises(KeyError):  # the checkpoint has all this run would save: the KeyError is mixprec's
+        with restoring("step-3.pt", saved={"trainer": {"best_val": 1.0}}, own=lambda: {"trainer": {"best_val": 1.0}}):
+            raise KeyError("best_val")
+
+
+class Payload:
+    """What a hostile checkpoint may hold: unpickling it runs code (here: creates a file)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import pathlib
+
+        return pathlib.Path.touch, (pathlib.Path(self.marker),)
+
+
+def _dcp_folder(tmp_path, plant: str):
+    """A DCP checkpoint of a Linear and its AdamW, with a payload planted in the optimizer's
+    param_groups (`plant` "entry") or in the folder's metadata (`plant` "metadata")."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    marker = tmp_path / "code-ran"
+    if plant == "entry":
+        optim_sd["param_groups"][0]["lr"] = Payload(marker)  # an entry the resume reads
+    folder = tmp_path / "step-3"
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=folder, no_dist=True)
+    if plant == "metadata":
+        (folder / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    return folder, marker, model, opt
+
+
+@pytest.mark.parametrize("plant", ["entry", "metadata"])
+def test_a_dcp_folder_that_would_run_code_is_refused_and_runs_none(tmp_path, plant):
+    import warnings
+
+    from mixprec.interop.checkpoint import load_sharded
+    from mixprec.interop.load import _dcp_model
+
+    folder, marker, model, opt = _dcp_folder(tmp_path, plant)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's "no process group: one process" note
+        with pytest.raises(UserError, match="corrupt or does not match") as e:
+            load_sharded(str(folder), model, opt)
+        assert len(str(e.value).splitlines()) == 1 and ("Unpickl" in str(e.value) or "not part of DCP" in str(e.value))
+        assert not marker.exists()
+        if plant == "metadata":  # the model-weights reader (export, generate, an initial load) refuses it too
+            with pytest.raises(UserError, match="cannot be read"):
+                _dcp_model(folder, "checkpoint.initial_load")
+            assert not marker.exists()
+
+
+def test_a_clean_dcp_folder_loads(tmp_path):
+    import warnings
+
+    from mixprec.interop.checkpoint import load_sharded
+
+    folder, _, model, opt = _dcp_folder(tmp_path, "none")
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.zero_()
+    opt.param_groups[0]["lr"] = 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_sharded(str(folder), model, opt)
+    assert torch.equal(model.weight, want["weight"]) and opt.param_groups[0]["lr"] == 1e-3

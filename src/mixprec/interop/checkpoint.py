@@ -140,30 +140,52 @@ def read_checkpoint(path: Path, where: str, accepted: str, *, mmap: bool = False
 
 
 @contextlib.contextmanager
-def restoring(path: str, *, from_user: bool = True):
+def restoring(path: str, *, from_user: bool = True, saved: dict | None = None, own=None):
     """Turn what a checkpoint that does not fit this run raises into one clear line; any other
-    error (a defect, out of memory) keeps its traceback. from_user False: a rewind restoring
-    the run's own snapshot, where every error is a defect."""
+    error (a defect, out of memory, a lost rank) keeps its traceback. from_user False: a rewind
+    restoring the run's own snapshot, where every error is a defect. A KeyError is the
+    checkpoint's only where `saved` (the checkpoint) lacks an entry that `own()` (the state
+    this run would save) has: the same KeyError from mixprec's own code is a defect."""
     try:
         yield
     except Exception as e:
-        if not (from_user and does_not_fit(e)):
+        if not from_user:
             raise
-        reason = " ".join(str(e).split()) or type(e).__name__
+        lacks = missing_entries(own(), saved) if isinstance(e, KeyError) and own is not None else []
+        if not (lacks or does_not_fit(e)):
+            raise
+        reason = f"it lacks {', '.join(lacks[:3])}" if lacks else " ".join(str(e).split()) or type(e).__name__
         raise UserError(f"checkpoint {path} does not fit this run ({reason[:300]}); accepted: a checkpoint of "
                         "this config; remove it, set checkpoint.load_step, or use another job.dump_folder") from None
 
 
+def missing_entries(own, saved, prefix: str = "") -> list[str]:
+    """The dotted names of the dict entries `own` has and `saved` lacks, nested dicts followed."""
+    if not isinstance(own, dict):
+        return []
+    if not isinstance(saved, dict):
+        return [prefix.rstrip(".") or "its state"]
+    lacks = []
+    for key, value in own.items():
+        if key not in saved:
+            lacks.append(f"{prefix}{key}")
+        else:
+            lacks += missing_entries(value, saved[key], f"{prefix}{key}.")
+    return lacks
+
+
 def load_sharded(path: str, model, optimizer) -> None:
-    """Model and optimizer state from a DCP folder, resharded to this run's layout."""
-    import torch.distributed.checkpoint as dcp
+    """Model and optimizer state from a DCP folder, resharded to this run's layout; read
+    without running any code the folder holds (mixprec.interop.dcp_read)."""
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from mixprec.interop import dcp_read
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
     try:
-        dcp.load(state, checkpoint_id=path)
+        dcp_read.load(state, path)
     except (CheckpointException, Exception) as e:  # DCP gathers each rank's errors into a CheckpointException
         failures = dcp_failures(e)
         if not all(unreadable(f) or does_not_fit(f) for f in failures):

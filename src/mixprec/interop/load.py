@@ -77,12 +77,14 @@ def _dcp_model(path: Path, key: str) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from mixprec.interop import dcp_read
+
     try:
-        reader = dcp.FileSystemReader(str(path))
+        reader = dcp_read.SafeReader(str(path))  # runs no code the folder holds
         entries = reader.read_metadata().state_dict_metadata
         model = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
                  for k, m in entries.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-        dcp.load({"model": model}, storage_reader=reader)  # only these entries are read
+        dcp.load({"model": model}, storage_reader=reader, planner=dcp_read.SafeLoadPlanner())  # only these entries
     except (CheckpointException, Exception) as e:  # DCP gathers the reader's errors into a CheckpointException
         if not all(unreadable(f) for f in dcp_failures(e)):
             raise

@@ -79,7 +79,7 @@ class TrainingState:
         """A checkpoint (or, rewind True, a good state to go back to: the guard keeps its own record)."""
         p = self.parts
         check_compatible(state, p.meta, state["source"])
-        with restoring(state["source"], from_user=not rewind):
+        with restoring(state["source"], from_user=not rewind, saved=state, own=self._extras):
             p.policy.load_state_dict(state["policy"])  # first: it may re-apply a fallback
             with keep_optimizer_kernels(p.optimizer):
                 self._load_model_and_optimizer(state)
