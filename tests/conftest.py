@@ -32,6 +32,16 @@ def run_train(folder: Path, source: Path, *extra: str) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
+class Payload:
+    """What a hostile checkpoint may hold: unpickling it runs code (here: creates a file)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return Path.touch, (Path(self.marker),)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked gpu are skipped where there is no CUDA device."""
     import torch

@@ -119,13 +119,45 @@ def torchrun_ckpt(folder, source, *extra) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
+def plant_payload(folder, marker):
+    """Rewrite the DCP shards of `folder` (extras.pt kept) with the first param group's lr an
+    object whose unpickling creates `marker`; returns it."""
+    import pathlib
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from conftest import Payload
+
+    flat = folder.parent / "flat.pt"
+    dcp_to_torch_save(folder, flat)  # this run's own folder, just written
+    state = torch.load(flat, weights_only=False)
+    state["optimizer"]["param_groups"][0]["lr"] = Payload(marker)
+    for f in folder.iterdir():
+        if f.name != "extras.pt":
+            f.unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=folder, no_dist=True)
+    return pathlib.Path(marker)
+
+
 def test_dcp_checkpoint_from_two_ranks_resumes_on_one_and_on_two(tmp_path, text_file):
     import shutil
 
     full = torchrun_ckpt(tmp_path / "run", text_file)
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoint").iterdir()) == ["step-3", "step-6"]
-    saved = tmp_path / "saved"
+    saved, planted = tmp_path / "saved", tmp_path / "planted"
     shutil.copytree(tmp_path / "run", saved)
+    shutil.copytree(tmp_path / "run", planted)
+    # a folder whose optimizer entry would run code when unpickled: one line, exit 2, and no code ran
+    marker = plant_payload(planted / "checkpoint" / "step-6", tmp_path / "code-ran")
+    from mixprec.cli import main
+
+    assert main(tiny_args(planted, text_file, "--training.local_batch_size", "4", "--checkpoint.interval", "3",
+                          "--precision.preset", "fp32", "--training.steps", "9")) == 2
+    assert not marker.exists()
     # 2 -> 1: lose step 6, resume in one process on the same global batch
     shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-6")
     one = run_train(tmp_path / "run", text_file, "--training.local_batch_size", "4", "--checkpoint.interval", "3",

@@ -172,18 +172,6 @@ def test_the_error_classes_of_a_checkpoint_read(tmp_path):
             raise KeyError("best_val")
 
 
-class Payload:
-    """What a hostile checkpoint may hold: unpickling it runs code (here: creates a file)."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        import pathlib
-
-        return pathlib.Path.touch, (pathlib.Path(self.marker),)
-
-
 def _dcp_folder(tmp_path, plant: str):
     """A DCP checkpoint of a Linear and its AdamW, with a payload planted in the optimizer's
     param_groups (`plant` "entry") or in the folder's metadata (`plant` "metadata")."""
@@ -191,6 +179,8 @@ def _dcp_folder(tmp_path, plant: str):
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from conftest import Payload
 
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())
