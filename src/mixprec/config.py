@@ -1,7 +1,7 @@
 """The job config: one TOML table per component, one frozen dataclass per table.
 
 Precedence: command line (`--section.key value`) > TOML file (`--config`) > defaults.
-Each field's docstring is its documentation in `mixprec train --help` and the README.
+Each field's docstring is its documentation in `mixprec train --help` and docs/cli.md.
 """
 
 import ast
@@ -41,7 +41,7 @@ class Model:
     attention: str = "auto"
     """eager (explicit FP32 softmax, observable by the audit), sdpa (PyTorch's fused scaled_dot_product_attention), or auto: sdpa on CUDA, eager on a CPU (where the fused BF16 kernel is slower)."""
     loss: str = "auto"
-    """full (the micro-batch's FP32 logits at once), chunked (output projection and loss a chunk of tokens at a time, gradients computed in the same pass: the full logits never exist), or auto: chunked when a micro-batch's FP32 logits exceed 256 MiB on a CPU, or 1/16 of the memory of a GPU (where the compiled full loss is faster and lighter)."""
+    """full (the micro-batch's FP32 logits at once), chunked (output projection and loss a chunk of tokens at a time, gradients computed in the same pass: the full logits never exist), or auto: chunked when a micro-batch's FP32 logits exceed 256 MiB, or, with the loss compiled on a GPU, 1/16 of its memory (there the compiled full loss was measured faster and lighter)."""
     hf_config: str = ""
     """A Hugging Face causal LM's config.json (or its folder) to train instead of mixprec's Llama: randomly initialised, nothing downloaded (needs mixprec[hf]); FSDP2, activation checkpointing and compile act on each decoder layer; no tensor parallel or chunked loss yet. Empty: the flavor."""
 

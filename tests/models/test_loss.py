@@ -85,12 +85,15 @@ def test_chunk_size_bounds_the_fp32_logits():
         assert chunk_tokens(vocab) == 128 or chunk_tokens(vocab) * vocab * 4 <= 256 * 2**20
 
 
-def test_auto_takes_the_full_logits_on_a_gpu_while_they_fit_a_sixteenth_of_it():
-    # the 1B flavor's 4 x 2048 tokens: 4.2 GB of FP32 logits; full on an 80 GB or 141 GB GPU, chunked on a 24 GB one
+def test_auto_takes_the_full_logits_compiled_on_a_gpu_while_they_fit_a_sixteenth_of_it():
+    # the 1B flavor's 4 x 2048 tokens: 4.2 GB of FP32 logits; compiled, full on an 80 GB or 141 GB GPU,
+    # chunked on a 24 GB one; eager (the FP32 logits kept, as measured nowhere faster) chunked as on a CPU
     vocab, tokens = 128256, 4 * 2048
-    assert loss_chunk("auto", vocab, tokens, gpu_memory=80 * 10**9) == 0
-    assert loss_chunk("auto", vocab, tokens, gpu_memory=141 * 10**9) == 0
-    assert loss_chunk("auto", vocab, tokens, gpu_memory=24 * 10**9) == chunk_tokens(vocab)
+    assert loss_chunk("auto", vocab, tokens, gpu_memory=80 * 10**9, compiled=True) == 0
+    assert loss_chunk("auto", vocab, tokens, gpu_memory=141 * 10**9, compiled=True) == 0
+    assert loss_chunk("auto", vocab, tokens, gpu_memory=24 * 10**9, compiled=True) == chunk_tokens(vocab)
+    assert loss_chunk("auto", vocab, tokens, gpu_memory=141 * 10**9) == chunk_tokens(vocab)
+    assert loss_chunk("auto", 2048, 256, gpu_memory=141 * 10**9) == 0
     assert loss_chunk("auto", vocab, tokens) == chunk_tokens(vocab)  # a CPU: 256 MiB
     assert loss_chunk("auto", 2048, 256) == 0
     assert loss_chunk("chunked", vocab, 64, gpu_memory=141 * 10**9) == chunk_tokens(vocab)

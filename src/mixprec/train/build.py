@@ -126,10 +126,12 @@ def model_shape(config: Config, vocab_size: int, device_type: str, log: bool = F
     tokens, vocab = tcfg.local_batch_size * tcfg.seq_len, args.vocab_size
     gpu_memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory \
         if device_type == "cuda" and torch.cuda.is_available() else None
-    args = replace(args, loss_chunk=loss_chunk(mcfg.loss, vocab, tokens, gpu_memory))
-    if log and mcfg.loss == "auto" and gpu_memory and not args.loss_chunk:
-        logger.info("model.loss auto: the full logits (%.0f MiB in FP32, within 1/%d of this GPU's %.0f GiB)",
-                    tokens * vocab * 4 / 2**20, GPU_LOGITS_SHARE, gpu_memory / 2**30)
+    compiled = config.compile.enable and "loss" in config.compile.components  # the rule's measurement: compiled
+    args = replace(args, loss_chunk=loss_chunk(mcfg.loss, vocab, tokens, gpu_memory, compiled))
+    if log and mcfg.loss == "auto" and gpu_memory and compiled and not args.loss_chunk:
+        logger.info("model.loss auto: the full logits (%.0f MiB in FP32, within 1/%d of this GPU's %.0f GiB; "
+                    "compiled, the upcast fuses into the softmax)", tokens * vocab * 4 / 2**20, GPU_LOGITS_SHARE,
+                    gpu_memory / 2**30)
     if log and args.loss_chunk:
         logger.info("model.loss %s: output layer and loss in chunks of %d tokens (%.0f MiB of FP32 logits; a "
                     "micro-batch's full logits would be %.0f MiB)", mcfg.loss, args.loss_chunk,
