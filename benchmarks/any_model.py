@@ -120,12 +120,24 @@ def _rank(rank: int, world: int, init: str, build, preset, batch, out) -> None:
         dist.destroy_process_group()
 
 
-def measured_peak(build, preset, batch, dp_shard: int = 1):
+def measured_peak(build, preset, batch, dp_shard: int = 1, backend: str = "gloo"):
     """MemTracker's peak of a real steady step of the library loop (matmul emulation off:
     the planner plans the program, not the CPU's emulation of it); with dp_shard, rank 0's
-    under FSDP2 on that many gloo processes. `build` must be picklable for dp_shard > 1."""
+    under FSDP2 on that many gloo processes (`build` must be picklable), or with backend
+    "fake" on real tensors in this process under PyTorch's fake process group (collectives
+    move no data and hold no buffer of their own, as plan_memory plans them)."""
     if dp_shard == 1:
         return _measured_step(build, preset, batch)
+    if backend == "fake":
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp_shard)
+        try:
+            return _measured_step(build, preset, batch, init_device_mesh("cpu", (dp_shard,)))
+        finally:
+            dist.destroy_process_group()
     import tempfile
 
     import torch.multiprocessing as mp

@@ -157,27 +157,42 @@ def test_mixprec_memory_plans_a_transformers_config(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("preset", ["fp32", "bf16-mixed"])
-def test_planned_memory_under_fsdp2_within_10_percent_of_two_gloo_ranks(tmp_path, capsys, preset):
+def test_planned_memory_under_fsdp2_is_the_real_steps_and_gloo_adds_one_reduce_scatter_output(tmp_path, capsys,
+                                                                                            preset):
+    # The planner runs the step on fake tensors under a fake process group. The same step on
+    # real tensors under that process group peaks at the planned bytes (byte for byte here,
+    # 2026-11-26, AVX512). On two gloo ranks it peaks higher by what gloo's reduce-scatter
+    # allocates for itself while it runs: a rank's shard of a unit's FP32 gradients on this
+    # machine (369,152 of 5,402,332 bytes under bf16-mixed, whose peak is in the backward), a
+    # whole unit's on another (the test of 64-wide layers there: planned/measured 0.891,
+    # where 0.942 here); under fp32 the peak is the forward's and the buffer adds nothing.
+    # NCCL writes the output in place: the planner plans the program, not gloo's copies.
     import functools
     import sys
     from pathlib import Path
+
+    import torch
 
     from mixprec.models.hf import HFCausalLM, load_hf_config
 
     sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
     from any_model import measured_peak
 
-    config = llama(tmp_path)
+    config = write(tmp_path, transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=352,
+                                                      num_hidden_layers=2, num_attention_heads=4,
+                                                      num_key_value_heads=2, max_position_embeddings=128))
     assert main(["memory", "--hf-config", config, "--preset", preset, "--batch", "4", "--seq-len", "16",
                  "--dp-shard", "2", "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)["peak_bytes"]
-    import torch
-
     tokens = torch.zeros(4, 16, dtype=torch.long)
     build = functools.partial(HFCausalLM, load_hf_config(config))  # picklable: each rank builds its own
-    measured = measured_peak(build, preset, (tokens, tokens), dp_shard=2)
-    # measured: fp32 1.000, bf16-mixed 0.94 (the real step on gloo holds ~90 KB more, not yet attributed)
-    assert abs(planned / measured - 1) < 0.10
+    real = measured_peak(build, preset, (tokens, tokens), dp_shard=2, backend="fake")
+    assert abs(real - planned) <= 1e-3 * planned, (real, planned)
+    unit = max(sum(p.numel() for p in layer.parameters()) for layer in build().hf.model.layers)
+    shard = unit * 4 // 2  # the reduce-scatter's FP32 output on each of 2 ranks
+    gap = measured_peak(build, preset, (tokens, tokens), dp_shard=2) - planned
+    slack = 4096  # the allocator's 512-byte blocks, a few tensors' worth
+    assert (shard if preset == "bf16-mixed" else 0) - slack <= gap <= 2 * shard + slack, (gap, shard)
 
 
 def test_without_transformers_the_config_is_refused_in_one_line(tmp_path, text_file, capsys, monkeypatch):

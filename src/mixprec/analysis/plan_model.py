@@ -13,7 +13,10 @@ matmul emulation of CPUs
 without BF16 hardware (a CPU artifact; planned is the program a GPU runs), and tensor
 parallel (a user's model has no TP plan; `mixprec memory --tp` plans mixprec's own). FSDP2
 (dp_shard > 1) is planned for rank 0 on a fake process group: fully_shard shards for real,
-its collectives move no data.
+its collectives move no data and hold no buffers of their own, as NCCL's write in place (the
+same step on real tensors under that group peaks at the planned bytes; on gloo's CPU
+collectives it peaks higher by the buffer gloo's reduce-scatter allocates, up to one unit's
+FP32 gradients: tests/models/test_hf.py).
 """
 
 from __future__ import annotations
