@@ -1,4 +1,4 @@
-"""The layers table in README.md is the architecture: every import in src/mixprec (those inside
+"""The layers table in docs/architecture.md is the architecture: every import in src/mixprec (those inside
 functions included) goes to the importer's own layer or one below it, and no two packages
 import each other, however indirectly."""
 
@@ -12,9 +12,8 @@ SRC = ROOT / "src" / "mixprec"
 
 
 def layers() -> dict[str, int]:
-    """{package or top-level module: layer} from README's table."""
-    text = (ROOT / "README.md").read_text()
-    table = text[text.index("## How mixprec is built"):]
+    """{package or top-level module: layer} from docs/architecture.md's table."""
+    table = (ROOT / "docs" / "architecture.md").read_text()
     out = {}
     for layer, names in re.findall(r"^\| (\d+) \| ([^|]+) \|", table, flags=re.M):
         for name in re.findall(r"`([\w_]+)`", names):
