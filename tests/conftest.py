@@ -42,6 +42,17 @@ class Payload:
         return Path.touch, (Path(self.marker),)
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (the README's command runs two workers on two cores), one thread per
+    worker: two workers of two threads each would oversubscribe the cores."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked gpu are skipped where there is no CUDA device."""
     import torch

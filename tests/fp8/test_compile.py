@@ -48,12 +48,12 @@ def forward_backward(fn, x, *rest):
 
 
 @pytest.mark.parametrize("recipe, dim, T", [(r, 256, 128) for r in RECIPES] + [("blockwise", 64, 128)]
-                         + [(r, 256, 100) for r in RECIPES])
+                         + [(r, 256, 100) for r in RECIPES if r != "blockwise"])
 def test_the_cuda_route_traces_as_one_graph(recipe, dim, T):
     # dim 256: whole 128-tiles, block-wise on its kernel; 64: tiles cut short, emulated (its
     # log line once said so from inside the matmul: a graph break in every such layer).
     # T 100: 200 tokens, which torch._scaled_mm's weight-gradient GEMM (summing over them)
-    # takes only padded to a multiple of 16; block-wise emulates that GEMM (no whole tiles)
+    # takes only padded to a multiple of 16 (block-wise emulates it: no whole tiles, the route of dim 64)
     blk, args = block(recipe, dim=dim, kernels=True)
     blk = blk.to("meta")
     x, *rest = inputs(args, T, "meta")

@@ -41,14 +41,21 @@ def test_compiled_casts_equal_the_eager_ones_on_partial_tiles():
     """Inductor's CPU code once read past the scales and wrote only each row's first tile
     of an FP8 output where a tile was partial: compiled block-wise training was NaN."""
     def cast_and_multiply(x, w, tile):
-        xq, wq = quantize(x, E4M3, tile)[0], quantize(w, E4M3, (128, 128))[0]
-        return xq.data.float(), xq.dequantize(), emulated_mm(xq, wq.t(), torch.float32)
+        xq = quantize(x, E4M3, tile)[0]
+        if tile == (128, 1):  # as the weight-gradient GEMM reads it: x^T (1 x 128 tiles along the rows it sums)
+            a, b = xq.t(), quantize(w, E4M3, (128, 1))[0]
+        else:
+            a, b = xq, quantize(w, E4M3, (128, 128))[0].t()
+        return xq.data.float(), xq.dequantize(), emulated_mm(a, b, torch.float32)
 
-    # (64, 192) and (130, 300) miscompiled before; the others share their code paths (and cost ~3 s a compile)
+    # (64, 192) and (130, 300) miscompiled before; the others share their code paths (and cost ~3 s a compile).
+    # The 128 x 1 tiles run the GEMM as training does, summing over x's rows; summed along x's
+    # columns, each one its own K tile, the emulation unrolled 300 partial GEMMs: 172 s of C++ compile, cold
     cases = [(shape, tile, False) for shape in ((64, 192), (130, 300)) for tile in [(128, 128), (1, 128), (128, 1)]]
     cases += [((64, 64), (1, 128), True)]  # symbolic sizes (a recompile's): ~20 s a compile
     for shape, tile, dynamic in cases:
-        x, w = torch.randn(*shape) * 3, torch.randn(96, shape[1])
+        x = torch.randn(*shape) * 3
+        w = torch.randn(shape[0], 96) if tile == (128, 1) else torch.randn(96, shape[1])
         torch._dynamo.reset()
         compiled = torch.compile(cast_and_multiply, dynamic=dynamic)(x, w, tile)
         for eager, got in zip(cast_and_multiply(x, w, tile), compiled):

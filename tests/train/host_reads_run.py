@@ -104,3 +104,7 @@ if __name__ == "__main__":  # under torchrun: OUT KEY=VALUE ... (precision.prese
             "skipped": [r["step"] for r in (json.loads(x) for x in (Path(run["job.dump_folder"]) / "metrics.jsonl")
                                             .read_text().splitlines()) if r["skipped"]] if rank == 0 else None,
         }))
+    if torch.distributed.is_initialized():  # as the CLI leaves: no interpreter finalization beside gloo's threads
+        from mixprec.distributed.parallel import exit_process_group
+
+        exit_process_group(0)
