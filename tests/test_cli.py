@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_args
 from mixprec.cli import build_parser, main
 
-# Changing this list changes what users type: update the README with it.
+# Changing this list changes what users type: update docs/cli.md with it.
 SURFACE = """
 --config
 --job.dump_folder --job.description

@@ -83,6 +83,20 @@ def test_a_layer_converted_on_the_cpu_probes_the_kernel_where_it_is_moved(monkey
     assert "block-wise backward casts on cpu in one Triton kernel" in caplog.text
 
 
+def test_policy_setup_probes_where_the_model_computes_now(monkeypatch):
+    # fully_shard moves the parameters without Module._apply: setup asks again, outside any step
+    from mixprec.precision import Policy
+
+    probed = []
+    monkeypatch.setattr(blockwise_cast, "_probe", lambda device: probed.append(device) or None)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False), torch.nn.Linear(256, 256, bias=False))
+    policy = Policy.from_preset("fp8-blockwise")
+    policy.prepare_model(model)
+    monkeypatch.setattr(blockwise_cast, "_PROBED", {})  # as on a device not probed at conversion
+    policy.setup(model, torch.optim.AdamW(model.parameters()))
+    assert probed == ["cpu"]
+
+
 @pytest.mark.gpu
 def test_a_layer_converted_on_the_cpu_probes_the_kernel_when_moved_to_cuda():
     # the CPU twin: test_a_layer_converted_on_the_cpu_probes_the_kernel_where_it_is_moved
@@ -103,7 +117,8 @@ def test_an_eager_backward_on_an_unprobed_device_probes_it_first(monkeypatch):
     tiles = ((1, 128), (128, 1))
     assert not blockwise_cast.applies(torch.zeros(256, 128), E4M3, tiles, False)
     assert probed == ["cpu"] and blockwise_cast._PROBED == {"cpu": "not here"}
-    with torch._subclasses.FakeTensorMode():  # traced (compiled): never probed there
+    with torch._subclasses.FakeTensorMode():  # traced (compiled, a memory plan): never probed there, nor cached
         monkeypatch.setattr(blockwise_cast, "_PROBED", {})
         assert not blockwise_cast.applies(torch.zeros(256, 128), E4M3, tiles, False)
-    assert probed == ["cpu"]
+        assert blockwise_cast.probe("cuda") == "not probed while tracing"
+    assert probed == ["cpu"] and blockwise_cast._PROBED == {}

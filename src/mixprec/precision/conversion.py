@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 from mixprec.dtypes import dtype_name
+from mixprec.fp8 import blockwise_cast
 from mixprec.fp8.convert import Conversion, convert_to_fp8
 from mixprec.fp8.linear import runs_fp8
+from mixprec.fp8.recipe import Granularity
 from mixprec.precision.layout import Layout
 from mixprec.precision.spec import FP32, Format
 
@@ -53,6 +55,14 @@ class ModuleFormats:
             module = model.get_submodule(fqn)
             module.forward = _compute_in(module.forward, dtype, device_type)
             logger.info("precision: %s computes in %s (%s)", fqn, dtype_name(dtype), self.layout.modules[fqn].why)
+
+    def probe(self, device_type: str) -> None:
+        """Ask, on the device the model computes on now, what the conversions' kernels were
+        asked at conversion (a model converted on the CPU or the meta device and moved there
+        since, by .to or by fully_shard): the block-wise Triton casts, probed and logged once
+        per device (mixprec.fp8.blockwise_cast)."""
+        if device_type != "meta" and any(c.recipe.granularity is Granularity.BLOCKWISE for c in self.conversions):
+            blockwise_cast.probe(device_type)
 
     @property
     def main(self) -> Conversion | None:

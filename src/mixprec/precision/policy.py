@@ -168,6 +168,9 @@ class Policy:
         if self.needs_optimizer and optimizer is None:
             raise ValueError(f"{self.name} changes how the optimizer updates the weights: pass it to Policy.setup")
         layout = self.prepare_model(model)
+        first = next(model.parameters(), None)
+        if first is not None:
+            self.formats.probe(first.device.type)  # where the model computes now, outside any step
         self.model, self.optimizer = model, optimizer
         _describe.warn_optimizer(self, optimizer)
         fp32_modules = {fqn for fqn, m in layout.modules.items() if m.storage == FP32}
