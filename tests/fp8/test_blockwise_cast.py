@@ -97,28 +97,23 @@ def test_policy_setup_probes_where_the_model_computes_now(monkeypatch):
     assert probed == ["cpu"]
 
 
-@pytest.mark.gpu
-def test_a_layer_converted_on_the_cpu_probes_the_kernel_when_moved_to_cuda():
-    # the CPU twin: test_a_layer_converted_on_the_cpu_probes_the_kernel_where_it_is_moved
-    from mixprec.fp8.convert import convert_to_fp8
-    from mixprec.fp8.recipe import FP8Recipe
+def test_a_model_converted_for_another_device_says_its_gemm_routes_stay(caplog):
+    # converted on the CPU (routes chosen for it), then computing on an accelerator: the GEMM
+    # routes chosen for the CPU stay, and setup says so instead of running them silently. A
+    # model still on the CPU at setup says nothing (Lightning sets up before Fabric moves it)
+    import logging
 
-    blockwise_cast._PROBED.pop("cuda", None)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False))
-    convert_to_fp8(model, FP8Recipe.from_name("blockwise"), compute_dtype=torch.bfloat16)
-    model.cuda()
-    assert "cuda" in blockwise_cast._PROBED
+    from mixprec.precision import Policy
 
-
-def test_an_eager_backward_on_an_unprobed_device_probes_it_first(monkeypatch):
-    probed = []
-    monkeypatch.setattr(blockwise_cast, "_PROBED", {})
-    monkeypatch.setattr(blockwise_cast, "_probe", lambda device: probed.append(device) or "not here")
-    tiles = ((1, 128), (128, 1))
-    assert not blockwise_cast.applies(torch.zeros(256, 128), E4M3, tiles, False)
-    assert probed == ["cpu"] and blockwise_cast._PROBED == {"cpu": "not here"}
-    with torch._subclasses.FakeTensorMode():  # traced (compiled, a memory plan): never probed there, nor cached
-        monkeypatch.setattr(blockwise_cast, "_PROBED", {})
-        assert not blockwise_cast.applies(torch.zeros(256, 128), E4M3, tiles, False)
-        assert blockwise_cast.probe("cuda") == "not probed while tracing"
-    assert probed == ["cpu"] and blockwise_cast._PROBED == {}
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False))
+    policy = Policy.from_preset("fp8-rowwise")
+    policy.prepare_model(model)
+    with caplog.at_level(logging.WARNING, logger="mixprec"):
+        policy.setup(model, torch.optim.AdamW(model.parameters()))
+        policy.formats.conversions[0].device = "cuda"
+        policy.formats.probe("cpu")  # converted for CUDA, not moved yet
+        assert "converted for" not in caplog.text
+        policy.formats.conversions[0].device = "cpu"
+        policy.formats.probe("cuda")  # as after model.cuda() (the probe itself runs nothing here: row-wise)
+    assert "2 Linear layers were converted for cpu and compute on cuda: their GEMMs keep the routes chosen " \
+           "for cpu" in caplog.text
