@@ -19,22 +19,22 @@ from collections import defaultdict
 import torch
 
 import mixprec.fp8  # noqa: F401 - registers the microscaled recipes' operators
+from mixprec.fp8.microscaling import E2M1
 from mixprec.precision.dtypes import dtype_name
 from mixprec.precision.emulation import _MATMULS
 
 aten = torch.ops.aten
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-E2M1 = torch.float4_e2m1fn_x2
 MX_MM = torch.ops.mixprec.mx_mm.default  # registered by mixprec.fp8.mx
 MX_QUANTIZE = torch.ops.mixprec.mx_quantize.default
 NARROW = ("float8", "e2m1")  # how the report names a GEMM's element format
+_VIEWS = {aten.slice.Tensor, aten.t.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default,
+          aten.expand.default, aten.alias.default, aten.permute.default, aten.narrow.default}
 
 
 def element_name(dtype: torch.dtype) -> str:
     """A narrow GEMM's element format as the report names it: float8 (e4m3, e5m2) or e2m1 (FP4)."""
     return "e2m1" if dtype == E2M1 else "float8"
-_VIEWS = {aten.slice.Tensor, aten.t.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default,
-          aten.expand.default, aten.alias.default, aten.permute.default, aten.narrow.default}
 
 
 def granularity(tr: int, tc: int, rows: int, cols: int) -> str:

@@ -92,7 +92,8 @@ def probe(device_type: str) -> str | None:
     scales on a 256 x 384 tensor (both casts); otherwise why the PyTorch casts are used. Run
     once per device and logged then: at conversion, when a converted block-wise layer is moved
     to a device (FP8Linear._apply: a model converted on the CPU or the meta device, then moved
-    to CUDA), or at an eager backward's first cast there. `applies` only reads the answer in a
+    to CUDA), at Policy.setup (fully_shard moves parameters without _apply), or at an eager
+    backward's first cast there. `applies` only reads the answer in a
     compiled step."""
     if device_type not in _PROBED:
         if _tracing():  # fake tensors (a memory plan, a trace) run no kernel: asked again for real

@@ -8,7 +8,7 @@ metadata classes only, and each entry is read with `weights_only=True` (tensors,
 strings and containers). What either refuses surfaces as a pickle.UnpicklingError, which
 the caller reports as a checkpoint it cannot read.
 
-    dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
+    dcp_read.load(state, path)   # = dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pickle
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 _DCP = "torch.distributed.checkpoint."
@@ -67,15 +68,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         loaded = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element
-
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-def load(state: dict, path: str | pathlib.Path) -> None:
-    """dcp.load of `state` from the folder `path`, in place, running none of its code."""
+def load(state: dict, path: str | pathlib.Path, reader: SafeReader | None = None) -> None:
+    """dcp.load of `state` from the folder `path` (through `reader` where the caller read its
+    metadata already), in place, running none of its code."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
+    dcp.load(state, storage_reader=reader or SafeReader(str(path)), planner=SafeLoadPlanner())

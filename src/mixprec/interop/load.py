@@ -73,7 +73,6 @@ class CheckpointWeights:
 
 
 def _dcp_model(path: Path, key: str) -> dict[str, torch.Tensor]:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -84,7 +83,7 @@ def _dcp_model(path: Path, key: str) -> dict[str, torch.Tensor]:
         entries = reader.read_metadata().state_dict_metadata
         model = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
                  for k, m in entries.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-        dcp.load({"model": model}, storage_reader=reader, planner=dcp_read.SafeLoadPlanner())  # only these entries
+        dcp_read.load({"model": model}, path, reader)  # only these entries are read
     except (CheckpointException, Exception) as e:  # DCP gathers the reader's errors into a CheckpointException
         if not all(unreadable(f) for f in dcp_failures(e)):
             raise
