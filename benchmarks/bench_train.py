@@ -24,8 +24,11 @@ for the fp16 presets, fused AdamW, clipping, the full-logits loss), each eager a
 data-sheet peak for what the matmuls compute in (Policy.matmul_dtype). Each run is timed
 over a window of --steps steps with one wait for the device at its end and a read (the
 loss; mixprec: and its steps' figures) every 10 steps, as the loops run: a per-step
-synchronize would hide whether a step waits for the host. With --profile, a Chrome trace
-beside the table shows the gaps between steps.
+synchronize would hide whether a step waits for the host. Each run also counts its graph
+breaks and, on CUDA, the synchronising calls of one step that does not read (torch's sync
+debug mode), and keeps mixprec's log lines (the kernel probes and routes). With --profile
+a table of the kernels by device time, and with --trace a Chrome trace beside it that
+shows the gaps between steps.
 
     python benchmarks/bench_train.py --device cuda --flavor 1B --batch 4 --seq-len 2048 \
         --presets bf16-mixed,fp16-mixed,bf16-true [--section.key value ...]
@@ -148,14 +151,16 @@ def one(preset: str, flavor: str, steps: int, native_steps: int, extra: list[str
 
 
 def one_mode(preset: str, impl: str, compiled: bool, flavor: str, device: str, batch: int, seq_len: int, steps: int,
-             extra: list[str], profile: str | None = None) -> dict:
+             extra: list[str], profile: str | None = None, trace: bool = False) -> dict:
     """One (preset, mixprec or plain, eager or compiled) run: tokens/s, MFU, peak memory."""
     from mixprec.config import load_config
     from mixprec.models.llama import build_model
     from mixprec.reporting import peak_memory_bytes
     from mixprec.train.metrics import peak_flops
     from mixprec.train.trainer import Trainer
+    from torch._dynamo.utils import counters
 
+    lines = _mixprec_lines()
     overrides = {"model.flavor": flavor, "precision.preset": preset, "checkpoint.enable": "false",
                  "metrics.progress_bar": "false", "metrics.plot": "false", "training.eval_interval": "0",
                  "training.warmup_steps": "1", "training.device": device, "training.local_batch_size": str(batch),
@@ -215,6 +220,7 @@ def one_mode(preset: str, impl: str, compiled: bool, flavor: str, device: str, b
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     seconds = window(steps)
+    syncs = _synchronising_calls(step, dev)
     if profile:  # a few steps under torch.profiler: the kernels by device time, to a text file
         from torch.profiler import ProfilerActivity, profile as torch_profile
 
@@ -222,13 +228,50 @@ def one_mode(preset: str, impl: str, compiled: bool, flavor: str, device: str, b
             window(3)
         sort = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
         Path(profile).write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
-        prof.export_chrome_trace(str(Path(profile).with_suffix(".trace.json")))  # the gaps between steps, to look at
+        if trace:
+            prof.export_chrome_trace(str(Path(profile).with_suffix(".trace.json")))  # the gaps between steps
     tokens = batch * seq_len
     tps = tokens * steps / seconds
     peak = peak_flops(dev, policy)
     return {"preset": preset, "impl": impl, "compiled": compiled, "tokens_per_sec": tps,
             "mfu": flops * tps / peak if peak else None, "peak_memory_bytes": peak_memory_bytes(dev),
-            "matmul_dtype": policy.matmul_dtype}
+            "matmul_dtype": policy.matmul_dtype, "graph_breaks": sum(counters["graph_break"].values()),
+            "synchronising_calls": syncs, "log": lines}
+
+
+def _mixprec_lines() -> list[str]:
+    """mixprec's log lines of this run (INFO and above: the kernel probes, routes, fallbacks), as they come."""
+    import logging
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(f"{record.levelname}: {record.getMessage()}")
+
+    root = logging.getLogger("mixprec")
+    root.setLevel(min(root.level or logging.INFO, logging.INFO))
+    root.addHandler(Keep(logging.INFO))
+    return lines
+
+
+def _synchronising_calls(step, dev: torch.device) -> int | None:
+    """How many times one step that does not read (not a log step) makes the host wait for the
+    device: torch's sync debug mode warns at each synchronising call. None off CUDA."""
+    if dev.type != "cuda":
+        return None
+    import warnings
+
+    torch.cuda.synchronize(dev)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize(dev)
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def modes_table(args, extra: list[str]) -> None:
@@ -238,7 +281,7 @@ def modes_table(args, extra: list[str]) -> None:
             for compiled in [m == "compiled" for m in args.compile_modes.split(",")]:
                 cmd = [sys.executable, __file__, "--one-mode", f"{preset}:{impl}:{int(compiled)}", "--flavor",
                        args.flavor, "--device", args.device, "--batch", str(args.batch), "--seq-len",
-                       str(args.seq_len), "--steps", str(args.steps), *extra]
+                       str(args.seq_len), "--steps", str(args.steps), *(["--trace"] if args.trace else []), *extra]
                 name = f"{preset} {impl} {'compiled' if compiled else 'eager'}"
                 if args.profile and name == args.profile:
                     cmd += ["--profile-to", str(Path(args.profile_dir) / f"profile-{preset}-{impl}-{int(compiled)}.txt")]
@@ -253,8 +296,12 @@ def modes_table(args, extra: list[str]) -> None:
                     print(proc.stderr[-2000:], flush=True)
                     continue
                 results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-                print(f"    {time.perf_counter() - start:.0f} s: {results[-1]['tokens_per_sec']:.0f} tok/s, peak "
-                      f"{results[-1]['peak_memory_bytes'] / 2**30:.1f} GiB", flush=True)
+                r = results[-1]
+                print(f"    {time.perf_counter() - start:.0f} s: {r['tokens_per_sec']:.0f} tok/s, peak "
+                      f"{r['peak_memory_bytes'] / 2**30:.1f} GiB, {r['graph_breaks']} graph breaks, "
+                      f"{r['synchronising_calls']} synchronising calls in a non-log step", flush=True)
+                for line in r["log"]:
+                    print(f"    {line}", flush=True)
     print(f"\n{args.flavor} flavor, {args.batch} x {args.seq_len} tokens per step, {args.device}")
     print(f"{'preset':<12}{'impl':<9}{'mode':<10}{'tok/s':>10}{'MFU':>8}{'peak GiB':>10}{'vs plain':>10}")
     by_key = {(r["preset"], r["impl"], r["compiled"]): r for r in results}
@@ -287,13 +334,14 @@ def main() -> None:
     p.add_argument("--run-timeout", type=float, default=900, help="with --modes: seconds before a run is left out")
     p.add_argument("--profile", help="with --modes: profile this run ('PRESET IMPL eager|compiled') to a text file")
     p.add_argument("--profile-dir", default=".", help="where --profile writes its table")
+    p.add_argument("--trace", action="store_true", help="with --profile: also a Chrome trace beside the table")
     p.add_argument("--one-mode", help=argparse.SUPPRESS)  # internal: preset:impl:compiled in this process
     p.add_argument("--profile-to", help=argparse.SUPPRESS)
     args, extra = p.parse_known_args()
     if args.one_mode:
         preset, impl, compiled = args.one_mode.split(":")
         print(json.dumps(one_mode(preset, impl, compiled == "1", args.flavor, args.device, args.batch, args.seq_len,
-                                  args.steps, extra, args.profile_to)))
+                                  args.steps, extra, args.profile_to, args.trace)))
         return
     if args.modes or args.device == "cuda":
         modes_table(args, extra)

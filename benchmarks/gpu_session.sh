@@ -11,12 +11,20 @@
 #           and the bfloat16-moment optimizer step against torch's fused AdamW (one JSON per run, as it goes)
 #   accuracy  the small flavor, ACC_STEPS (300) steps, seeds SEEDS (0 1 2 3 4): mixprec plan once (seed 0),
 #           then mixprec compare per seed; the seed_spread table and plot after each seed
-# Logs and JSON go to $OUT (or ./gpu-out). Run from the repository root: PYTHONPATH=src, no install.
+# Logs and JSON go to $RES (./gpu-out); where the device tool's $OUT is set, the whole of $RES is packed into
+# $OUT/<name of $RES>.tgz after each run (every 20 s during the accuracy phase) (what comes back is at most 8 files, 2 folders deep, also from a command cut at its
+# limit). Run from the repository root: PYTHONPATH=src, no install.
 #   bash benchmarks/gpu_session.sh gpu probe
 set -u -o pipefail
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+RES=${RES:-gpu-out}; mkdir -p "$RES"
+pack() {
+  local name; name=$(basename "$RES")
+  [ -n "${DEVICE_OUT:-}" ] && tar czf "$DEVICE_OUT/.$name.tgz" -C "$RES" . 2>/dev/null \
+    && mv "$DEVICE_OUT/.$name.tgz" "$DEVICE_OUT/$name.tgz"; true
+}
+DEVICE_OUT=${OUT:-}; OUT=$RES
 export PYTHONPATH=src PYTHONUNBUFFERED=1
-py=python3
+py=${PY:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $py -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 for phase in "$@"; do
@@ -44,36 +52,58 @@ for phase in "$@"; do
       | tee "$OUT/layers.log" | grep -vE "^(1B|8B) "
     timeout 200 $py benchmarks/fp8_compiled_layouts.py --flavor debug 2>&1 | tee "$OUT/layouts.log" | grep -v Warn ;;
   speed)
-    # ~1 minute a run (compile included): the default fits one 8-minute command; the rest of the presets in a second,
-    # SPEED_PRESETS="fp8-delayed nvfp4 mxfp4" SPEED_BASELINES=0
+    # ~1 minute a run (compile included), each alone on the GPU: the plain compiled loop, then every preset of
+    # SPEED_PRESETS on the default loss (model.loss auto: the full logits where they fit 1/16 of the GPU), each with
+    # its graph breaks, synchronising calls, mixprec's log lines (the probes) and a profiler table of its kernels;
+    # SPEED_OPTIMIZER=1 adds the bfloat16-moment optimizer step against torch's fused AdamW
     common="--device cuda --flavor 1B --seq-len 2048 --batch 4 --steps ${SPEED_STEPS:-20} --compile-modes compiled"
-    for preset in ${SPEED_PRESETS:-bf16-mixed fp8-tensorwise fp8-rowwise fp8-blockwise mxfp8}; do
-      timeout ${SPEED_RUN_TIMEOUT:-100} $py benchmarks/bench_train.py $common --presets $preset --impls mixprec \
-        --run-timeout 90 --json "$OUT/speed-$preset.json" --model.loss full 2>&1 | tail -2
-    done
     if [ "${SPEED_BASELINES:-1}" = 1 ]; then
-      timeout 100 $py benchmarks/bench_train.py $common --presets bf16-mixed --impls mixprec --run-timeout 90 \
-        --json "$OUT/speed-bf16-mixed-auto.json" --model.loss auto 2>&1 | tail -2
       timeout 100 $py benchmarks/bench_train.py $common --presets bf16-mixed --impls plain --run-timeout 90 \
-        --json "$OUT/speed-plain.json" 2>&1 | tail -2
-      timeout 60 $py benchmarks/optimizer_step.py --device cuda --flavor 1B 2>&1 | tee "$OUT/optimizer_step.txt"
+        --json "$OUT/speed-plain.json" 2>&1 | tee "$OUT/speed-plain.log" | grep -E "^    "; pack
+    fi
+    for preset in ${SPEED_PRESETS:-bf16-mixed fp8-tensorwise fp8-rowwise fp8-blockwise mxfp8 nvfp4}; do
+      timeout ${SPEED_RUN_TIMEOUT:-110} $py benchmarks/bench_train.py $common --presets $preset --impls mixprec \
+        --run-timeout 100 --json "$OUT/speed-$preset.json" --profile "$preset mixprec compiled" --profile-dir "$OUT" \
+        ${SPEED_EXTRA:-} 2>&1 | tee "$OUT/speed-$preset.log" | grep -E "^    " | grep -vE "^    INFO: fp8: (layer|skipped)"
+      pack
+    done
+    if [ "${SPEED_OPTIMIZER:-0}" = 1 ]; then
+      timeout 60 $py benchmarks/optimizer_step.py --device cuda --flavor 1B 2>&1 | tee "$OUT/optimizer_step.txt"; pack
     fi ;;
   accuracy)
+    # the seeds run side by side on the GPU (the small flavor fills little of it; numbers, not timings): each seed's
+    # compare of ACC_PRESETS beside the plan's measurement (seed 0), then each seed's run of the plan
     acc="$OUT/accuracy"; mkdir -p "$acc"
     cfg="--config configs/small.toml --training.device ${ACC_DEVICE:-cuda} --training.steps ${ACC_STEPS:-300} ${ACC_EXTRA:-}"
     plan=${PLAN_FILE:-gpu-plan.toml}  # kept in the tree between commands while the machine stays warm
+    spread() {
+      runs=$(for d in "$acc"/seed*/; do [ -f "$d/compare.json" ] && echo "${d%/}"; done
+             for d in "$acc"/plan-seed*/; do [ -f "$d/compare.json" ] && echo "${d%/}:plan-${plan%.toml}"; done)
+      [ -n "$runs" ] && $py benchmarks/seed_spread.py $runs --plot "$acc/seed_spread.png" > "$acc/spread.txt" 2>&1
+      cat "$acc/spread.txt" 2>/dev/null; pack
+    }
+    (while sleep 20; do pack; done) & packer=$!; runs_=()
     if [ ! -f "$plan" ]; then
-      timeout ${PLAN_TIMEOUT:-180} $py -m mixprec plan $cfg --training.seed 0 --job.dump_folder "$acc/plan-run" \
-        --plan.out "$plan" > "$acc/plan.log" 2>&1; echo "plan: exit $?"
+      (timeout ${PLAN_TIMEOUT:-180} $py -m mixprec plan $cfg --training.seed 0 --job.dump_folder "$acc/plan-run" \
+        --plan.out "$plan" > "$acc/plan.log" 2>&1; echo "plan: exit $?") & runs_=($!)
     fi
-    cp "$plan" "$acc/plan.toml" 2>/dev/null
     for seed in ${SEEDS:-0 1 2 3 4}; do
-      timeout ${ACC_RUN_TIMEOUT:-400} $py -m mixprec compare $cfg --training.seed $seed --job.dump_folder "$acc/seed$seed" \
-        --presets ${ACC_PRESETS:-bf16-mixed,fp8-rowwise,fp8-blockwise,plan:$plan,mxfp8,nvfp4,mxfp4} \
-        > "$acc/seed$seed.log" 2>&1; echo "seed $seed: exit $? (1: a preset past compare's thresholds)"
-      runs=$(for d in "$acc"/seed*/; do [ -f "$d/compare.json" ] && echo "${d%/}"; done)
-      [ -n "$runs" ] && $py benchmarks/seed_spread.py $runs --plot "$acc/seed_spread.png" 2>&1 | tee "$acc/spread.txt"
-    done ;;
+      (timeout ${ACC_RUN_TIMEOUT:-400} $py -m mixprec compare $cfg --training.seed $seed --job.dump_folder "$acc/seed$seed" \
+        --presets ${ACC_PRESETS:-bf16-mixed,fp8-rowwise,fp8-blockwise,mxfp8,nvfp4} > "$acc/seed$seed.log" 2>&1
+       echo "seed $seed: exit $? (1: a preset past compare's thresholds)") & runs_+=($!)
+    done
+    wait "${runs_[@]}"; spread
+    if [ -f "$plan" ]; then
+      cp "$plan" "$acc/plan.toml"
+      runs_=()
+      for seed in ${SEEDS:-0 1 2 3 4}; do
+        (timeout ${ACC_RUN_TIMEOUT:-400} $py -m mixprec compare $cfg --training.seed $seed --presets "bf16-mixed,plan:$plan" \
+          --job.dump_folder "$acc/plan-seed$seed" > "$acc/plan-seed$seed.log" 2>&1; echo "plan seed $seed: exit $?") & runs_+=($!)
+      done
+      wait "${runs_[@]}"; spread
+    fi
+    kill $packer ;;
   *) echo "phases: gpu suite probe train layers speed accuracy"; exit 2 ;;
   esac
+  pack
 done
