@@ -255,9 +255,9 @@ def _mixprec_lines() -> list[str]:
     return lines
 
 
-def _synchronising_calls(step, dev: torch.device) -> int | None:
-    """How many times one step that does not read (not a log step) makes the host wait for the
-    device: torch's sync debug mode warns at each synchronising call. None off CUDA."""
+def _synchronising_calls(step, dev: torch.device) -> list[str] | None:
+    """Where one step that does not read (not a log step) makes the host wait for the device
+    (file:line of the Python frame of each call torch's sync debug mode warns at). None off CUDA."""
     if dev.type != "cuda":
         return None
     import warnings
@@ -271,7 +271,7 @@ def _synchronising_calls(step, dev: torch.device) -> int | None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize(dev)
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
 def modes_table(args, extra: list[str]) -> None:
@@ -299,7 +299,7 @@ def modes_table(args, extra: list[str]) -> None:
                 r = results[-1]
                 print(f"    {time.perf_counter() - start:.0f} s: {r['tokens_per_sec']:.0f} tok/s, peak "
                       f"{r['peak_memory_bytes'] / 2**30:.1f} GiB, {r['graph_breaks']} graph breaks, "
-                      f"{r['synchronising_calls']} synchronising calls in a non-log step", flush=True)
+                      f"synchronising calls in a non-log step: {r['synchronising_calls']}", flush=True)
                 for line in r["log"]:
                     print(f"    {line}", flush=True)
     print(f"\n{args.flavor} flavor, {args.batch} x {args.seq_len} tokens per step, {args.device}")

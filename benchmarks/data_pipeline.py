@@ -90,7 +90,7 @@ def where_bpe_time_goes(tokenizer: Path, source: Path, megabytes: float = 16) ->
     import numpy as np
     from tokenizers import Tokenizer
 
-    from mixprec.data.prepare import _pieces
+    from mixprec.data.tokenizer import text_pieces
 
     tok = Tokenizer.from_file(str(tokenizer))
     t0 = time.perf_counter()
@@ -101,7 +101,7 @@ def where_bpe_time_goes(tokenizer: Path, source: Path, megabytes: float = 16) ->
             break
     t1 = time.perf_counter()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    ids = [i for e in tok.encode_batch_fast(_pieces(text), add_special_tokens=False) for i in e.ids]
+    ids = [i for e in tok.encode_batch_fast(text_pieces(text), add_special_tokens=False) for i in e.ids]
     t2 = time.perf_counter()
     array = np.asarray(ids, dtype=np.uint16)
     t3 = time.perf_counter()

@@ -8,7 +8,8 @@ modes larger than what the seed alone moves?
 
 Runs of the same seed are merged (each preset's seed is read from its own config.toml), so
 one seed's presets may come from several compare runs; a preset given twice for one seed is
-refused. FOLDER:PRESET,PRESET takes only those presets of a run.
+refused. FOLDER:PRESET,PRESET takes only those presets of a run. A run that stopped before
+its compare.json (a preset failed) gives the presets that finished, said on stderr.
 """
 
 from __future__ import annotations
@@ -26,10 +27,7 @@ def read_runs(folders: list[str]) -> dict[int, dict[str, float]]:
     by_seed: dict[int, dict[str, float]] = {}
     for spec in folders:
         folder, _, only = spec.partition(":")
-        if not (Path(folder) / "compare.json").is_file():
-            sys.exit(f"{folder}: no compare.json (not a finished mixprec compare run folder)")
-        report = json.loads((Path(folder) / "compare.json").read_text())
-        for row in report["presets"]:
+        for row in _rows(Path(folder)):
             if only and row["preset"] not in only.split(","):
                 continue
             config = tomllib.loads((Path(folder) / row["preset"] / "config.toml").read_text())
@@ -39,6 +37,20 @@ def read_runs(folders: list[str]) -> dict[int, dict[str, float]]:
                 sys.exit(f"{folder}: preset {row['preset']} at seed {seed} is in more than one run; give it once")
             losses[row["preset"]] = row["final_val_loss"]
     return dict(sorted(by_seed.items()))
+
+
+def _rows(folder: Path) -> list[dict]:
+    """A compare run's rows (preset, final_val_loss): its compare.json, or where the run stopped
+    before writing it (a preset failed), the presets that finished (each folder's summary.json)."""
+    if (folder / "compare.json").is_file():
+        return json.loads((folder / "compare.json").read_text())["presets"]
+    finished = [json.loads(f.read_text()) | {"preset": f.parent.name} for f in sorted(folder.glob("*/summary.json"))
+                if (f.parent / "config.toml").is_file()]
+    if not finished:
+        sys.exit(f"{folder}: no compare.json and no finished preset (not a mixprec compare run folder)")
+    print(f"{folder}: no compare.json; the presets that finished: {', '.join(r['preset'] for r in finished)}",
+          file=sys.stderr)
+    return finished
 
 
 def main() -> None:

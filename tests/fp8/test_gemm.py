@@ -167,6 +167,8 @@ def test_a_summed_dimension_off_the_16_grid_is_padded_with_zeros_exactly(layout)
     # padded: its summation order would change the last bits)
     gen = torch.Generator().manual_seed(2)
     tiles = ((0, 0), (0, 0)) if layout == "tensorwise" else ((1, 0), (0, 1))
+    if (reason := probe("cpu", *tiles, E5M2, E4M3, torch.float32)) is not None:
+        pytest.skip(reason)  # torch 2.11's CPU _scaled_mm takes tensor-wise scales only (an internal assert)
     a = quantize(torch.randn(48, 200, generator=gen), E5M2, tiles[0], power_of_2=True)[0]
     b = quantize(torch.randn(200, 64, generator=gen), E4M3, tiles[1], power_of_2=True)[0]
     A, B = gemm._pad_k(a.data, b.data.t().contiguous().t())

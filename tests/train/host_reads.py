@@ -20,6 +20,7 @@ compilation alone; it does not see a read made inside a C++ kernel (the dispatch
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 
 import torch
@@ -94,14 +95,33 @@ class HostReads(_Reads, TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        read = None
         if func is _SCALAR:
-            self._record("item")
+            read = "item"
         elif func in _COPIES:
             src = args[1] if func is aten.copy_.default else args[0]
             to_cpu = _cpu(args[0].device) if func is aten.copy_.default else _cpu(kwargs.get("device"))
             if to_cpu and isinstance(src, torch.Tensor) and not _cpu(src.device) and src.device.type != "meta":
-                self._record("copy to cpu")
-        return func(*args, **kwargs)
+                read = "copy to cpu"
+        if read is None:
+            return func(*args, **kwargs)
+        self._record(read)
+        with _counted_read():
+            return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _counted_read():
+    """A counted read waits for the device by nature: under torch.cuda.set_sync_debug_mode("error")
+    (the GPU test's, for every synchronising call the counter does not see) it is let through."""
+    mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
+    if mode:
+        torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        if mode:
+            torch.cuda.set_sync_debug_mode(mode)
 
 
 class PythonReads(_Reads):

@@ -148,7 +148,9 @@ def kernel_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bo
     A, B = a.data.contiguous(), b.data.t().contiguous().t()
     scale_a, scale_b, types = kernel_scales(a, b, blockwise)
     if types is not None:
-        return blockwise_scaled_mm(A, B, scale_a, scale_b, types[1] == F.ScalingType.BlockWise128x128, out_dtype)
+        # b in 128x128 blocks where its tiles span rows: types[1] says the same, but torch 2.11's
+        # Dynamo cannot compare ScalingType members (a graph break around every block-wise GEMM)
+        return blockwise_scaled_mm(A, B, scale_a, scale_b, b.tile[1] != 1, out_dtype)
     if A.device.type != "cpu":  # the CPU's kernel takes any K: padded there, its sums would reorder (last bits)
         A, B = _pad_k(A, B)
     if scale_a.dim() == 2 and (scales_after(A.device.type, fast_accum) if after is None else after):

@@ -205,15 +205,15 @@ class MXRecipe(FP8Recipe):
 # writes the bfloat16 operand of the GEMM); on a CPU the same functions run eagerly, the
 # reference (tests/fp8/test_mx_ops.py compiles them on the CPU against it, bit for bit).
 def _cast(x, element, block, rounding, nv, square, four_over_six, key, amax, values_dtype=None) -> Blocked:
-    """The cast, and with values_dtype the dequantised GEMM operand from it (one fused kernel compiled)."""
+    """The cast, and with values_dtype the dequantised GEMM operand from it (one fused kernel compiled).
+    Made by Blocked's constructor: torch 2.11's Dynamo cannot return a NamedTuple made by _replace."""
     tile = (block, block) if square else (1, block)
     if nv:
         q = quantize_nvfp4_bits(x, block=tile, key=key, four_over_six=four_over_six, amax=amax)
     else:
         q = quantize_mx_bits(x, element, block=block, rounding=rounding, key=key)
-    if values_dtype is None:
-        return q
-    return q._replace(values=q.dequantize(with_tensor_scale=False, dtype=values_dtype))
+    values = q.dequantize(with_tensor_scale=False, dtype=values_dtype) if values_dtype is not None else None
+    return Blocked(q.data, q.scale, q.block, q.tensor_scale, q.shape, values)
 
 
 def _operand_dtype(device_type: str) -> torch.dtype:
