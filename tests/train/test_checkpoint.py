@@ -1,10 +1,12 @@
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from mixprec import UserError
-from mixprec.interop.checkpoint import CheckpointManager
+from mixprec.interop.checkpoint import EXTRAS_KEYS, CheckpointManager
 
 
 def state(step):
@@ -231,3 +233,101 @@ def test_a_clean_dcp_folder_loads(tmp_path):
         warnings.simplefilter("ignore")
         load_sharded(str(folder), model, opt)
     assert torch.equal(model.weight, want["weight"]) and opt.param_groups[0]["lr"] == 1e-3
+
+
+# ---- a step saved again (after a rewind), killed at each point --------------------------------
+class Killed(BaseException):
+    pass
+
+
+def kill_at(monkeypatch, n: int) -> None:
+    """The n-th rename or folder removal of mixprec.interop.checkpoint raises Killed (a removal
+    killed half-way: one file gone first)."""
+    from mixprec.interop import checkpoint
+
+    calls = [0]
+
+    def counted(fn, partial=False):
+        def call(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == n:
+                if partial and Path(args[0]).is_dir():
+                    next(Path(args[0]).iterdir()).unlink()
+                raise Killed
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(checkpoint.os, "replace", counted(os.replace))
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", counted(shutil.rmtree, partial=True))
+
+
+def save_sharded(ckpt, step: int, value: float) -> None:
+    """CheckpointManager.save_sharded in a one-rank gloo group (DCP's folder, extras.pt)."""
+    model = torch.nn.Linear(3, 2)
+    torch.nn.init.constant_(model.weight, value)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt.save_sharded(step, model, optimizer, {k: {} for k in EXTRAS_KEYS} | {"format": 1, "step": step, "value": value}, 0)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+# 1 would be the removal of a stale step-10.tmp; then the old folder set aside, the new one in, the old removed
+@pytest.mark.parametrize("point", [2, 3, 4])
+def test_a_step_saved_again_leaves_a_loadable_checkpoint_when_killed_at_any_point(tmp_path, monkeypatch, one_rank,
+                                                                                    point):
+    folder = tmp_path / "checkpoint"
+    ckpt = CheckpointManager(folder, keep_latest_k=1)
+    save_sharded(ckpt, 10, 1.0)  # the save the rewind went back to
+    kill_at(monkeypatch, point)
+    with pytest.raises(Killed):
+        save_sharded(ckpt, 10, 2.0)  # the same step after the rewind
+    monkeypatch.undo()
+    restarted = CheckpointManager(folder, keep_latest_k=1)
+    restarted.recover()
+    state = restarted.load()
+    assert state["step"] == 10 and state["value"] == (2.0 if point == 4 else 1.0)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-10"]  # nothing half-done left beside it
+
+
+def test_a_checkpoint_killed_while_removed_is_not_listed(tmp_path, monkeypatch, one_rank):
+    folder = tmp_path / "checkpoint"
+    ckpt = CheckpointManager(folder, keep_latest_k=1)
+    save_sharded(ckpt, 10, 1.0)
+    kill_at(monkeypatch, 4)  # the prune of step 10 after step 20 is in: killed with a file of it gone
+    with pytest.raises(Killed):
+        save_sharded(ckpt, 20, 2.0)
+    monkeypatch.undo()
+    assert ckpt.steps() == [20] and ckpt.load()["value"] == 2.0
+    ckpt.recover()
+    assert sorted(p.name for p in folder.iterdir()) == ["step-20"]
+
+
+def test_a_killed_single_file_save_is_removed_at_the_next_start(tmp_path, monkeypatch):
+    ckpt = CheckpointManager(tmp_path, keep_latest_k=0)
+    ckpt.save(1, state(1))
+    monkeypatch.setattr(torch, "save", lambda obj, f: (f.write(b"half"), (_ for _ in ()).throw(Killed)))
+    with pytest.raises(Killed):
+        ckpt.save(2, state(2))
+    monkeypatch.undo()
+    assert (tmp_path / "step-2.pt.tmp").exists()
+    ckpt.recover()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1.pt"]
+
+
+def test_extras_are_on_the_disk_before_the_folder_is_renamed(tmp_path, monkeypatch, one_rank):
+    from mixprec.interop import checkpoint
+
+    synced, renamed = [], []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(checkpoint.os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")),
+                                                          real_fsync(fd)))
+    monkeypatch.setattr(checkpoint.os, "replace", lambda a, b: (renamed.append(len(synced)), real_replace(a, b)))
+    save_sharded(CheckpointManager(tmp_path, keep_latest_k=0), 5, 1.0)
+    assert len(renamed) == 1 and any(p.endswith("step-5.tmp/extras.pt") for p in synced[:renamed[0]])

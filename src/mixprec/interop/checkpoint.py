@@ -5,6 +5,10 @@ One process: a single file, written to `step-N.pt.tmp`, flushed, renamed to
 `step-N.pt`. torchrun runs: a folder `step-N` written by torch.distributed.checkpoint
 (each rank its shards; `extras.pt` holds the rest), written as `step-N.tmp` and renamed
 once every rank is done. A crash mid-save leaves only a `.tmp`, which is never loaded.
+A folder saved again at its step (after a rewind) is set aside as `step-N.old` until the new
+one is in, and a folder being removed is renamed `step-N.del` first: a process killed at any
+point leaves every listed checkpoint whole, and `recover` (at the start of a run) puts back
+or removes what it left.
 A folder checkpoint loads into any number of ranks, one included (DCP reshards); a
 single file loads into a torchrun run too, each rank keeping its shard.
 """
@@ -41,7 +45,34 @@ class CheckpointManager:
 
     def _remove(self, step: int) -> None:
         path = self.path(step)
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if path.is_dir():  # out of the listing at once: a kill mid-removal leaves no half folder listed
+            gone = path.with_name(path.name + ".del")
+            os.replace(path, gone)
+            shutil.rmtree(gone)
+        else:
+            path.unlink()
+
+    def recover(self) -> None:
+        """What a killed save or removal left, finished or undone (rank 0, before anything is
+        listed or saved): a folder set aside while its step was saved again (`step-N.old`) goes
+        back where the new one never arrived, else it is removed; half-removed folders
+        (`step-N.del`) and unfinished saves (`*.tmp`) are removed. Each logged."""
+        if not self.folder.is_dir():
+            return
+        for path in sorted(self.folder.iterdir()):
+            name = path.name
+            if name.endswith(".old") and _NAME.match(name.removesuffix(".old")):
+                final = path.with_name(name.removesuffix(".old"))
+                if final.exists():
+                    shutil.rmtree(path)
+                    logger.info("checkpoint: removed %s (replaced by the save that was killed after it)", name)
+                else:
+                    os.replace(path, final)
+                    logger.warning("checkpoint: %s put back as %s (a save of its step was killed before "
+                                   "replacing it)", name, final.name)
+            elif name.endswith((".del", ".tmp")) and _NAME.match(name.rsplit(".", 1)[0]):
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+                logger.info("checkpoint: removed %s (left by a save or removal that was killed)", name)
 
     def drop_after(self, step: int) -> None:
         """Remove the checkpoints past `step`: after a rewind they belong to an abandoned run."""
@@ -68,23 +99,31 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
         if rank == 0:
-            torch.save(extras, tmp / "extras.pt")
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
+            _write(extras, tmp / "extras.pt")
+            self._publish(tmp, final)
             self._prune()
             logger.info("checkpoint: saved step %d to %s", step, final)
         dist.barrier()
         return final
 
+    def _publish(self, tmp: Path, final: Path) -> None:
+        """The finished folder `tmp` in as `final`. A folder already there (this step saved
+        before a rewind) is set aside and removed only once the new one is in."""
+        aside = final.with_name(final.name + ".old")
+        if final.exists():
+            os.replace(final, aside)
+        os.replace(tmp, final)
+        _sync(self.folder)
+        if aside.exists():
+            shutil.rmtree(aside)
+
     def save(self, step: int, state: dict) -> Path:
         self.folder.mkdir(parents=True, exist_ok=True)
         final = self.path(step)
         tmp = final.with_name(final.name + ".tmp")
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
+        _write(state, tmp)
+        os.replace(tmp, final)  # a file replaces a file in one step
+        _sync(self.folder)
         self._prune()
         logger.info("checkpoint: saved step %d to %s", step, final)
         return final
@@ -114,6 +153,23 @@ class CheckpointManager:
         if path.is_dir():
             state["dcp"] = str(path)
         return state
+
+
+def _write(obj, path: Path) -> None:
+    """torch.save to `path`, on the disk before it returns (a rename that follows publishes whole bytes)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sync(folder: Path) -> None:
+    """The folder's entries (a rename into it) on the disk."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 EXTRAS_KEYS = ("meta", "step", "scheduler", "data", "policy", "rng", "trainer")  # what every checkpoint holds

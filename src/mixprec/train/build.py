@@ -257,6 +257,11 @@ def build(config: Config, *, accum: int | None = None) -> Parts:
 
     ccfg, scfg = config.checkpoint, config.stability
     checkpoints = CheckpointManager(folder / ccfg.folder, ccfg.keep_latest_k) if ccfg.enable else None
+    if checkpoints is not None:
+        if rank == 0:
+            checkpoints.recover()  # what a killed save left, before any rank lists the checkpoints
+        if world > 1:
+            torch.distributed.barrier()
     initial = initial_load(ccfg, checkpoints)
     if config.model.hf_config:
         args, model, meta = hf_model(config, tokenizer.vocab_size, tokenizer_name, dims, device, bool(initial))
