@@ -257,3 +257,73 @@ def test_a_pretrained_tokenizers_eos_separates_documents(tmp_path, text_file, eo
             start = i + 1
     # every document's own tokens, each exactly once, between end-of-text tokens
     assert sorted(map(tuple, pieces)) == sorted(tuple(tok.encode(d, add_special_tokens=False).ids) for d in docs)
+
+
+def test_an_unfinished_preparation_is_refused_and_a_rerun_finishes_it(tmp_path, folder, prepared, capsys):
+    # issue 55 item 3: without index.json the folder was read as text (its JSON metadata trained on, exit 0)
+    unfinished = tmp_path / "shards"
+    shutil.copytree(prepared, unfinished)
+    (unfinished / "index.json").unlink()
+    run = tmp_path / "run"
+    err = one_line_error(capsys, ["train", "--data.source", str(unfinished), "--model.flavor", "debug",
+                                  "--job.dump_folder", str(run), "--training.device", "cpu"])
+    assert "never finished" in err and "re-run mixprec prepare" in err, err
+    assert not (run / "metrics.jsonl").exists()
+    run_prepare(str(folder), unfinished, shard_mb=0.008, workers=1)
+    assert everything(open_prepared(unfinished).train).tolist() == everything(open_prepared(prepared).train).tolist()
+
+
+def _users_tokenizer(tmp_path, layout: str, lines: list[str]):
+    """A tokenizer.json as pretrained models ship them, with Llama's BOS template: byte-level
+    (GPT-2, Llama 3) or SentencePiece's layout (Llama 2: "▁" prepended, no pre-tokenizer)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    special = ["<s>", "</s>"]
+    if layout == "byte-level":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                      special_tokens=special, show_progress=False)
+    else:
+        tok = Tokenizer(models.BPE(byte_fallback=True))
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special, show_progress=False)
+    tok.train_from_iterator(lines, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    path = tmp_path / f"{layout}.json"
+    path.write_text(tok.to_str())
+    return tok, path
+
+
+@pytest.mark.parametrize("layout", ["byte-level", "sentencepiece"])
+def test_long_texts_encode_to_the_tokenizers_own_tokens_without_special_ones(tmp_path, layout):
+    # issue 55 items 4 and 5: the text path put a BOS every 64K characters (encode_batch adds special tokens);
+    # prepare's 8,192-character pieces each got their own "▁" under SentencePiece's layout
+    from mixprec.data.prepare import _FileEncoder
+    from mixprec.data.tokenizer import build_tokenizer
+
+    lines = [f"line {i}: {'word ' * (i % 7)}and {i * 37 % 1000} more" for i in range(3000)]
+    tok, path = _users_tokenizer(tmp_path, layout, lines[:300])
+    text = "\n".join(lines)  # ~100,000 characters, one document
+    assert len(text) > 1 << 16
+    want = tok.encode(text, add_special_tokens=False).ids
+    in_memory = build_tokenizer(str(path), "", 0, tmp_path / "unused")
+    assert in_memory.cuttable == (layout == "byte-level")
+    assert in_memory.encode(text).tolist() == want
+    assert _FileEncoder(path).encode(text).tolist() == want
+
+
+def test_no_split_begins_with_a_separator_when_the_first_unit_wrote_nothing(tmp_path):
+    # issue 55 item 7: a binary file first (a unit of its own): the next unit opened the split with a newline
+    source = tmp_path / "texts"
+    source.mkdir()
+    (source / "00.bin").write_bytes(b"\0\1\2" * 4000)
+    for i in range(1, 13):
+        (source / f"{i:02d}.txt").write_text("".join(f"doc {i} line {j}\n" for j in range(400)))
+    out = tmp_path / "shards"
+    run_prepare(str(source), out, shard_mb=0.008, workers=1)
+    corpus = load_corpus(str(source), 0.05)  # the in-memory path: the same texts, joined by newlines
+    data = open_prepared(out)
+    for split, text in (("train", corpus.train), ("val", corpus.val)):
+        got = bytes(everything(getattr(data, split)).tolist()).decode()
+        assert got == text, (split, got[:40], text[:40])

@@ -188,3 +188,16 @@ def test_summary_json_is_strict_json(tmp_path, text_file):
     run_train(folder, text_file, "--precision.preset", "fp16-true", "--stability.enable", "false", "--training.lr", "1e4")
     summary = json.loads((folder / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(c))
     assert summary["final_val_loss"] is None and summary["final_val_loss_reason"] == "not finite (nan)"
+
+
+def test_a_resume_with_another_seed_is_refused_and_nothing_saved_changes(tmp_path, text_file, capsys):
+    # issue 55 item 6: accepted before, the epoch's order then drawn from the new seed (windows seen twice or never)
+    from tests.test_cli import one_line_error
+
+    folder = tmp_path / "run"
+    run_train(folder, text_file, "--checkpoint.interval", "3", "--training.steps", "3")
+    files = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    err = one_line_error(capsys, tiny_args(folder, text_file, "--checkpoint.interval", "3", "--training.seed", "7"))
+    assert "drawn with training.seed 0, this run has 7" in err and "accepted: training.seed 0" in err, err
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == files

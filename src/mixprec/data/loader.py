@@ -75,9 +75,15 @@ class TrainLoader:
         return _gather(self.tokens, starts, self.seq_len, self.device)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "n_windows": self.n_windows}
+        return {"epoch": self.epoch, "index": self.index, "n_windows": self.n_windows, "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
+        # an epoch's order is the seed's permutation: another seed would see some windows twice, others never
+        if state.get("seed", self.seed) != self.seed:  # checkpoints before the seed was kept: not checked
+            raise UserError(
+                f"checkpoint: the data order was drawn with training.seed {state['seed']}, this run has "
+                f"{self.seed}; accepted: training.seed {state['seed']} to resume (or a new job.dump_folder)"
+            )
         if state["n_windows"] != self.n_windows:
             raise UserError(
                 f"checkpoint: the data has {self.n_windows} windows, the checkpoint was made on "

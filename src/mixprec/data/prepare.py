@@ -29,13 +29,13 @@ from pathlib import Path
 
 import numpy as np
 
-from mixprec.data.shards import FORMAT, INDEX, VERSION, ShardWriter, read_header, token_dtype
+from mixprec.data.shards import (FORMAT, HEADER_BYTES, INDEX, SETTINGS, VERSION, ShardWriter, read_header,
+                                 token_dtype)
+from mixprec.data.tokenizer import BPETokenizer
 from mixprec.data.units import BLOCK, Unit, documents, input_bytes, plan_units
 from mixprec.errors import UserError
 
 logger = logging.getLogger(__name__)
-
-SETTINGS = "prepare.json"
 
 # ---------------------------------------------------------------- tokenizers
 
@@ -47,27 +47,24 @@ class _ByteEncoder:
 
 
 class _FileEncoder:
-    """A `tokenizers` tokenizer.json; long texts are encoded in pieces cut after a newline."""
+    """A `tokenizers` tokenizer.json: each document's tokens as the trainer's text path makes them."""
 
     def __init__(self, path: Path):
         from tokenizers import Tokenizer
 
-        self.tok = Tokenizer.from_file(str(path))
-        self.vocab_size = self.tok.get_vocab_size()
+        self.tok = BPETokenizer(Tokenizer.from_file(str(path)))
+        self.vocab_size = self.tok.vocab_size
 
     def encode(self, text: str) -> np.ndarray:
         return self.encode_documents([text], None)
 
     def encode_documents(self, texts: list[str], eos: int | None) -> np.ndarray:
         """The tokens of each text, `eos` between two (in one batch call for all of them)."""
-        batch = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)  # fast: no offsets (tokenizers 0.20+)
-        pieces = [_pieces(t) for t in texts]
-        encodings = iter(batch([p for ps in pieces for p in ps], add_special_tokens=False))
         parts = []
-        for i, ps in enumerate(pieces):
+        for i, ids in enumerate(self.tok.encode_texts(texts)):
             if i and eos is not None:
                 parts.append(np.array([eos], dtype=np.int64))
-            parts.extend(np.asarray(next(encodings).ids, dtype=np.int64) for _ in ps)
+            parts.append(np.asarray(ids, dtype=np.int64))
         return np.concatenate(parts or [np.zeros(0, np.int64)])
 
 
@@ -92,21 +89,6 @@ def eos_token(tokenizer_json: Path) -> tuple[str, int] | None:
         if name and name in special:
             return name, tok.token_to_id(name)
     return None
-
-
-def _pieces(text: str, size: int = 8192) -> list[str]:
-    """`text` in pieces of about `size` characters, each cut after a newline between two
-    characters that are not blank: a byte-level pre-tokenizer splits there anyway, so encoding
-    the pieces gives the tokens of the whole text."""
-    pieces, start = [], 0
-    while start < len(text):
-        end = start + size
-        while end < len(text) and not (text[end - 1] == "\n" and not text[end - 2].isspace()
-                                       and not text[end].isspace()):
-            end = text.find("\n", end) + 1 or len(text)
-        pieces.append(text[start:end])
-        start = end
-    return pieces
 
 
 def _load_tokenizer(out: Path, kind: str):
@@ -170,6 +152,9 @@ def prepare_unit(unit: Unit, out: Path, kind: str, fingerprint: str, text_field:
     pending = {"train": [], "val": []}
     read = {"train": 0, "val": 0}  # input bytes behind the pending text
     has_doc = dict(unit.lead)
+    own = {"train": False, "val": False}  # whether this unit has written a document of the split
+    lead = {}  # tokens of the separator after an earlier unit's documents, written first (see _drop_stray_leads)
+    separator = np.array([eos], dtype=np.int64) if eos is not None else tokenizer.encode("\n")
     skipped = 0
 
     def flush(split: str) -> None:
@@ -193,8 +178,12 @@ def prepare_unit(unit: Unit, out: Path, kind: str, fingerprint: str, text_field:
             if not text:
                 continue
             if has_doc[split] and (piece.jsonl or starts_doc):
-                pending[split].append("\n" if eos is None else None)
-            starts_doc, has_doc[split] = False, True
+                if own[split]:
+                    pending[split].append("\n" if eos is None else None)
+                else:  # after an earlier unit's documents
+                    writers[split].append(separator)
+                    lead[split] = len(separator)
+            starts_doc, has_doc[split], own[split] = False, True, True
             pending[split].append(text)
             read[split] += nbytes
             if read[split] >= BLOCK:
@@ -202,11 +191,36 @@ def prepare_unit(unit: Unit, out: Path, kind: str, fingerprint: str, text_field:
     for split in pending:
         flush(split)
     shards = {split: w.close() for split, w in writers.items()}
-    record = {"unit": asdict(unit), "shards": shards, "skipped_bytes": skipped}
-    tmp = out / f"unit-{unit.index:05d}.json.tmp"
-    tmp.write_text(json.dumps(record))
-    tmp.replace(out / f"unit-{unit.index:05d}.json")
+    record = {"unit": asdict(unit), "shards": shards, "skipped_bytes": skipped, "lead": lead}
+    _write_record(out, unit.index, record)
     return record
+
+
+def _write_record(out: Path, index: int, record: dict) -> None:
+    tmp = out / f"unit-{index:05d}.json.tmp"
+    tmp.write_text(json.dumps(record))
+    tmp.replace(out / f"unit-{index:05d}.json")
+
+
+def _drop_stray_leads(out: Path, units: list[Unit], records: dict[int, dict], vocab: int, fingerprint: str) -> None:
+    """A unit opens a split with a separator where the plan saw earlier documents of it; where
+    those wrote nothing after all (a binary file, JSON lines that all went to the other split),
+    the split would begin with that separator: it is cut from the shard, rewritten."""
+    for split in ("train", "val"):
+        for unit in units:
+            record = records[unit.index]
+            shard = record["shards"][split]
+            if record.get("lead", {}).get(split):
+                n = record["lead"].pop(split)
+                path = out / shard["file"]
+                tokens = np.fromfile(path, dtype=token_dtype(vocab), offset=HEADER_BYTES)
+                writer = ShardWriter(path, vocab, fingerprint)
+                writer.append(tokens[n:])
+                record["shards"][split] = writer.close()
+                _write_record(out, unit.index, record)
+                logger.info("prepare: %s began with a separator after no document (dropped)", shard["file"])
+            if shard["tokens"]:
+                break
 
 
 # ---------------------------------------------------------------- the driver
@@ -329,6 +343,7 @@ def run_prepare(source: str, out: str | Path, tokenizer: str = "byte", bpe_vocab
     if todo:
         records.update(_run_units(todo, out, kind, fingerprint, n, text_field, val_fraction, total,
                                   eos[1] if eos else None))
+    _drop_stray_leads(out, units, records, vocab, fingerprint)
     shards = {split: [records[u.index]["shards"][split] for u in units] for split in ("train", "val")}
     index = {"format": FORMAT, "version": VERSION, "source": source,
              "tokenizer": {"kind": kind, "vocab_size": vocab, "fingerprint": fingerprint},

@@ -26,6 +26,7 @@ import numpy as np
 from mixprec.errors import UserError
 
 INDEX = "index.json"
+SETTINGS = "prepare.json"  # written first by mixprec prepare: a folder with it and no index is unfinished
 FORMAT, VERSION = "mixprec-tokens", 1
 MAGIC = b"MXPTOKS\0"
 _HEADER = struct.Struct("<8sIIIQI16s")  # magic, version, itemsize, vocab, tokens, crc32, fingerprint
@@ -158,10 +159,20 @@ class Prepared:
 
 
 def is_prepared(source: str) -> bool:
+    """Whether `source` is a prepared folder; a preparation that never finished (its settings
+    written, no index yet) is refused: read as text, its metadata would be the corpus."""
     try:
-        return (Path(source).expanduser() / INDEX).is_file()
+        folder = Path(source).expanduser()
+        if (folder / INDEX).is_file():
+            return True
+        unfinished = (folder / SETTINGS).is_file()
     except (OSError, RuntimeError):
         return False
+    if unfinished:
+        raise UserError(f"data.source: {folder} is a mixprec prepare folder that was never finished ({SETTINGS} but no "
+                        f"{INDEX}); accepted: a finished one (re-run mixprec prepare with the same arguments to "
+                        "finish it) or a text source")
+    return False
 
 
 def _bad(path: Path, what: str) -> UserError:

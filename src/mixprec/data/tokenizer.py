@@ -39,9 +39,22 @@ class ByteTokenizer:
 
 
 class BPETokenizer:
+    """A `tokenizers` tokenizer (trained here, or a pretrained model's tokenizer.json). Texts are
+    encoded without special tokens (a BOS is the model's business, not the corpus's), each to
+    the tokens of the whole text: in pieces encoded in parallel where the cuts change nothing
+    (`cut_is_invisible`), else whole."""
+
     def __init__(self, tokenizer):
         self._tok = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
+        self.cuttable = cut_is_invisible(tokenizer)
+
+    def encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """Each text's token ids, in one batch call."""
+        batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # fast: no offsets (tokenizers 0.20+)
+        pieces = [text_pieces(t) if self.cuttable else [t] for t in texts]
+        encodings = iter(batch([p for ps in pieces for p in ps], add_special_tokens=False))
+        return [[i for _ in ps for i in next(encodings).ids] for ps in pieces]
 
     @classmethod
     def train_or_load(cls, text: str, vocab_size: int, cache: Path) -> "BPETokenizer":
@@ -72,8 +85,7 @@ class BPETokenizer:
     def encode(self, text: str):
         import torch
 
-        ids = [i for enc in self._tok.encode_batch(list(_chunks(text))) for i in enc.ids]
-        return torch.tensor(ids, dtype=torch.long)
+        return torch.tensor(self.encode_texts([text])[0], dtype=torch.long)
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
@@ -93,8 +105,46 @@ def train_bpe(texts, vocab_size: int):
     return tok
 
 
+def cut_is_invisible(tok) -> bool:
+    """Whether a text cut after a newline between two non-blank characters (`text_pieces`)
+    encodes to the whole text's tokens: a byte-level pre-tokenizer (GPT-2's, Llama 3's, the
+    BPE trained here) splits there anyway, unless it adds a prefix space to each text; a
+    SentencePiece layout (Llama 2's: a normalizer that prepends "▁", no pre-tokenizer, or a
+    Metaspace one) would give each piece its own "▁"."""
+    import json
+
+    spec = json.loads(tok.to_str())
+
+    def nodes(tree):
+        if isinstance(tree, dict):
+            yield tree
+            tree = list(tree.values())
+        if isinstance(tree, list):
+            for child in tree:
+                yield from nodes(child)
+
+    pre = list(nodes(spec.get("pre_tokenizer")))
+    byte_level = [n for n in pre if n.get("type") == "ByteLevel"]
+    prepends = any(n.get("type") in ("Prepend", "Metaspace") for n in [*nodes(spec.get("normalizer")), *pre])
+    return bool(byte_level) and not any(n.get("add_prefix_space") for n in byte_level) and not prepends
+
+
+def text_pieces(text: str, size: int = 8192) -> list[str]:
+    """`text` in pieces of about `size` characters, each cut after a newline between two
+    characters that are not blank (where a byte-level pre-tokenizer splits anyway)."""
+    pieces, start = [], 0
+    while start < len(text):
+        end = start + size
+        while end < len(text) and not (text[end - 1] == "\n" and not text[end - 2].isspace()
+                                       and not text[end].isspace()):
+            end = text.find("\n", end) + 1 or len(text)
+        pieces.append(text[start:end])
+        start = end
+    return pieces
+
+
 def _chunks(text: str, size: int = 1 << 16):
-    """Pieces of about `size` characters, cut after a newline so no token spans two."""
+    """Pieces of about `size` characters cut after a newline: what a BPE is trained on here."""
     start = 0
     while start < len(text):
         end = text.find("\n", start + size)
