@@ -4,9 +4,20 @@ The CLI prints a UserError as one line and exits with code 2; anything else is a
 bug and keeps its traceback.
 """
 
+from pathlib import Path
+
 
 class UserError(Exception):
     """Bad input from the user; the message names what is wrong and what is accepted."""
+
+
+def user_path(value: str, key: str) -> Path:
+    """`value` with a leading ~ expanded; the home of a user this machine does not have is one line naming `key`."""
+    try:
+        return Path(value).expanduser()
+    except RuntimeError:
+        raise UserError(f"{key} {value!r} names the home folder of a user this machine does not have; accepted: a "
+                        "path on this machine") from None
 
 
 def check_value(ok: bool, field: str, value, accepted: str) -> None:

@@ -327,3 +327,47 @@ def test_no_split_begins_with_a_separator_when_the_first_unit_wrote_nothing(tmp_
     for split, text in (("train", corpus.train), ("val", corpus.val)):
         got = bytes(everything(getattr(data, split)).tolist()).decode()
         assert got == text, (split, got[:40], text[:40])
+
+
+def test_a_rerun_repairs_damaged_shards(tmp_path, folder, prepared, caplog):
+    # issue 55 item 8: a re-run compared only the header's CRC with its record: a flipped bit or a cut shard survived
+    shards = tmp_path / "shards"
+    shutil.copytree(prepared, shards)
+    _flip(shards / "train-00005.bin")
+    (shards / "train-00003.bin").write_bytes((shards / "train-00003.bin").read_bytes()[:-3])
+    val = next(s["file"] for s in json.loads((shards / "index.json").read_text())["splits"]["val"] if s["tokens"] > 8)
+    _flip(shards / val, rewrite_header=True)  # a whole shard, but not the one recorded
+    with caplog.at_level("WARNING", logger="mixprec"):
+        run_prepare(str(folder), shards, shard_mb=0.008, workers=1)
+    damaged = {"train-00005.bin", "train-00003.bin", val}
+    assert {f for f in damaged if f"{f} is damaged" in caplog.text} == damaged
+    repaired, original = open_prepared(shards), open_prepared(prepared)
+    assert everything(repaired.train).tolist() == everything(original.train).tolist()
+    assert everything(repaired.val).tolist() == everything(original.val).tolist()
+
+
+def test_bad_sources_and_outputs_are_one_line(tmp_path, capsys):
+    # issue 55 item 9: tracebacks before (RuntimeError for ~user, EOFError for a cut .gz), and an empty or binary
+    # source "prepared" 0 tokens with exit 0
+    whole = gzip.compress(b"".join(b"line %d of the text\n" % i for i in range(4000)))
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(3):
+        (texts / f"{i}.txt").write_text("words of a document\n" * 800)
+    (texts / "cut.txt.gz").write_bytes(whole[:len(whole) // 2])
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "binary").mkdir()
+    (tmp_path / "binary" / "a.bin").write_bytes(b"\0\1\2" * 50)
+    cases = [
+        (["~nosuchuser/x.txt", "--out", str(tmp_path / "a")], "home folder of a user this machine does not have"),
+        ([str(texts), "--out", "~nosuchuser/o"], "--out '~nosuchuser/o' names the home folder"),
+        ([str(texts / "cut.txt.gz"), "--out", str(tmp_path / "b")], "cut.txt.gz: not a readable gzip file"),
+        ([str(texts), "--out", str(tmp_path / "c"), "--workers", "2", "--shard-mb", "0.01"],  # in a worker
+         "cut.txt.gz: not a readable gzip file"),
+        ([str(tmp_path / "empty.txt"), "--out", str(tmp_path / "d")], "holds no text"),
+        ([str(tmp_path / "binary"), "--out", str(tmp_path / "e")], "gave no training tokens"),
+    ]
+    for argv, words in cases:
+        err = one_line_error(capsys, ["prepare", *argv])
+        assert words in err, (argv, err)
+    assert not (tmp_path / "d").exists() and not (tmp_path / "e" / "index.json").exists()

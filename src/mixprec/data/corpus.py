@@ -11,7 +11,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from mixprec.errors import UserError
+from mixprec.errors import UserError, user_path
 
 STDLIB = "stdlib"
 
@@ -50,11 +50,7 @@ def load_corpus(source: str, val_fraction: float) -> Corpus:
     if source == STDLIB:
         root, files = _stdlib_files()
     else:
-        try:
-            path = Path(source).expanduser()
-        except RuntimeError:  # ~user of a user this machine does not have
-            raise UserError(f"data.source: {source!r} names a home folder this machine does not have; accepted: "
-                            "stdlib, or a text file or folder") from None
+        path = user_path(source, "data.source")
         if not path.exists():
             raise UserError(f"data.source: {source!r} does not exist; accepted: stdlib, or a text file or folder")
         if path.is_file():

@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 
 from mixprec.data.shards import (FORMAT, HEADER_BYTES, INDEX, SETTINGS, VERSION, ShardWriter, read_header,
-                                 token_dtype)
+                                 shard_crc, token_dtype)
 from mixprec.data.tokenizer import BPETokenizer
 from mixprec.data.units import BLOCK, Unit, documents, input_bytes, plan_units
-from mixprec.errors import UserError
+from mixprec.errors import UserError, user_path
 
 logger = logging.getLogger(__name__)
 
@@ -266,14 +266,25 @@ def _check_args(source: str, out: Path, tokenizer: str, bpe_vocab_size: int, val
 
 
 def _done(out: Path, index: int) -> dict | None:
-    """The record of a unit an earlier run finished, if its shards are whole."""
+    """The record of a unit an earlier run finished, if its shards are whole: each one's size,
+    header and tokens (read again: a flipped bit or a cut file is tokenized again)."""
     try:
         record = json.loads((out / f"unit-{index:05d}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    try:
         for shard in record["shards"].values():
-            if read_header(out / shard["file"])["crc32"] != shard["crc32"]:
+            path = out / shard["file"]
+            header = read_header(path)
+            whole = (header["crc32"] == shard["crc32"] and header["tokens"] == shard["tokens"]
+                     and path.stat().st_size == HEADER_BYTES + shard["tokens"] * header["itemsize"])
+            if not whole or shard_crc(path) != shard["crc32"]:
+                logger.warning("prepare: %s is damaged (its size, header or tokens are not what unit %d recorded): "
+                               "the unit is tokenized again", shard["file"], index)
                 return None
         return record
-    except (OSError, ValueError, KeyError, UserError):
+    except (OSError, KeyError, TypeError, UserError) as e:
+        logger.warning("prepare: unit %d's shards are unreadable (%s): the unit is tokenized again", index, e)
         return None
 
 
@@ -299,10 +310,13 @@ def run_prepare(source: str, out: str | Path, tokenizer: str = "byte", bpe_vocab
                 val_fraction: float = 0.05, text_field: str = "text", shard_mb: float = 128.0,
                 bpe_sample_mb: float = 64.0, workers: int = 0) -> dict:
     """Write (or finish) the token shards of `source` into `out`; returns the index."""
-    out = Path(out).expanduser()
+    out = user_path(str(out), "--out")
     kind = _check_args(source, out, tokenizer, bpe_vocab_size, val_fraction, shard_mb, bpe_sample_mb, workers)
     t0 = time.perf_counter()
     units = plan_units(source, val_fraction, max(1, int(shard_mb * 1e6)))
+    if not sum(input_bytes(u.pieces) for u in units):
+        raise UserError(f"{source!r} holds no text (empty files only); accepted: a text, .jsonl or .gz file, or a "
+                        "folder of them, with text in it")
     settings = _settings(source, tokenizer, bpe_vocab_size, bpe_sample_mb, val_fraction, text_field, shard_mb, units)
     eos = eos_token(Path(tokenizer).expanduser()) if kind == "file" else None
     if eos is not None:
@@ -350,6 +364,9 @@ def run_prepare(source: str, out: str | Path, tokenizer: str = "byte", bpe_vocab
              "dtype": token_dtype(vocab).name, "separator": eos[0] if eos else "\n", "val_fraction": val_fraction,
              "tokens": {split: sum(s["tokens"] for s in shards[split]) for split in shards},
              "skipped_bytes": sum(r["skipped_bytes"] for r in records.values()), "splits": shards}
+    if not index["tokens"]["train"]:  # no index: the folder stays unfinished, refused as a data.source
+        raise UserError(f"{source!r} gave no training tokens ({index['skipped_bytes']} bytes skipped as binary or "
+                        "not UTF-8); accepted: a source with text in it")
     tmp = out / (INDEX + ".tmp")
     tmp.write_text(json.dumps(index, indent=1))
     tmp.replace(out / INDEX)

@@ -11,14 +11,16 @@ JSON lines go by a hash of their file and byte offset.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mixprec.data.corpus import STDLIB, _is_val, _stdlib_files
-from mixprec.errors import UserError
+from mixprec.errors import UserError, user_path
 
 BLOCK = 4 << 20  # bytes read, and of text tokenized, at a time
 
@@ -49,7 +51,7 @@ def _files(source: str) -> tuple[Path, list[Path]]:
     if source == STDLIB:
         root, files = _stdlib_files()
         return root, sorted(files)
-    path = Path(source).expanduser().resolve()
+    path = user_path(source, "the source").resolve()
     if not path.exists():
         raise UserError(f"{source!r} does not exist; accepted: stdlib, or a text, .jsonl or .gz "
                         "file or a folder of them")
@@ -60,10 +62,22 @@ def _files(source: str) -> tuple[Path, list[Path]]:
 
 def _gz_size(path: Path) -> int:
     size = 0
-    with gzip.open(path, "rb") as f:
+    with _gz_errors(path), gzip.open(path, "rb") as f:
         while chunk := f.read(BLOCK):
             size += len(chunk)
     return size
+
+
+@contextlib.contextmanager
+def _gz_errors(path):
+    """A damaged .gz (cut short, not gzip, a bad checksum) as one line, in the main process or a worker."""
+    try:
+        yield
+    except (EOFError, OSError, zlib.error) as e:
+        if not str(path).endswith(".gz"):
+            raise
+        raise UserError(f"{path}: not a readable gzip file ({e}); accepted: whole .gz files (check or remove "
+                        "this one)") from None
 
 
 def input_bytes(pieces: list[Piece]) -> int:
@@ -122,7 +136,7 @@ def _owned_bytes(piece: Piece):
     """(offset in the file, block): the piece's bytes in newline-aligned blocks of about BLOCK,
     the lines that start in [start, end)."""
     opener = gzip.open if piece.path.endswith(".gz") else open
-    with opener(piece.path, "rb") as f:
+    with _gz_errors(piece.path), opener(piece.path, "rb") as f:
         pos = piece.start
         if pos > 0:  # skip to the first line start at or after `start`
             if opener is open:
