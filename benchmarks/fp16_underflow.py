@@ -90,7 +90,7 @@ def train(policy: Policy, loader_state, tokens, val, steps: int) -> dict:
         policy.step(opt, max_norm=1.0)
         losses.append(loss.item())
     with torch.no_grad(), policy.autocast():
-        val_loss = sum(model(x, y).item() for x, y in val) / len(val)
+        val_loss = sum(model(x, y).item() for x, y, _ in val) / len(val)
     stats = policy.summary()
     return {"val_loss": val_loss, "train_loss_last10": sum(losses[-10:]) / 10, "skipped": stats["skipped_steps"],
             "loss_scale": stats["loss_scale"], "losses": losses}

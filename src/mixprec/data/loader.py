@@ -93,8 +93,16 @@ class TrainLoader:
         self._order = self._permutation(self.epoch)
 
 
-def val_batches(tokens, seq_len: int, batch_size: int, n_batches: int, device="cpu"):
-    """The first n_batches * batch_size validation windows in order (fewer if the split is short)."""
+def val_batches(tokens, seq_len: int, batch_size: int, n_batches: int, device="cpu", rows: slice = slice(None)):
+    """The first n_batches * batch_size validation windows in order (fewer if the split is short),
+    as (inputs, targets, real rows) per batch: `rows` of each batch of `batch_size` (a rank's
+    share of the global batch). A rank whose share of a short last batch is empty gets the
+    batch's first row as a stand-in with 0 real rows (its forward still runs: under FSDP every
+    rank's does)."""
     n = min(_windows(tokens, seq_len, "validation"), n_batches * batch_size)
     starts = torch.arange(n) * seq_len
-    return [_gather(tokens, chunk, seq_len, device) for chunk in starts.split(batch_size)]
+    batches = []
+    for chunk in starts.split(batch_size):
+        mine = chunk[rows]
+        batches.append((*_gather(tokens, mine if len(mine) else chunk[:1], seq_len, device), len(mine)))
+    return batches

@@ -30,9 +30,8 @@ def diagnose(kind: str, reason: str, loss: float, grad_norm: float | None, recen
     if kind == "loss_spike" or (math.isfinite(loss) and loss > 1e6):
         causes.append(f"loss explosion ({reason}): most often a learning rate too high for this point of training, "
                       "or a corrupted batch")
-    if kind == "grad_spike" or (grad_norm is not None and math.isfinite(grad_norm) and grad_norm > 100):
-        what = reason if kind == "grad_spike" else f"norm {grad_norm:.3g}"
-        causes.append(f"gradient explosion ({what}): gradient clipping (training.max_norm) bounds the update it "
+    if grad_norm is not None and math.isfinite(grad_norm) and grad_norm > 100:
+        causes.append(f"gradient explosion (norm {grad_norm:.3g}): gradient clipping (training.max_norm) bounds the update it "
                       "would make")
     if len(recent_norms) >= 10 and all(n < 1e-6 for n in recent_norms[-10:]):
         causes.append("gradients have vanished (the last 10 norms are below 1e-6): too deep a network without "

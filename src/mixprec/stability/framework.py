@@ -21,9 +21,17 @@ import torch
 
 from mixprec.precision import Policy
 from mixprec.precision.step import ReadSchedule
-from mixprec.stability.locate import Locator
+from mixprec.stability.locate import Locator, agree
 
 logger = logging.getLogger(__name__)
+
+
+def _ranks() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 READ_EVERY = 10  # steps between reads where the framework names no logging interval: mixprec train's metrics.log_freq
@@ -79,9 +87,13 @@ class FrameworkSteps:
         step = self.steps - len(results) + first + 1
         rerun = reruns[first]
         finding = None
+        rank, world = _ranks()
         if rerun is not None and self.model is not None:
-            finding = Locator(self.model).run(rerun, lambda loss: None)
+            finding = Locator(self.model, rank).run(rerun, lambda loss: None)
             self._optimizer.zero_grad(set_to_none=True)  # the re-run's gradients are not stepped
+        # each rank re-ran its own batch: the ranks decide together (the norm that made the step
+        # non-finite was reduced over them, so every rank is here)
+        finding = agree(finding, world)
         record = {"step": step, "finding": finding.to_dict() if finding else None, "action": "skipped"}
         if finding is None:
             logger.warning("[STABILITY] step %d: non-finite gradients, the step was skipped; %s", step,

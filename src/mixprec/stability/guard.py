@@ -30,13 +30,13 @@ import torch
 from torch.utils._pytree import tree_map
 
 from mixprec.dtypes import dtype_name
-from mixprec.errors import TrainingUnstable
+from mixprec.errors import TrainingUnstable, UserError
 from mixprec.rng import rng_state, set_rng_state
 from mixprec.stability.config import StabilityConfig
 from mixprec.stability.diagnose import diagnose
 from mixprec.stability.drills import DrillRunner
 from mixprec.stability.health import HealthMonitor
-from mixprec.stability.locate import Finding, Locator
+from mixprec.stability.locate import Finding, Locator, agree
 
 logger = logging.getLogger("mixprec.stability")
 
@@ -54,6 +54,7 @@ class StabilityGuard:
         self.rewinds = 0
         self.skipped: list[list[int]] = []  # [first, last] steps whose data was not replayed
         self.clipped_spikes: list[int] = []  # steps whose gradient-norm spike clipping bounded (warnings)
+        self.grad_spikes: list[int] = []  # steps with a gradient-norm spike, unclipped, and a healthy loss (warnings)
         self.backoff_left = 0
         self._snapshot = None  # (step, captured state, monitor state), memory mode
         self.health: dict = {}  # the last step's z-scores and spike score, for metrics.jsonl
@@ -70,6 +71,10 @@ class StabilityGuard:
         the policy keeps them), optimizer, scheduler, policy and torch's random generators,
         in CPU memory. Call `after_step` once per step."""
 
+        if not config.snapshot_interval and config.max_rewinds:
+            raise UserError("StabilityGuard.for_loop: stability.snapshot_interval 0 rewinds to the last checkpoint, "
+                            "which a loop of your own does not hand the guard; accepted: a snapshot_interval > 0 "
+                            "(snapshots in memory), or max_rewinds 0 (detect and report only)")
         device = next(model.parameters()).device
 
         def capture():
@@ -143,9 +148,12 @@ class StabilityGuard:
         health = self.monitor.check(step, loss, grad_norm, overflow, clipped)
         self.health = health.metrics()
         if health.warning:
-            self.clipped_spikes.append(step)
-            logger.warning("[STABILITY] step %d: %s; clipping bounded the update, so not an incident (%d such steps)",
-                           step, health.warning, len(self.clipped_spikes))
+            spikes = self.clipped_spikes if clipped else self.grad_spikes
+            spikes.append(step)
+            logger.warning("[STABILITY] step %d: %s; %s, so not an incident (%d such steps)", step, health.warning,
+                           "clipping bounded the update" if clipped else
+                           "the loss is healthy (clipping is off: training.max_norm bounds such updates); the "
+                           "losses after it are judged", len(spikes))
         if health.kind is None:
             self.drills.disarm(step)
             if self.backoff_left and self._ran is None:
@@ -236,15 +244,7 @@ class StabilityGuard:
             finding = self.locator.run(forward, backward)
             found = found or finding
             self.model.zero_grad(set_to_none=True)
-        if self.world_size > 1:
-            everyone = [None] * self.world_size
-            torch.distributed.all_gather_object(everyone, found.to_dict() if found else None)
-            ranked = [f for f in everyone if f]
-            ranked.sort(key=lambda f: (f["phase"] != "forward", f["rank"]))
-            found = Finding(**ranked[0]) if ranked else None
-            if found is not None and found.max_abs_input is None:
-                found.max_abs_input = math.nan
-        return found
+        return agree(found, self.world_size)
 
     def _repair(self, step: int, finding: Finding | None, rerun) -> dict | None:
         """Precision-aware recovery: where the first non-finite value came from a layer in a
@@ -326,14 +326,14 @@ class StabilityGuard:
     # ---- reporting and checkpoints -----------------------------------------------------------
     def summary(self) -> dict:
         return {"incidents": len(self.incidents), "rewinds": self.rewinds, "skipped_steps": self.skipped,
-                "clipped_grad_spikes": self.clipped_spikes,
+                "clipped_grad_spikes": self.clipped_spikes, "grad_spikes": self.grad_spikes,
                 "drill": str(self.config.drill) if self.config.drill else None, "drill_fired": self.drills.fired,
                 "incident_log": self.incidents}
 
     def state_dict(self) -> dict:
         return {"monitor": self.monitor.state_dict(), "incidents": self.incidents, "rewinds": self.rewinds,
                 "skipped": self.skipped, "backoff_left": self.backoff_left, "drills": self.drills.state_dict(),
-                "clipped_grad_spikes": self.clipped_spikes}
+                "clipped_grad_spikes": self.clipped_spikes, "grad_spikes": self.grad_spikes}
 
     def load_state_dict(self, state: dict) -> None:
         """On resume. (A rewind restores only the window, through its own snapshot.)"""
@@ -342,6 +342,7 @@ class StabilityGuard:
         self.skipped, self.backoff_left = [list(s) for s in state["skipped"]], int(state["backoff_left"])
         self.drills.load_state_dict(state["drills"])
         self.clipped_spikes = [int(s) for s in state.get("clipped_grad_spikes", [])]  # absent before it was counted
+        self.grad_spikes = [int(s) for s in state.get("grad_spikes", [])]
 
 
 def clone_state(state):

@@ -5,10 +5,12 @@ A value more than `threshold` standard deviations above the window's mean is a s
 (OLMo-core skips such steps with 6 over 128 steps); a non-finite loss, or a non-finite
 gradient norm that the loss scaler did not claim as an overflow, is an incident too.
 Only healthy steps enter the window, so a spike does not widen the band that judges
-the next one. A gradient-norm spike on a step whose gradients clipping scaled down is a
-warning, not an incident: clipping already bounded the update it made (a clean
-small-flavor run had one such real spike, 15.7 standard deviations, that a rewind would
-only have wasted steps on); a spike in the loss still is an incident. The spike score
+the next one. A gradient-norm spike with a healthy loss is a warning, not an incident:
+where clipping scaled the gradients down it bounded the update (a clean small-flavor run
+had one such real spike, 15.7 standard deviations, that a rewind would only have wasted
+steps on); where clipping is off, healthy runs have them too (0-3 in 400 steps, each a rewind
+of up to 50 steps before), and an update that did harm shows in the losses that follow, which
+are judged. A spike in the loss, or a non-finite value, still is an incident. The spike score
 is OLMo 2's: the share of the last `window` steps whose loss spiked, in percent.
 """
 
@@ -24,9 +26,9 @@ class Health:
     loss_z: float | None  # None until the window holds min_history steps
     grad_norm_z: float | None
     spike_score: float
-    kind: str | None = None  # None (healthy), nonfinite, loss_spike, grad_spike
+    kind: str | None = None  # None (healthy), nonfinite, loss_spike
     reason: str = ""
-    warning: str = ""  # a healthy step's note: a gradient-norm spike that clipping bounded
+    warning: str = ""  # a healthy step's note: a gradient-norm spike with a healthy loss
 
     def metrics(self) -> dict:
         return {"loss_z": self.loss_z, "grad_norm_z": self.grad_norm_z, "spike_score": self.spike_score}
@@ -71,10 +73,7 @@ class HealthMonitor:
         elif norm_z is not None and norm_z > self.threshold:
             text = (f"gradient norm {grad_norm:.4g} is {norm_z:.1f} standard deviations above the mean of the "
                     f"last {len(self.norms)} steps ({_mean_std(self.norms)[0]:.4g}; threshold {self.threshold:g})")
-            if clipped:
-                warning = text
-            else:
-                kind, reason = "grad_spike", text
+            warning = text  # clipped or not, the loss is healthy: a warning (see the module's note)
         if kind == "loss_spike":
             self.spikes.append(step)
         while self.spikes and self.spikes[0] <= step - self.window:

@@ -175,3 +175,18 @@ def _eager():
     set_stance = getattr(torch.compiler, "set_stance", None)
     with set_stance("force_eager") if set_stance is not None else contextlib.nullcontext():
         yield
+
+
+def agree(found: Finding | None, world_size: int) -> Finding | None:
+    """The finding every rank acts on, where each located on its own batch (a promotion on one
+    rank only would leave the ranks computing differently): all gathered, the first one in the
+    forward pass, then the lowest rank's. One process: its own."""
+    if world_size <= 1:
+        return found
+    everyone = [None] * world_size
+    torch.distributed.all_gather_object(everyone, found.to_dict() if found else None)
+    ranked = sorted((f for f in everyone if f), key=lambda f: (f["phase"] != "forward", f["rank"]))
+    found = Finding(**ranked[0]) if ranked else None
+    if found is not None and found.max_abs_input is None:
+        found.max_abs_input = math.nan
+    return found

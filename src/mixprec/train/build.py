@@ -253,7 +253,8 @@ def build(config: Config, *, accum: int | None = None) -> Parts:
     dp_rank = dims.dp_rank(rank)
     loader = TrainLoader(train_tokens, tcfg.seq_len, lbs * dp, tcfg.seed, device,
                          rows=slice(dp_rank * lbs, (dp_rank + 1) * lbs))
-    val = val_batches(val_tokens, tcfg.seq_len, lbs * dp, tcfg.eval_batches, device)
+    val = val_batches(val_tokens, tcfg.seq_len, lbs * dp, tcfg.eval_batches, device,
+                      rows=slice(dp_rank * lbs, (dp_rank + 1) * lbs))  # each rank its rows, as in training
 
     ccfg, scfg = config.checkpoint, config.stability
     checkpoints = CheckpointManager(folder / ccfg.folder, ccfg.keep_latest_k) if ccfg.enable else None

@@ -31,14 +31,22 @@ logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def evaluate(model, policy: Policy, batches) -> float:
+def evaluate(model, policy: Policy, batches, world_size: int = 1) -> float:
+    """The mean over the validation batches of each batch's mean loss. Under torchrun each rank
+    evaluates its rows of every batch (loader.val_batches): a batch's loss is the mean over
+    all ranks' rows, weighted by their counts (reduced over ranks), as one process computes it."""
     model.eval()
     losses = []
-    for x, y in batches:
+    for x, y, rows in batches:
         with policy.autocast():
-            losses.append(model(x, y).float())
+            loss = model(x, y).float()
+        losses.append(loss if world_size == 1 else torch.stack([loss * rows, torch.full_like(loss, rows)]))
     model.train()
-    return sum(torch.stack(losses).tolist()) / len(batches)  # one read; the same sum of the same floats
+    if world_size == 1:
+        return sum(torch.stack(losses).tolist()) / len(batches)  # one read; the same sum of the same floats
+    sums = torch.stack(losses)
+    torch.distributed.all_reduce(sums)  # ranks of one data-parallel row (tensor parallel) count it alike
+    return sum((sums[:, 0] / sums[:, 1]).tolist()) / len(batches)
 
 
 @dataclass
@@ -187,7 +195,7 @@ class Trainer:
         if metrics is not None:
             metrics.close()
         if val_loss is None:  # resumed at the end: nothing trained, evaluate what is there
-            val_loss = evaluate(self.model, self.policy, self.val)
+            val_loss = evaluate(self.model, self.policy, self.val, self.dims.world_size)
         return self._write_summary(self._summary(loss, val_loss, stopped_early, start_step, speeds))
 
     def _reads_also(self, step: int) -> bool:
@@ -208,7 +216,7 @@ class Trainer:
         tcfg, state = self.config.training, self.state
         if not (self.step == tcfg.steps or (tcfg.eval_interval and self.step % tcfg.eval_interval == 0)):
             return False, val_loss
-        val_loss = evaluate(self.model, self.policy, self.val)
+        val_loss = evaluate(self.model, self.policy, self.val, self.dims.world_size)
         record.update(val_loss=val_loss, val_perplexity=math.exp(val_loss))
         if val_loss < state.best_val:
             state.best_val, state.bad_evals = val_loss, 0
