@@ -50,7 +50,8 @@ from pathlib import Path
 
 import torch
 
-READ_EVERY = 10  # --modes: the host reads every this many steps, as the trainer at metrics.log_freq 10
+READ_EVERY = 10
+SYNC_MESSAGE = "called a synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode("warn")  # --modes: the host reads every this many steps, as the trainer at metrics.log_freq 10
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_gemm import SHAPES, cases, gflops  # noqa: E402
@@ -271,7 +272,10 @@ def _synchronising_calls(step, dev: torch.device) -> list[str] | None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize(dev)
-    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    # sync debug mode's own message; other warnings that speak of synchronisation (AccumulateGrad's stream
+    # mismatch) are kept apart, with their text, so that one is not read as the other
+    return [f"{w.filename}:{w.lineno}" + ("" if str(w.message).startswith(SYNC_MESSAGE) else f" ({str(w.message)[:160]})")
+            for w in caught if "synchroniz" in str(w.message)]
 
 
 def modes_table(args, extra: list[str]) -> None:
