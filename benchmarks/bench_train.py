@@ -152,7 +152,7 @@ def one(preset: str, flavor: str, steps: int, native_steps: int, extra: list[str
 
 
 def one_mode(preset: str, impl: str, compiled: bool, flavor: str, device: str, batch: int, seq_len: int, steps: int,
-             extra: list[str], profile: str | None = None, trace: bool = False) -> dict:
+             extra: list[str], profile: str | None = None, trace: bool = False, rowwise_route: str = "auto") -> dict:
     """One (preset, mixprec or plain, eager or compiled) run: tokens/s, MFU, peak memory."""
     from mixprec.config import load_config
     from mixprec.models.llama import build_model
@@ -162,6 +162,10 @@ def one_mode(preset: str, impl: str, compiled: bool, flavor: str, device: str, b
     from torch._dynamo.utils import counters
 
     lines = _mixprec_lines()
+    if rowwise_route != "auto":  # an A/B of the row-wise route on CUDA: torch's row-wise kernel, or scales after
+        import mixprec.fp8.gemm as gemm
+
+        gemm.scales_after = lambda device_type, fast_accum: rowwise_route == "after"
     overrides = {"model.flavor": flavor, "precision.preset": preset, "checkpoint.enable": "false",
                  "metrics.progress_bar": "false", "metrics.plot": "false", "training.eval_interval": "0",
                  "training.warmup_steps": "1", "training.device": device, "training.local_batch_size": str(batch),
@@ -237,7 +241,7 @@ def one_mode(preset: str, impl: str, compiled: bool, flavor: str, device: str, b
     return {"preset": preset, "impl": impl, "compiled": compiled, "tokens_per_sec": tps,
             "mfu": flops * tps / peak if peak else None, "peak_memory_bytes": peak_memory_bytes(dev),
             "matmul_dtype": policy.matmul_dtype, "graph_breaks": sum(counters["graph_break"].values()),
-            "synchronising_calls": syncs, "log": lines}
+            "synchronising_calls": syncs, "log": lines, "rowwise_route": rowwise_route}
 
 
 def _mixprec_lines() -> list[str]:
@@ -285,7 +289,8 @@ def modes_table(args, extra: list[str]) -> None:
             for compiled in [m == "compiled" for m in args.compile_modes.split(",")]:
                 cmd = [sys.executable, __file__, "--one-mode", f"{preset}:{impl}:{int(compiled)}", "--flavor",
                        args.flavor, "--device", args.device, "--batch", str(args.batch), "--seq-len",
-                       str(args.seq_len), "--steps", str(args.steps), *(["--trace"] if args.trace else []), *extra]
+                       str(args.seq_len), "--steps", str(args.steps), *(["--trace"] if args.trace else []),
+                       "--rowwise-route", args.rowwise_route, *extra]
                 name = f"{preset} {impl} {'compiled' if compiled else 'eager'}"
                 if args.profile and name == args.profile:
                     cmd += ["--profile-to", str(Path(args.profile_dir) / f"profile-{preset}-{impl}-{int(compiled)}.txt")]
@@ -339,13 +344,16 @@ def main() -> None:
     p.add_argument("--profile", help="with --modes: profile this run ('PRESET IMPL eager|compiled') to a text file")
     p.add_argument("--profile-dir", default=".", help="where --profile writes its table")
     p.add_argument("--trace", action="store_true", help="with --profile: also a Chrome trace beside the table")
+    p.add_argument("--rowwise-route", choices=("auto", "after", "kernel"), default="auto",
+                   help="row-wise FP8 GEMMs: mixprec's choice (auto), unit scales with the row scales after, or "
+                        "torch's row-wise kernel")
     p.add_argument("--one-mode", help=argparse.SUPPRESS)  # internal: preset:impl:compiled in this process
     p.add_argument("--profile-to", help=argparse.SUPPRESS)
     args, extra = p.parse_known_args()
     if args.one_mode:
         preset, impl, compiled = args.one_mode.split(":")
         print(json.dumps(one_mode(preset, impl, compiled == "1", args.flavor, args.device, args.batch, args.seq_len,
-                                  args.steps, extra, args.profile_to, args.trace)))
+                                  args.steps, extra, args.profile_to, args.trace, args.rowwise_route)))
         return
     if args.modes or args.device == "cuda":
         modes_table(args, extra)

@@ -6,9 +6,12 @@
 #   train   bench_train.py --device cuda at the 1B flavor (presets, impls, modes from BENCH_* variables)
 #   layers  one compiled Linear per FP8 recipe against bfloat16, and the microscaled emulated GEMMs
 #           (bfloat16 and FP32 routes), at the 1B layer shapes; which compiled kernels copy FP8 into FP8
-#   speed   issue 46/47's table: the 1B flavor, 4 x 2048 tokens, 20 steps compiled, model.loss full: SPEED_PRESETS
-#           (bf16-mixed, the FP8 recipes, mxfp8); then bf16-mixed under model.loss auto, the plain compiled loop
-#           and the bfloat16-moment optimizer step against torch's fused AdamW (one JSON per run, as it goes)
+#   speed   the 1B flavor, 4 x 2048 tokens, compiled, the default loss: the plain compiled loop (SPEED_BASELINES=1),
+#           then each of SPEED_PRESETS (PRESET:kernel: row-wise GEMMs on torch's row-wise kernel), each with its graph
+#           breaks, synchronisation warnings, probe lines and a kernel table. ~1 minute a run, the plain loop up to
+#           4: in two commands of under 8 minutes, each with bf16-mixed for its ratios:
+#             RES=gpu-speed1 SPEED_PRESETS="bf16-mixed fp8-tensorwise fp8-rowwise fp8-rowwise:kernel" ... speed
+#             RES=gpu-speed2 SPEED_BASELINES=0 SPEED_PRESETS="bf16-mixed fp8-blockwise mxfp8 nvfp4" ... speed
 #   accuracy  the small flavor, ACC_STEPS (300) steps, seeds SEEDS (0 1 2 3 4): mixprec plan once (seed 0),
 #           then mixprec compare per seed; the seed_spread table and plot after each seed
 # Logs and JSON go to $RES (./gpu-out); where the device tool's $OUT is set, the whole of $RES is packed into
@@ -62,10 +65,13 @@ for phase in "$@"; do
       timeout 260 $py benchmarks/bench_train.py $common --presets bf16-mixed --impls plain --run-timeout 250 \
         --json "$OUT/speed-plain.json" 2>&1 | tee "$OUT/speed-plain.log" | grep -E "^    "; pack
     fi
-    for preset in ${SPEED_PRESETS:-bf16-mixed fp8-tensorwise fp8-rowwise fp8-blockwise mxfp8 nvfp4}; do
+    # PRESET:kernel runs the row-wise GEMMs on torch's row-wise kernel instead of unit scales and the row scales after
+    for run in ${SPEED_PRESETS:-bf16-mixed fp8-tensorwise fp8-rowwise fp8-rowwise:kernel fp8-blockwise mxfp8 nvfp4}; do
+      preset=${run%%:*}; route=auto; [ "$run" != "$preset" ] && route=${run#*:}; tag=${run/:/-}; mkdir -p "$OUT/$tag"
       timeout ${SPEED_RUN_TIMEOUT:-110} $py benchmarks/bench_train.py $common --presets $preset --impls mixprec \
-        --run-timeout 100 --json "$OUT/speed-$preset.json" --profile "$preset mixprec compiled" --profile-dir "$OUT" \
-        ${SPEED_EXTRA:-} 2>&1 | tee "$OUT/speed-$preset.log" | grep -E "^    " | grep -vE "^    INFO: fp8: (layer|skipped)"
+        --run-timeout 100 --json "$OUT/speed-$tag.json" --profile "$preset mixprec compiled" --profile-dir "$OUT/$tag" \
+        --rowwise-route $route ${SPEED_EXTRA:-} 2>&1 | tee "$OUT/speed-$tag.log" | grep -E "^    " \
+        | grep -vE "^    INFO: fp8: (layer|skipped)"
       pack
     done
     if [ "${SPEED_OPTIMIZER:-0}" = 1 ]; then
