@@ -78,4 +78,9 @@ def load(state: dict, path: str | pathlib.Path, reader: SafeReader | None = None
     metadata already), in place, running none of its code."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state, storage_reader=reader or SafeReader(str(path)), planner=SafeLoadPlanner())
+    if reader is None:
+        reader = SafeReader(str(path))
+        # read here first: a refused metadata raises its own error, where DCP's planning would wrap it
+        # (torch 2.11 as "metadata is None", the reason lost)
+        reader.read_metadata()
+    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
