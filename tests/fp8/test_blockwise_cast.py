@@ -97,23 +97,41 @@ def test_policy_setup_probes_where_the_model_computes_now(monkeypatch):
     assert probed == ["cpu"]
 
 
-def test_a_model_converted_for_another_device_says_its_gemm_routes_stay(caplog):
-    # converted on the CPU (routes chosen for it), then computing on an accelerator: the GEMM
-    # routes chosen for the CPU stay, and setup says so instead of running them silently. A
-    # model still on the CPU at setup says nothing (Lightning sets up before Fabric moves it)
+def test_a_layer_that_computes_on_another_device_chooses_its_gemm_routes_there(caplog):
+    # converted for one device (routes chosen for it), then moved: each GEMM's route is chosen
+    # again where the layer computes (a model converted on the CPU and moved to a GPU runs
+    # torch's kernels there; they ran the CPU's emulated routes before, only warned), said once
+    import dataclasses
     import logging
 
     from mixprec.precision import Policy
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False))
-    policy = Policy.from_preset("fp8-rowwise")
-    policy.prepare_model(model)
-    with caplog.at_level(logging.WARNING, logger="mixprec"):
-        policy.setup(model, torch.optim.AdamW(model.parameters()))
-        policy.formats.conversions[0].device = "cuda"
-        policy.formats.probe("cpu")  # converted for CUDA, not moved yet
-        assert "converted for" not in caplog.text
-        policy.formats.conversions[0].device = "cpu"
-        policy.formats.probe("cuda")  # as after model.cuda() (the probe itself runs nothing here: row-wise)
-    assert "2 Linear layers were converted for cpu and compute on cuda: their GEMMs keep the routes chosen " \
-           "for cpu" in caplog.text
+    policy = Policy.from_preset("fp8-tensorwise")
+    policy.prepare_model(model)  # for this CPU: torch's tensor-wise kernel for all three GEMMs
+    conversion = policy.formats.conversions[0]
+    layers = list(conversion.modules.values())
+    assert all(m.plan.kernels == (True, True, True) and m.plan.device == "cpu" for m in layers)
+
+    def as_converted_elsewhere():  # as if converted for a device whose routes were all emulated
+        for m in layers:
+            m.plan = dataclasses.replace(m.plan, kernels=(False, False, False), device="elsewhere")
+        conversion.device = "elsewhere"
+
+    as_converted_elsewhere()
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        model.to("cpu")  # Module.to applies to every parameter, on the same device too
+    assert all(m.plan.kernels == (True, True, True) and m.plan.device == "cpu" for m in layers)
+    assert "fp8: tensorwise layers converted for elsewhere compute on cpu: their GEMMs' routes chosen there " \
+           "(forward: torch's kernel" in caplog.text
+    as_converted_elsewhere()  # fully_shard moves parameters without _apply: setup's probe moves the conversion
+    conversion.move("cpu")
+    assert conversion.device == "cpu" and all(why is None for why in conversion.routes.values())
+    assert all(m.plan.kernels == (True, True, True) for m in layers)
+    # the emulation a user asked for (fp8.emulate) stays on any device
+    forced, other = Policy.from_preset("fp8-tensorwise", fp8_emulate=True), torch.nn.Sequential(torch.nn.Linear(64, 64))
+    forced.prepare_model(other)
+    (layer,) = forced.formats.conversions[0].modules.values()
+    layer.plan = dataclasses.replace(layer.plan, device="elsewhere")
+    other.to("cpu")
+    assert layer.plan.emulated and layer.plan.kernels == (False, False, False)

@@ -23,7 +23,7 @@ from torch import nn
 
 from mixprec.fp8 import blockwise_cast
 from mixprec.fp8.gemm import KERNELS, route
-from mixprec.fp8.linear import FP8Linear, Plan, linear_class
+from mixprec.fp8.linear import FP8Linear, Plan, linear_class, replan
 from mixprec.fp8.recipe import E4M3, GEMMS, FP8Recipe, Granularity
 from mixprec.fp8.scaling import DelayedScales
 from mixprec.dtypes import dtype_name
@@ -121,6 +121,16 @@ class Conversion:
             m.amax_history[:, :n].copy_(history[:, :n])
             m.scale.copy_(saved[name]["scale"])
 
+    def move(self, device: str) -> None:
+        """Its layers compute on `device` now: their routes chosen there (mixprec.fp8.linear.replan,
+        which a layer's .to also runs), and this record of them kept in step."""
+        for m in self.modules.values():
+            m.plan = replan(m.plan, type(m), device)
+        plan = next(iter(self.modules.values())).plan if self.modules else None
+        if plan is not None and plan.device != self.device:
+            self.device = device
+            self.routes = type(next(iter(self.modules.values()))).routes(self.recipe, device, plan.compute_dtype)
+
     def kernels(self) -> dict[str, str]:
         """Each GEMM's kernel by name (mixprec.fp8.gemm.KERNELS), or "emulated"."""
         layout = self.recipe.granularity.value  # the three GEMMs of one recipe share its layout
@@ -174,7 +184,8 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.
     cls = linear_class(recipe)
     conversion.routes = ({g: "fp8.emulate = true" for g in GEMMS} if emulate
                          else cls.routes(recipe, device, compute_dtype))
-    plan = Plan(recipe, recipe.tiles, compute_dtype, tuple(why is None for why in conversion.routes.values()))
+    plan = Plan(recipe, recipe.tiles, compute_dtype, tuple(why is None for why in conversion.routes.values()),
+                device=device, emulated=bool(emulate))
     outputs = output_projections(model)
     chosen = None if modules is None else set(modules)
     for fqn, module in list(model.named_modules()):

@@ -15,7 +15,9 @@ re-casts it from its dequantised value, as DeepSeek-V3 does with its cached acti
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import logging
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -26,6 +28,8 @@ from mixprec.fp8.gemm import probe, scaled_mm
 from mixprec.fp8.recipe import E4M3, FP8Recipe, Granularity, Tiles
 from mixprec.fp8.scaling import DelayedScales, Quantized, amax_to_scale, cast, quantize, resolve_tile, tile_amax
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -34,6 +38,8 @@ class Plan:
     tiles: Tiles
     compute_dtype: torch.dtype  # the base mode's matmul dtype: the forward's and dgrad's output
     kernels: tuple[bool, bool, bool]  # forward, dgrad, wgrad: torch's kernel, or the emulation
+    device: str = "cpu"  # the device type the kernels were chosen for
+    emulated: bool = False  # every GEMM on the emulation because the user asked (fp8.emulate): on any device
 
     @property
     def blockwise(self) -> bool:
@@ -137,11 +143,15 @@ class FP8Linear(nn.Linear):
         return new
 
     def _apply(self, fn, recurse=True):
-        """Moved (.to, .cuda, to_empty): a block-wise layer probes its Triton casts on the new
-        device, outside any step (a model converted on the CPU or meta device, then moved)."""
+        """Moved (.to, .cuda, to_empty): the GEMMs' routes are chosen again for the new device
+        (a model converted on the CPU, then moved to a GPU, runs torch's kernels there), and a
+        block-wise layer probes its Triton casts on it, outside any step."""
         out = super()._apply(fn, recurse)
-        if self.plan.blockwise and self.weight.device.type != "meta":
-            blockwise_cast.probe(self.weight.device.type)
+        device = self.weight.device.type
+        if device != "meta":
+            self.plan = replan(self.plan, type(self), device)
+            if self.plan.blockwise:
+                blockwise_cast.probe(device)
         return out
 
     def matmul_state(self):
@@ -159,6 +169,21 @@ class FP8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.plan.recipe.name}{'' if self.fp8_enabled else ' (off: promoted)'}"
+
+
+@functools.lru_cache(maxsize=None)
+def replan(plan: Plan, cls: type, device: str) -> Plan:
+    """`plan` for layers that compute on `device`: the same plan where it was made for it (or
+    the user asked for the emulation everywhere), else each GEMM's route probed there; said
+    once per plan and device."""
+    if plan.device == device or plan.emulated:
+        return plan
+    routes = cls.routes(plan.recipe, device, plan.compute_dtype)
+    new = replace(plan, kernels=tuple(why is None for why in routes.values()), device=device)
+    said = ", ".join(f"{g}: " + ("torch's kernel" if why is None else f"emulated, {why}") for g, why in routes.items())
+    logger.info("fp8: %s layers converted for %s compute on %s: their GEMMs' routes chosen there (%s)",
+                plan.recipe.name, plan.device, device, said)
+    return new
 
 
 def runs_fp8(module: nn.Module) -> bool:

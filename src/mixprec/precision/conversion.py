@@ -59,21 +59,18 @@ class ModuleFormats:
     def probe(self, device_type: str) -> None:
         """Ask, on the device the model computes on now, what the conversions' kernels were
         asked at conversion (a model converted on the CPU or the meta device and moved there
-        since, by .to or by fully_shard): the block-wise Triton casts, probed and logged once
-        per device (mixprec.fp8.blockwise_cast). The GEMM routes stay those chosen for the
-        conversion's device, which is said when the model computes on another accelerator (a
-        model still on the CPU may yet be moved: Lightning sets it up before Fabric moves it)."""
+        since, by .to or by fully_shard, which moves parameters without Module._apply): the
+        block-wise Triton casts, probed and logged once per device (mixprec.fp8.blockwise_cast),
+        and the GEMM routes, chosen again there and said (Conversion.move). A model still on
+        the CPU is left as converted: it may yet be moved (Lightning sets it up before Fabric
+        moves it), and its layers' .to chooses then."""
         if device_type == "meta":
             return
         if any(c.recipe.granularity is Granularity.BLOCKWISE for c in self.conversions):
             blockwise_cast.probe(device_type)
         for c in self.conversions:
             if c.device != device_type and device_type != "cpu" and c.modules:
-                kernels = ", ".join(f"{g}: {k}" for g, k in c.kernels().items())
-                logger.warning("fp8: %d Linear layers were converted for %s and compute on %s: their GEMMs keep the "
-                               "routes chosen for %s (%s); convert where the model computes "
-                               "(Policy.prepare_model(model, device_type=%r) before moving it)", len(c.modules),
-                               c.device, device_type, c.device, kernels, device_type)
+                c.move(device_type)
 
     @property
     def main(self) -> Conversion | None:
