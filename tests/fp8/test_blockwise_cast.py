@@ -135,3 +135,25 @@ def test_a_layer_that_computes_on_another_device_chooses_its_gemm_routes_there(c
     layer.plan = dataclasses.replace(layer.plan, device="elsewhere")
     other.to("cpu")
     assert layer.plan.emulated and layer.plan.kernels == (False, False, False)
+
+
+def test_a_model_converted_on_the_meta_device_chooses_its_routes_where_it_is_materialised():
+    # converted on meta without a device_type, the route probe ran a kernel on meta tensors
+    # ("Tensor.item() cannot be called on meta tensors"); nothing runs there, so nothing is chosen there
+    from mixprec.precision import Policy
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False))
+    policy = Policy.from_preset("fp8-tensorwise")
+    policy.prepare_model(model)
+    conversion = policy.formats.conversions[0]
+    layers = list(conversion.modules.values())
+    assert conversion.device == "meta" and all(m.plan.kernels == (False, False, False) for m in layers)
+    model.to_empty(device="cpu")
+    for m in layers:
+        torch.nn.init.normal_(m.weight)
+    assert all(m.plan.kernels == (True, True, True) and m.plan.device == "cpu" for m in layers)
+    policy.setup(model, torch.optim.AdamW(model.parameters()))
+    assert conversion.device == "cpu" and all(why is None for why in conversion.routes.values())
+    with policy.autocast():
+        model(torch.randn(4, 64)).float().sum().backward()  # and it trains there

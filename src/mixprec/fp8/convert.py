@@ -182,8 +182,12 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.
     device = device_type or next(model.parameters()).device.type
     conversion = Conversion(recipe, device=device)
     cls = linear_class(recipe)
-    conversion.routes = ({g: "fp8.emulate = true" for g in GEMMS} if emulate
-                         else cls.routes(recipe, device, compute_dtype))
+    if emulate:
+        conversion.routes = {g: "fp8.emulate = true" for g in GEMMS}
+    elif device == "meta":  # nothing runs on meta: the routes are chosen where the layers are materialised (replan)
+        conversion.routes = {g: "not chosen yet: the layers are on the meta device" for g in GEMMS}
+    else:
+        conversion.routes = cls.routes(recipe, device, compute_dtype)
     plan = Plan(recipe, recipe.tiles, compute_dtype, tuple(why is None for why in conversion.routes.values()),
                 device=device, emulated=bool(emulate))
     outputs = output_projections(model)
@@ -210,6 +214,10 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.
     for gemm, why in conversion.routes.items():
         if why is not None:
             reasons.setdefault(why, []).append(gemm)
+    if device == "meta" and not emulate:
+        logger.info("fp8: the GEMMs' routes are chosen where the layers are materialised (on the meta device now; "
+                    "convert_to_fp8's device_type names the device ahead)")
+        return conversion
     for why, gemms in reasons.items():
         logger.info("fp8: %s GEMMs emulated on this %s (%s): %s", ", ".join(gemms), device, recipe.emulation(device),
                     why)

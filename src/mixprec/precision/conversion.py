@@ -63,13 +63,14 @@ class ModuleFormats:
         block-wise Triton casts, probed and logged once per device (mixprec.fp8.blockwise_cast),
         and the GEMM routes, chosen again there and said (Conversion.move). A model still on
         the CPU is left as converted: it may yet be moved (Lightning sets it up before Fabric
-        moves it), and its layers' .to chooses then."""
+        moves it), and its layers' .to chooses then; but one converted on the meta device,
+        which had none, gets the CPU's."""
         if device_type == "meta":
             return
         if any(c.recipe.granularity is Granularity.BLOCKWISE for c in self.conversions):
             blockwise_cast.probe(device_type)
         for c in self.conversions:
-            if c.device != device_type and device_type != "cpu" and c.modules:
+            if c.device != device_type and (device_type != "cpu" or c.device == "meta") and c.modules:
                 c.move(device_type)
 
     @property

@@ -171,6 +171,8 @@ class Policy:
         first = next(model.parameters(), None)
         if first is not None:
             self.formats.probe(first.device.type)  # where the model computes now, outside any step
+            if self.device_type == "meta":  # prepared on meta without a device_type: materialised since
+                self.device_type = first.device.type
         self.model, self.optimizer = model, optimizer
         _describe.warn_optimizer(self, optimizer)
         fp32_modules = {fqn for fqn, m in layout.modules.items() if m.storage == FP32}
