@@ -166,3 +166,28 @@ def test_a_planned_layer_that_ran_in_bf16_fails(tmp_path, text_file, capsys, mon
     assert audit(tmp_path, text_file, "--precision.preset", "fp8-rowwise") == 1
     report = json.loads(capsys.readouterr().out)
     assert "fp8: layers.0.attention.wq was planned for FP8 but its forward GEMM ran in bfloat16" in report["notes"]
+
+
+def test_block_wise_gemms_on_torchs_kernel_are_counted(tmp_path, text_file, capsys, monkeypatch):
+    # On CUDA a block-wise GEMM of whole tiles (here each layer's weight gradient: 128 tokens a micro-batch)
+    # runs torch's kernel inside mixprec::blockwise_scaled_mm, an operator whose insides a dispatch mode does
+    # not see: the audit counted 2 of each layer's 4 backward FP8 GEMMs there (H100, 2026-11-26). CUDA's routes
+    # on this CPU, which has no block-wise kernel: the kernel's result stubbed (the audit checks formats, not values)
+    from mixprec.fp8 import gemm, linear
+
+    routes = linear.FP8Linear.routes
+    monkeypatch.setattr(linear.FP8Linear, "routes", staticmethod(lambda r, d, c: dict.fromkeys(routes(r, d, c))))
+    ran = []
+
+    def kernel(a, b, scale_a, kind_a, scale_b, kind_b, output_dtype):
+        ran.append((a.dtype, b.dtype))
+        return torch.zeros(a.shape[0], b.shape[1], dtype=output_dtype)
+
+    monkeypatch.setattr(gemm.F, "scaled_mm", kernel)
+    args = tiny_args(tmp_path / "unused", text_file, "--precision.preset", "fp8-blockwise")
+    args[0] = "audit"
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert ran and set(ran) == {(torch.float8_e4m3fn, torch.float8_e4m3fn)}
+    (backward,) = [r for r in report["stages"] if r["stage"] == "FP8 backward GEMMs"]
+    assert backward["ok"] and backward["observed"] == backward["promised"], backward
