@@ -36,13 +36,13 @@ def replay(path: Path, config: StabilityConfig) -> dict:
         steps += 1
         norm, skipped = r.get("grad_norm"), bool(r.get("skipped"))
         clipped = bool(clip) and not skipped and norm is not None and math.isfinite(norm) and norm > clip
-        health = monitor.check(r["step"], r["loss"], norm, overflow=skipped, clipped=clipped)
+        health = monitor.check(r["step"], r["loss"], norm, overflow=skipped)
         max_loss_z = max(max_loss_z, health.loss_z if health.loss_z is not None else float("-inf"))
         max_norm_z = max(max_norm_z, health.grad_norm_z if health.grad_norm_z is not None else float("-inf"))
         if health.kind is not None:
             incidents.append(f"step {r['step']}: {health.reason}")
         if health.warning:
-            warnings.append(f"step {r['step']} (clipped, a warning): {health.warning}")
+            warnings.append(f"step {r['step']} ({'clipped' if clipped else 'unclipped'}, a warning): {health.warning}")
     return {"steps": steps, "incidents": incidents, "warnings": warnings, "max_loss_z": max_loss_z,
             "max_grad_norm_z": max_norm_z}
 

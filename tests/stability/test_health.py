@@ -41,10 +41,10 @@ def test_loss_and_gradient_spikes_and_the_spike_stays_out_of_the_window():
     assert max(m.losses) < 4  # the spike did not widen the band
     grad = m.check(step + 2, 3.0, 50.0)  # unclipped, with a healthy loss: a warning too (issue 55 item 10)
     assert grad.kind is None and "standard deviations" in grad.warning and max(m.norms) < 2
-    clipped = m.check(step + 3, 3.0, 50.0, clipped=True)  # clipping bounded it: a warning only
+    clipped = m.check(step + 3, 3.0, 50.0)  # clipping bounded it (the guard's log says so): a warning only
     assert clipped.kind is None and "standard deviations" in clipped.warning and max(m.norms) < 2
     assert m.losses[-1] == 3.0  # its loss was healthy and entered the window
-    assert m.check(step + 4, 30.0, 1.0, clipped=True).kind == "loss_spike"  # clipping bounds no loss
+    assert m.check(step + 4, 30.0, 1.0).kind == "loss_spike"  # clipping bounds no loss
 
 
 def test_nonfinite_and_the_scaler_s_overflows():

@@ -126,10 +126,10 @@ class Conversion:
         which a layer's .to also runs), and this record of them kept in step."""
         for m in self.modules.values():
             m.plan = replan(m.plan, type(m), device)
-        plan = next(iter(self.modules.values())).plan if self.modules else None
-        if plan is not None and plan.device != self.device:
+        first = next(iter(self.modules.values()), None)
+        if first is not None and first.plan.device != self.device:  # not where the user asked for the emulation
             self.device = device
-            self.routes = type(next(iter(self.modules.values()))).routes(self.recipe, device, plan.compute_dtype)
+            self.routes = type(first).routes(self.recipe, device, first.plan.compute_dtype)
 
     def kernels(self) -> dict[str, str]:
         """Each GEMM's kernel by name (mixprec.fp8.gemm.KERNELS), or "emulated"."""
@@ -210,14 +210,14 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.
     _log_blockwise(conversion)
     for fqn, reason in conversion.left_out.items():
         logger.info("fp8: %s stays in %s: %s", fqn, dtype_name(compute_dtype), reason)
-    reasons = {}
-    for gemm, why in conversion.routes.items():
-        if why is not None:
-            reasons.setdefault(why, []).append(gemm)
     if device == "meta" and not emulate:
         logger.info("fp8: the GEMMs' routes are chosen where the layers are materialised (on the meta device now; "
                     "convert_to_fp8's device_type names the device ahead)")
         return conversion
+    reasons = {}
+    for gemm, why in conversion.routes.items():
+        if why is not None:
+            reasons.setdefault(why, []).append(gemm)
     for why, gemms in reasons.items():
         logger.info("fp8: %s GEMMs emulated on this %s (%s): %s", ", ".join(gemms), device, recipe.emulation(device),
                     why)

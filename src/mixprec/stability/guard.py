@@ -145,7 +145,7 @@ class StabilityGuard:
         clipped = result is not None and result.clipped
         if result is not None and grad_norm is None:
             grad_norm = result.grad_norm
-        health = self.monitor.check(step, loss, grad_norm, overflow, clipped)
+        health = self.monitor.check(step, loss, grad_norm, overflow)
         self.health = health.metrics()
         if health.warning:
             spikes = self.clipped_spikes if clipped else self.grad_spikes

@@ -54,10 +54,10 @@ class HealthMonitor:
         self.norms: deque[float] = deque(maxlen=window)
         self.spikes: deque[int] = deque()  # steps whose loss spiked (kept across rewinds)
 
-    def check(self, step: int, loss: float, grad_norm: float | None, overflow: bool = False,
-              clipped: bool = False) -> Health:
+    def check(self, step: int, loss: float, grad_norm: float | None, overflow: bool = False) -> Health:
         """`overflow`: the loss scaler skipped this step (fp16): its business, not an incident.
-        `clipped`: gradient clipping scaled this step's gradients down."""
+        Whether clipping bounded a gradient-norm spike changes nothing here (a warning either
+        way); the caller says which in its log."""
         finite_norm = grad_norm is not None and math.isfinite(grad_norm)
         loss_z = _z(loss, self.losses, self.min_history) if math.isfinite(loss) else None
         norm_z = _z(grad_norm, self.norms, self.min_history) if finite_norm else None
@@ -73,7 +73,7 @@ class HealthMonitor:
         elif norm_z is not None and norm_z > self.threshold:
             text = (f"gradient norm {grad_norm:.4g} is {norm_z:.1f} standard deviations above the mean of the "
                     f"last {len(self.norms)} steps ({_mean_std(self.norms)[0]:.4g}; threshold {self.threshold:g})")
-            warning = text  # clipped or not, the loss is healthy: a warning (see the module's note)
+            warning = text  # the loss is healthy: a warning (see the module's note)
         if kind == "loss_spike":
             self.spikes.append(step)
         while self.spikes and self.spikes[0] <= step - self.window:

@@ -251,10 +251,9 @@ def build(config: Config, *, accum: int | None = None) -> Parts:
     t0 = time.perf_counter()
     # Every rank draws the same global micro-batch and reads its own rows of it.
     dp_rank = dims.dp_rank(rank)
-    loader = TrainLoader(train_tokens, tcfg.seq_len, lbs * dp, tcfg.seed, device,
-                         rows=slice(dp_rank * lbs, (dp_rank + 1) * lbs))
-    val = val_batches(val_tokens, tcfg.seq_len, lbs * dp, tcfg.eval_batches, device,
-                      rows=slice(dp_rank * lbs, (dp_rank + 1) * lbs))  # each rank its rows, as in training
+    mine = slice(dp_rank * lbs, (dp_rank + 1) * lbs)  # this rank's rows of every global batch, validation's too
+    loader = TrainLoader(train_tokens, tcfg.seq_len, lbs * dp, tcfg.seed, device, rows=mine)
+    val = val_batches(val_tokens, tcfg.seq_len, lbs * dp, tcfg.eval_batches, device, rows=mine)
 
     ccfg, scfg = config.checkpoint, config.stability
     checkpoints = CheckpointManager(folder / ccfg.folder, ccfg.keep_latest_k) if ccfg.enable else None
