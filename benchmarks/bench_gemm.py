@@ -1,7 +1,7 @@
 """Matmul throughput of this device per dtype, at a few transformer shapes.
 
 FP32; BF16 and FP16 with the native kernel and emulated (mixprec's EmulatedMatmul:
-FP32 GEMMs on the rounded operands); the forward GEMM of each FP8 recipe (mixprec.fp8:
+FP32 GEMMs on the rounded operands); the forward GEMM of each FP8 recipe (mixprec.narrow:
 tensor-wise with and without fast accumulation, row-wise, DeepSeek-V3's 1x128 x 128x128
 block-wise) on pre-cast E4M3 operands, through torch's scaled GEMM where this device has
 one for the layout and mixprec's emulation (marked "emulated") where it has none. On CUDA
@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from mixprec.fp8 import RECIPES, quantize, scaled_mm
-from mixprec.fp8.gemm import probe
+from mixprec.narrow import RECIPES, quantize, scaled_mm
+from mixprec.narrow.gemm import probe
 from mixprec.precision.emulation import EmulatedMatmul
 
 # (M, K, N): tokens x dim @ dim x out, for the small flavor's batch of 4 x 256 tokens and the 1B flavor's

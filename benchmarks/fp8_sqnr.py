@@ -15,7 +15,7 @@ import copy
 import torch
 from torch import nn
 
-from mixprec.fp8 import E4M3, E5M2, RECIPES, convert_to_fp8, quantize, sqnr
+from mixprec.narrow import E4M3, E5M2, RECIPES, convert_to_fp8, quantize, sqnr
 
 
 def linear_case(recipe: str, tokens: int, k: int, n: int, device: str) -> dict[str, float]:

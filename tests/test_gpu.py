@@ -2,7 +2,7 @@
 tests/train/test_trainer.py, test_parallelize.py, tests/precision/test_fp16.py,
 tests/analysis/test_audit.py, tests/models/test_loss.py. A test whose logic is the same on
 both devices is one test parametrized over them instead (DEVICES in
-tests/stability/test_recovery.py, tests/fp8/test_all_gather.py): CI runs its assertions."""
+tests/stability/test_recovery.py, tests/narrow/test_all_gather.py): CI runs its assertions."""
 
 import json
 import math
@@ -96,7 +96,7 @@ def test_fp8_recipes_use_torchs_kernels_and_pass_the_audit_on_cuda(tmp_path, tex
     assert main([*args, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["ok"]
-    if preset != "fp8-blockwise":  # each GEMM named by its kernel (tests/fp8/test_gemm.py: the CPU twin)
+    if preset != "fp8-blockwise":  # each GEMM named by its kernel (tests/narrow/test_gemm.py: the CPU twin)
         kernel = "torch._scaled_mm with unit scales" if preset == "fp8-rowwise" else "torch._scaled_mm"
         assert any(f"forward: {kernel}" in n and f"weight gradient: {kernel}" in n for n in report["notes"])
 
@@ -111,9 +111,9 @@ def test_microscaled_recipes_pass_the_audit_on_cuda(tmp_path, text_file, capsys,
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "mxfp4"])
 def test_the_microscaled_emulation_on_cuda_has_the_cpus_bits(recipe):
-    # tests/fp8/test_microscaling.py holds the CPU's casts to torchao's; the same casts on CUDA
-    from mixprec.fp8.mx import _key, mx_mm
-    from mixprec.fp8.recipe import RECIPES
+    # tests/narrow/test_microscaling.py holds the CPU's casts to torchao's; the same casts on CUDA
+    from mixprec.narrow.mx import _key, mx_mm
+    from mixprec.narrow.recipe import RECIPES
 
     r = RECIPES[recipe]
     g = torch.Generator().manual_seed(0)
@@ -132,8 +132,8 @@ def test_the_microscaled_emulation_on_cuda_has_the_cpus_bits(recipe):
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
 def test_the_microscaled_emulation_runs_in_bfloat16_on_cuda_within_fp32_summation(recipe):
-    from mixprec.fp8.mx import gemm_route, mx_mm
-    from mixprec.fp8.recipe import RECIPES
+    from mixprec.narrow.mx import gemm_route, mx_mm
+    from mixprec.narrow.recipe import RECIPES
 
     assert gemm_route("cuda") is None  # torch >= 2.8 has mm.dtype on CUDA
     r = RECIPES[recipe]

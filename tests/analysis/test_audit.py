@@ -110,7 +110,7 @@ def test_a_microscaled_layer_whose_recipe_is_swapped_behind_the_plans_back_fails
                                                                                  monkeypatch):
     import dataclasses
 
-    from mixprec.fp8.mx import MXRecipe
+    from mixprec.narrow.mx import MXRecipe
 
     setup = Policy.setup
 
@@ -131,7 +131,7 @@ def test_a_microscaled_layer_whose_recipe_is_swapped_behind_the_plans_back_fails
 
 def test_a_layer_quantised_behind_the_plans_back_fails(tmp_path, text_file, capsys, monkeypatch):
     # the failure two public projects shipped: a layer in FP8 that the plan does not list
-    from mixprec.fp8 import convert as convert_module
+    from mixprec.narrow import convert as convert_module
 
     real = convert_module.convert_to_fp8
 
@@ -150,7 +150,7 @@ def test_a_layer_quantised_behind_the_plans_back_fails(tmp_path, text_file, caps
 
 
 def test_a_planned_layer_that_ran_in_bf16_fails(tmp_path, text_file, capsys, monkeypatch):
-    from mixprec.fp8 import convert as convert_module
+    from mixprec.narrow import convert as convert_module
 
     real = convert_module.convert_to_fp8
 
@@ -173,7 +173,7 @@ def test_block_wise_gemms_on_torchs_kernel_are_counted(tmp_path, text_file, caps
     # runs torch's kernel inside mixprec::blockwise_scaled_mm, an operator whose insides a dispatch mode does
     # not see: the audit counted 2 of each layer's 4 backward FP8 GEMMs there (H100, 2026-11-26). CUDA's routes
     # on this CPU, which has no block-wise kernel: the kernel's result stubbed (the audit checks formats, not values)
-    from mixprec.fp8 import gemm, linear
+    from mixprec.narrow import gemm, linear
 
     routes = linear.FP8Linear.routes
     monkeypatch.setattr(linear.FP8Linear, "routes", staticmethod(lambda r, d, c: dict.fromkeys(routes(r, d, c))))

@@ -107,8 +107,8 @@ def _plan(build_model, planned, name: str, batch, optimizer, loss_fn, mesh=None)
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from mixprec.fp8.gemm import probe
-    from mixprec.fp8.recipe import FP8Recipe
+    from mixprec.narrow.gemm import probe
+    from mixprec.narrow.recipe import FP8Recipe
     from mixprec.precision.grad_norm import grad_norm
 
     for recipe in {f for f in planned.spec.compute_formats if isinstance(f, FP8Recipe)}:

@@ -22,12 +22,12 @@ import time
 import torch
 from torch import nn
 
-from mixprec.fp8.gemm import probe, scaled_mm
-from mixprec.fp8.linear import Plan, linear_class
-from mixprec.fp8.microscaling import E2M1, ELEMENT_MAX
-from mixprec.fp8.mx import MXRecipe, mx_mm
-from mixprec.fp8.recipe import E4M3, FP8Recipe
-from mixprec.fp8.scaling import FP8_MAX, per_tile, quantize, sqnr
+from mixprec.narrow.gemm import probe, scaled_mm
+from mixprec.narrow.linear import Plan, linear_class
+from mixprec.narrow.microscaling import E2M1, ELEMENT_MAX
+from mixprec.narrow.mx import MXRecipe, mx_mm
+from mixprec.narrow.recipe import E4M3, FP8Recipe
+from mixprec.narrow.scaling import FP8_MAX, per_tile, quantize, sqnr
 
 GEMMS = ("forward", "input_gradient", "weight_gradient")
 

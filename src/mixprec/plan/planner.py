@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from mixprec.errors import UserError
-from mixprec.fp8.convert import output_projections, why_not
-from mixprec.fp8.recipe import FP8Recipe
+from mixprec.narrow.convert import output_projections, why_not
+from mixprec.narrow.recipe import FP8Recipe
 from mixprec.plan.choose import choose, floors, margin, modeled_speedups
 from mixprec.plan.config import PlanConfig
 from mixprec.plan.file import write_plan

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from mixprec.dtypes import dtype_name
-from mixprec.fp8 import blockwise_cast
-from mixprec.fp8.convert import Conversion, convert_to_fp8
-from mixprec.fp8.linear import runs_fp8
-from mixprec.fp8.recipe import Granularity
+from mixprec.narrow import blockwise_cast, hf_experts
+from mixprec.narrow.convert import Conversion, convert_to_fp8
+from mixprec.narrow.linear import runs_fp8
+from mixprec.narrow.recipe import Granularity
 from mixprec.precision.layout import Layout
 from mixprec.precision.spec import FP32, Format
 
@@ -48,9 +48,21 @@ class ModuleFormats:
         for recipe in self.layout.recipes():
             chosen = self.layout.fp8(recipe)
             self.conversions.append(convert_to_fp8(model, recipe, compute_dtype=spec.param_dtype, modules=chosen,
-                                                   emulate=self.emulate_fp8, device_type=device_type))
+                                                   emulate=self.emulate_fp8, device_type=device_type,
+                                                   experts=list(self.layout.experts(recipe))))
         for fqn, reason in self.layout.left_out().items():
             logger.info("fp8: %s stays in %s: %s", fqn, self.layout.modules[fqn].compute_name, reason)
+        base = [fqn for fqn, m in self.layout.modules.items() if m.kind == "experts" and m.compute == spec.param_dtype
+                and hf_experts.interface_experts(model.get_submodule(fqn))]
+        if base and spec.param_dtype != FP32:
+            hf_experts.in_base_mode(model, base, spec.param_dtype)
+            logger.info("precision: %d experts modules compute in %s on torch's grouped GEMM, their weights cast to it "
+                        "as autocast casts a Linear's (%s)", len(base), dtype_name(spec.param_dtype), ", ".join(base))
+        for fqn, row in self.layout.routers().items():
+            if spec.param_dtype != FP32:
+                module = model.get_submodule(fqn)
+                module.forward = _compute_in(module.forward, FP32, device_type)
+                logger.info("precision: %s computes in float32 (%s)", fqn, row.why.split(":")[0])
         for fqn, dtype in self.layout.dtype_overrides().items():
             module = model.get_submodule(fqn)
             module.forward = _compute_in(module.forward, dtype, device_type)
@@ -60,7 +72,7 @@ class ModuleFormats:
         """Ask, on the device the model computes on now, what the conversions' kernels were
         asked at conversion (a model converted on the CPU or the meta device and moved there
         since, by .to or by fully_shard, which moves parameters without Module._apply): the
-        block-wise Triton casts, probed and logged once per device (mixprec.fp8.blockwise_cast),
+        block-wise Triton casts, probed and logged once per device (mixprec.narrow.blockwise_cast),
         and the GEMM routes, chosen again there and said (Conversion.move). A model still on
         the CPU is left as converted: it may yet be moved (Lightning sets it up before Fabric
         moves it), and its layers' .to chooses then; but one converted on the meta device,

@@ -13,9 +13,10 @@ from torch import nn
 
 from mixprec.dtypes import dtype_name
 from mixprec.errors import UserError
-from mixprec.fp8.convert import output_projections, why_not
-from mixprec.fp8.mx import kept_blocks
-from mixprec.fp8.recipe import FP8Recipe
+from mixprec.narrow.convert import matches, output_projections, why_not
+from mixprec.narrow.hf_experts import expert_weights, find_experts, routers
+from mixprec.narrow.mx import kept_blocks
+from mixprec.narrow.recipe import FP8Recipe
 from mixprec.precision.master import is_norm
 from mixprec.precision.spec import FP32, Format, PrecisionSpec, format_name
 
@@ -25,11 +26,11 @@ _STRUCTURAL = ("not a Linear", "is not a plain nn.Linear", "multiples of 16")
 
 @dataclass(frozen=True)
 class ModulePrecision:
-    kind: str  # linear, norm, embedding or other
+    kind: str  # linear, matmul, experts, router, norm, embedding or other
     storage: torch.dtype  # its own parameters
     compute: Format | None  # its matmuls; None for a module without a matmul of its own
     why: str  # where the compute format comes from
-    features: int = 0  # a Linear's in x out features: its GEMM FLOPs per token, up to a factor 6
+    features: int = 0  # a Linear's in x out features (its GEMM FLOPs per token, up to a factor 6); experts: their weights
 
     @property
     def compute_name(self) -> str:
@@ -44,13 +45,20 @@ class Layout:
     def linears(self) -> dict[str, ModulePrecision]:
         return {fqn: m for fqn, m in self.modules.items() if m.kind == "linear"}
 
-    def fp8(self, recipe: FP8Recipe | None = None) -> dict[str, FP8Recipe]:
-        """The Linear layers in FP8 (under `recipe` only, when given), with their recipe."""
+    def fp8(self, recipe: FP8Recipe | None = None, kind: str = "linear") -> dict[str, FP8Recipe]:
+        """The Linear layers (kind "experts": the experts modules) in a narrow recipe (`recipe` only,
+        when given), with their recipe."""
         return {fqn: m.compute for fqn, m in self.modules.items() if isinstance(m.compute, FP8Recipe)
-                and (recipe is None or m.compute == recipe)}
+                and m.kind == kind and (recipe is None or m.compute == recipe)}
+
+    def experts(self, recipe: FP8Recipe | None = None) -> dict[str, FP8Recipe]:
+        return self.fp8(recipe, kind="experts")
+
+    def routers(self) -> dict[str, ModulePrecision]:
+        return {fqn: m for fqn, m in self.modules.items() if m.kind == "router"}
 
     def recipes(self) -> list[FP8Recipe]:
-        return list(dict.fromkeys(self.fp8().values()))
+        return list(dict.fromkeys([*self.fp8().values(), *self.experts().values()]))
 
     def dtype_overrides(self) -> dict[str, torch.dtype]:
         """Linear layers whose compute dtype differs from the base mode's."""
@@ -63,7 +71,7 @@ class Layout:
         if self.spec.fp8 is None:
             return {}
         return {fqn: m.why for fqn, m in self.modules.items()
-                if m.kind in ("linear", "matmul") and not isinstance(m.compute, FP8Recipe)}
+                if m.kind in ("linear", "matmul", "experts") and not isinstance(m.compute, FP8Recipe)}
 
     def flops_by_format(self, exclude=()) -> dict[str, float]:
         """Each compute format's share of the Linear layers' GEMM FLOPs (all three GEMMs of a
@@ -98,15 +106,25 @@ def resolve(spec: PrecisionSpec, model: nn.Module, *, exclude=(), module_filter_
     sharded: fully_shard keeps the parameters (FP32 masters included) itself."""
     outputs = output_projections(model)
     kept = _kept_blocks(spec, model)
+    experts = find_experts(model)
+    gates = routers(model, experts)
     rows = {}
     for fqn, module in model.named_modules():
         own = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
-        kind = _kind(module, fqn)
+        kind = "experts" if fqn in experts else "router" if fqn in gates else _kind(module, fqn)
         if not own and kind != "linear":
             continue
         storage = spec.storage_dtype
         if spec.master_weights:
             storage = FP32 if sharded or kind == "norm" else storage  # Apex O2 keeps norms FP32
+        if kind == "router":
+            rows[fqn] = ModulePrecision(kind, FP32, FP32, f"{gates[fqn]}: routers stay out of the narrow formats, their "
+                                        "weights, logits and scores in float32 (DeepSeek-V3 keeps the gating in "
+                                        "higher precision)")
+            continue
+        if kind == "experts":
+            rows[fqn] = _experts_row(spec, fqn, module, storage, experts[fqn], exclude, module_filter_fn, kept)
+            continue
         if kind == "matmul":
             rows[fqn] = ModulePrecision(kind, storage, spec.param_dtype, f"a {type(module).__name__}, not an nn.Linear: "
                                         "FP8 and per-module overrides convert nn.Linear layers only")
@@ -135,6 +153,26 @@ def resolve(spec: PrecisionSpec, model: nn.Module, *, exclude=(), module_filter_
         rows[fqn] = ModulePrecision(kind, storage, compute, why, module.in_features * module.out_features)
     _check_planned(spec, rows)
     return Layout(spec, rows)
+
+
+def _experts_row(spec: PrecisionSpec, fqn: str, module: nn.Module, storage: torch.dtype, reason: str | None,
+                 exclude, module_filter_fn, kept: dict[str, str]) -> ModulePrecision:
+    """An experts module: in the base mode's recipe, or in the base mode and why."""
+    params = sum(p.numel() for p in expert_weights(module).values())
+    if spec.fp8 is None:
+        return ModulePrecision("experts", storage, spec.param_dtype, "the base mode", params)
+    if reason is None and spec.fp8.delayed:
+        reason = ("delayed scaling keeps one amax history per Linear and none for grouped experts (accepted for "
+                  "experts: the current-scaling recipes)")
+    if reason is None and (pattern := matches(fqn, exclude)) is not None:
+        reason = f"matches fp8.filter_fqns pattern {pattern!r}"
+    if reason is None and module_filter_fn is not None and not module_filter_fn(fqn, module):
+        reason = "refused by module_filter_fn"
+    if reason is None:
+        reason = next((why for prefix, why in kept.items() if fqn.startswith(prefix)), None)
+    if reason is None:
+        return ModulePrecision("experts", storage, spec.fp8, "the base mode's narrow recipe, per expert", params)
+    return ModulePrecision("experts", storage, spec.param_dtype, reason, params)
 
 
 def _kept_blocks(spec: PrecisionSpec, model: nn.Module) -> dict[str, str]:

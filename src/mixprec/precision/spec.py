@@ -23,7 +23,7 @@ import torch
 
 from mixprec.dtypes import dtype_name, parse_dtype
 from mixprec.errors import UserError
-from mixprec.fp8.recipe import RECIPES, FP8Recipe
+from mixprec.narrow.recipe import RECIPES, FP8Recipe
 
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
 Format = torch.dtype | FP8Recipe  # a matmul's compute format

@@ -21,16 +21,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mixprec.fp8 import blockwise_cast
-from mixprec.fp8.gemm import KERNELS, route
-from mixprec.fp8.linear import FP8Linear, Plan, linear_class, replan
-from mixprec.fp8.recipe import E4M3, GEMMS, FP8Recipe, Granularity
-from mixprec.fp8.scaling import DelayedScales
+from mixprec.narrow import blockwise_cast, hf_experts
+from mixprec.narrow.hf_experts import ExpertsLayer
+from mixprec.narrow.gemm import KERNELS, route
+from mixprec.narrow.linear import FP8Linear, Plan, linear_class, replan
+from mixprec.narrow.recipe import E4M3, GEMMS, FP8Recipe, Granularity
+from mixprec.narrow.scaling import DelayedScales
 from mixprec.dtypes import dtype_name
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_EXCLUDE = ()
+EXPERTS_ROUTE = ("one device-to-host read of the group sizes per projection and pass; torch's grouped scaled GEMMs "
+                 "(F.scaled_grouped_mm) are not driven yet")
 
 
 def matches(fqn: str, patterns) -> str | None:
@@ -81,6 +84,7 @@ class Conversion:
     route (torch's kernel, or the emulation and why) of each of the three GEMMs."""
     recipe: FP8Recipe
     modules: dict[str, FP8Linear] = field(default_factory=dict)
+    experts: dict[str, ExpertsLayer] = field(default_factory=dict)  # experts modules, per expert in the recipe
     left_out: dict[str, str] = field(default_factory=dict)
     routes: dict[str, str | None] = field(default_factory=dict)  # GEMM -> None (kernel) or why emulated
     device: str = "cpu"  # where the GEMMs run
@@ -122,17 +126,20 @@ class Conversion:
             m.scale.copy_(saved[name]["scale"])
 
     def move(self, device: str) -> None:
-        """Its layers compute on `device` now: their routes chosen there (mixprec.fp8.linear.replan,
+        """Its layers compute on `device` now: their routes chosen there (mixprec.narrow.linear.replan,
         which a layer's .to also runs), and this record of them kept in step."""
         for m in self.modules.values():
             m.plan = replan(m.plan, type(m), device)
+        for layer in self.experts.values():
+            up = layer.gemms[0].plan
+            hf_experts.replan(layer, replan(up, linear_class(up.recipe), device))
         first = next(iter(self.modules.values()), None)
         if first is not None and first.plan.device != self.device:  # not where the user asked for the emulation
             self.device = device
             self.routes = type(first).routes(self.recipe, device, first.plan.compute_dtype)
 
     def kernels(self) -> dict[str, str]:
-        """Each GEMM's kernel by name (mixprec.fp8.gemm.KERNELS), or "emulated"."""
+        """Each GEMM's kernel by name (mixprec.narrow.gemm.KERNELS), or "emulated"."""
         layout = self.recipe.granularity.value  # the three GEMMs of one recipe share its layout
         return {g: "emulated" if why is not None else
                 KERNELS.get(route(layout, self.device, self.recipe.fast_accum and g == GEMMS[0]), "torch's kernel")
@@ -140,15 +147,19 @@ class Conversion:
 
     def describe(self) -> str:
         kernels = ", ".join(f"{g}: {kernel}" for g, kernel in self.kernels().items())
-        return f"{len(self.modules)} Linear layers in {self.recipe.label} ({self.recipe.name}: {self.recipe.summary()}; {kernels})"
+        said = f"{len(self.modules)} Linear layers in {self.recipe.label} ({self.recipe.name}: {self.recipe.summary()}; {kernels})"
+        if self.experts:
+            said += (f"; {len(self.experts)} experts modules in {self.recipe.label}, each expert scaled on its own "
+                     f"(its GEMMs as the Linear layers', one expert after another: {EXPERTS_ROUTE})")
+        return said
 
 
 def _log_blockwise(conversion: Conversion) -> None:
     """Block-wise's choices, said here once rather than from inside a compiled graph: torch's
     block-wise kernel takes whole 128-tiles only, so a layer narrower than that, or a
     micro-batch of tokens that is not a whole number of tiles, has its GEMMs emulated
-    (mixprec.fp8.gemm.scaled_mm); and whether the backward casts run on the Triton kernel
-    (probed here, mixprec.fp8.blockwise_cast)."""
+    (mixprec.narrow.gemm.scaled_mm); and whether the backward casts run on the Triton kernel
+    (probed here, mixprec.narrow.blockwise_cast)."""
     r = conversion.recipe
     if r.granularity is not Granularity.BLOCKWISE or all(why is not None for why in conversion.routes.values()):
         return
@@ -166,12 +177,14 @@ def _log_blockwise(conversion: Conversion) -> None:
 
 def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.dtype,
                    exclude=DEFAULT_EXCLUDE, module_filter_fn=None, emulate: bool | None = None,
-                   modules=None, device_type: str | None = None) -> Conversion:
+                   modules=None, device_type: str | None = None, experts=None) -> Conversion:
     """Replace the chosen nn.Linear modules of `model` in place by FP8Linear modules that
-    hold the same parameters. Returns the Conversion (and logs it).
+    hold the same parameters, and run the chosen experts modules of a mixture-of-experts
+    model in the recipe (mixprec.narrow.hf_experts). Returns the Conversion (and logs it).
 
-    modules: the FQNs to convert, already chosen (a precision layout's); the filters and
-    the left-out log lines are then the chooser's business.
+    modules, experts: the FQNs of the Linear layers and of the experts modules to convert,
+    already chosen (a precision layout's); the filters and the left-out log lines are then
+    the chooser's business.
 
     device_type: where the GEMMs will run (default: the parameters' device; a model built on
     the meta device to be loaded later says where it will be materialised).
@@ -206,6 +219,20 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.
         new = cls.from_linear(module, plan, fqn)
         setattr(parent, child, new)
         conversion.modules[fqn] = new
+    if experts is None:
+        experts = []
+        for fqn, reason in hf_experts.find_experts(model).items():
+            if reason is None and recipe.delayed:
+                reason = "delayed scaling keeps one amax history per Linear and none for grouped experts"
+            if reason is None and (pattern := matches(fqn, exclude)) is not None:
+                reason = f"matches fp8.filter_fqns pattern {pattern!r}"
+            if reason is None and module_filter_fn is not None and not module_filter_fn(fqn, model.get_submodule(fqn)):
+                reason = "refused by module_filter_fn"
+            if reason is None:
+                experts.append(fqn)
+            else:
+                conversion.left_out[fqn] = reason
+    conversion.experts = hf_experts.convert(model, experts, plan) if experts else {}
     logger.info("fp8: %s", conversion.describe())
     _log_blockwise(conversion)
     for fqn, reason in conversion.left_out.items():

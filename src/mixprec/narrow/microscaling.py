@@ -13,7 +13,7 @@ nibble), scales in float8_e8m0fnu (a biased power of two) or float8_e4m3fn.
 
 The arithmetic follows the OCP MX spec v1.0 and NVIDIA's NVFP4 recipe in the operation order
 torchao's mx_formats uses, so the elements and scales equal its bit for bit
-(tests/fp8/test_microscaling.py), with two exceptions. For the round-up ("ceil", RCEIL) E8M0
+(tests/narrow/test_microscaling.py), with two exceptions. For the round-up ("ceil", RCEIL) E8M0
 scale, torchao takes ceil(log2(amax / max)) in FP32, and log2 of a value just above a power of
 two (1 + 2^-20 and closer) rounds to the integer below; here the exponent comes from the bits,
 as the hardware's cvt.rp instruction rounds (the test's adversarial blocks show the difference).
@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from mixprec.fp8.scaling import per_tile
+from mixprec.narrow.scaling import per_tile
 from mixprec.rounding import random_bits16
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -1,15 +1,15 @@
-"""The block-wise backward casts' Triton kernel (mixprec.fp8.blockwise_cast) against the
+"""The block-wise backward casts' Triton kernel (mixprec.narrow.blockwise_cast) against the
 pure-PyTorch casts it replaces on CUDA, on the CPU in Triton's interpreter: the same bytes
 and the same scales, for values over the whole e4m3 range, subnormals, zeros of both signs
-and ties, and for the re-cast of a dequantised input. Run by tests/fp8/test_blockwise_cast.py
+and ties, and for the re-cast of a dequantised input. Run by tests/narrow/test_blockwise_cast.py
 in a process started with TRITON_INTERPRET=1 (Triton reads it when imported)."""
 
 import pytest
 import torch
 
-from mixprec.fp8 import blockwise_cast
-from mixprec.fp8.recipe import E4M3
-from mixprec.fp8.scaling import quantize
+from mixprec.narrow import blockwise_cast
+from mixprec.narrow.recipe import E4M3
+from mixprec.narrow.scaling import quantize
 
 
 
@@ -74,8 +74,8 @@ def test_a_blockwise_linear_backward_on_the_kernel_equals_the_reference(monkeypa
     """The FP8 Linear's backward with the kernel's casts (as on CUDA): the same dx and dW bits."""
     import functools
 
-    from mixprec.fp8.convert import convert_to_fp8
-    from mixprec.fp8.recipe import FP8Recipe
+    from mixprec.narrow.convert import convert_to_fp8
+    from mixprec.narrow.recipe import FP8Recipe
 
     def grads():
         torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The gathered copy a low-precision Linear reads (mixprec.fp8.all_gather) against the cast
+"""The gathered copy a low-precision Linear reads (mixprec.narrow.all_gather) against the cast
 it makes of a plain weight: one shard holding the whole weight, the buffers refilled with the
 backward's copy between the passes as FSDP2 does. Bit-identical outputs and gradients, on the
 CPU and (gpu-marked) on CUDA: the device path of the gathered copy. The two-rank runs are in
@@ -8,14 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.fp8 import RECIPES
-from mixprec.fp8.all_gather import BACKWARD, FORWARD, NarrowGather, per_pass
+from mixprec.narrow import RECIPES
+from mixprec.narrow.all_gather import BACKWARD, FORWARD, NarrowGather, per_pass
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _linear(recipe, device, weight):
-    from mixprec.fp8.convert import convert_to_fp8
+    from mixprec.narrow.convert import convert_to_fp8
 
     model = nn.Sequential(nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=device, dtype=torch.bfloat16))
     model[0].weight.data.copy_(weight)

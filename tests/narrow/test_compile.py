@@ -4,7 +4,7 @@
 compiled against eager, with no graph break, in tests/train/test_compiled_presets.py;
 CUDA's is traced here on the meta device (no GPU needed): every GEMM on torch's kernels,
   block-wise through the registered op mixprec::blockwise_scaled_mm, whose checks torch's
-  meta functions run (tests/fp8/test_gemm.py). A log call inside the matmul, or a wrapper
+  meta functions run (tests/narrow/test_gemm.py). A log call inside the matmul, or a wrapper
   Dynamo cannot trace, would split the graph there."""
 
 import dataclasses
@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch._dynamo
 
-from mixprec.fp8.convert import convert_to_fp8
-from mixprec.fp8.gemm import kernel_mm
-from mixprec.fp8.linear import FP8Linear
-from mixprec.fp8.recipe import E4M3, E5M2, FP8Recipe
-from mixprec.fp8.scaling import quantize
+from mixprec.narrow.convert import convert_to_fp8
+from mixprec.narrow.gemm import kernel_mm
+from mixprec.narrow.linear import FP8Linear
+from mixprec.narrow.recipe import E4M3, E5M2, FP8Recipe
+from mixprec.narrow.scaling import quantize
 from mixprec.models.llama import build_model, model_args, rope_tables
 
 RECIPES = ["tensorwise", "delayed", "rowwise", "blockwise"]

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.fp8.convert import convert_to_fp8
-from mixprec.fp8.recipe import FP8Recipe
+from mixprec.narrow.convert import convert_to_fp8
+from mixprec.narrow.recipe import FP8Recipe
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

@@ -1,12 +1,12 @@
 """The weight of a low-precision Linear as FSDP2 all-gathers it in its narrow format
-(mixprec.fp8.all_gather): the gathered bytes, read by the Linear's GEMMs as they are."""
+(mixprec.narrow.all_gather): the gathered bytes, read by the Linear's GEMMs as they are."""
 
 from __future__ import annotations
 
 import torch
 
-from mixprec.fp8.microscaling import E2M1, E8M0, Blocked
-from mixprec.fp8.scaling import Quantized
+from mixprec.narrow.microscaling import E2M1, E8M0, Blocked
+from mixprec.narrow.scaling import Quantized
 
 FORWARD, BACKWARD = "forward", "backward"
 aten = torch.ops.aten

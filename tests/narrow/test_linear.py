@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.fp8 import RECIPES, Conversion, FP8Linear, convert_to_fp8, sqnr
-from mixprec.fp8.gemm import KERNELS
-from mixprec.fp8.recipe import GEMMS
+from mixprec.narrow import RECIPES, Conversion, FP8Linear, convert_to_fp8, sqnr
+from mixprec.narrow.gemm import KERNELS
+from mixprec.narrow.recipe import GEMMS
 
 
 def pair(recipe: str, K=256, N=384, seed=0):

@@ -7,7 +7,7 @@ The emulation is DeepSeek-V3's accumulation scheme: FP8 x FP8 products are exact
 they are summed in FP32 over one tile of K (128 for block-wise, all of K for tensor- and
 row-wise), and each partial sum is multiplied by its two scales and added into an FP32
 accumulator. For tensor- and row-wise scales that is the same as dequantising first and
-running an FP32 GEMM; tests/fp8/test_gemm.py checks both, and the kernels against it.
+running an FP32 GEMM; tests/narrow/test_gemm.py checks both, and the kernels against it.
 
 Which route each GEMM takes is decided once per (device, layout) by `probe`: the kernel is
 run on a 512 x 512 x 512 problem and compared with the emulation; a kernel that is missing,
@@ -21,7 +21,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from mixprec.fp8.scaling import EPS, Quantized, per_tile, quantize
+from mixprec.narrow.scaling import EPS, Quantized, per_tile, quantize
 
 
 def emulated_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
@@ -61,7 +61,7 @@ def _column_major(s: torch.Tensor, rows: int | None = None) -> torch.Tensor:
 
 def kernel_scales(a: Quantized, b: Quantized, blockwise: bool | None = None):
     """(scale_a, scale_b, scaling types): a's and b's scales as torch's scaled GEMMs check them
-    (torch's meta functions state the rules; tests/fp8/test_gemm.py runs them on the CPU).
+    (torch's meta functions state the rules; tests/narrow/test_gemm.py runs them on the CPU).
     Scaling types None: torch._scaled_mm, a 0-dim scale each (tensor-wise) or (M, 1) and (1, N)
     (row-wise). Block-wise: F.scaled_mm with ScalingType values; 1x128 tiles of a as (M, K/128)
     and of b (128 along K) as (N, K/128), both column-major; 128x128 blocks of b as
@@ -101,7 +101,7 @@ def scales_after(device_type: str, fast_accum: bool) -> bool:
     multiplied into its FP32 output after (torchao's route): on CUDA without fast
     accumulation, where torch's row-wise kernel (CUTLASS) is slower than the tensor-wise
     one (cuBLAS). The same sums, the same two scale products: with power-of-two scales
-    (the row-wise recipe's) both are exact; tests/fp8/test_gemm.py checks the results equal."""
+    (the row-wise recipe's) both are exact; tests/narrow/test_gemm.py checks the results equal."""
     return device_type == "cuda" and not fast_accum
 
 
@@ -170,7 +170,7 @@ def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, kernel: boo
               fast_accum: bool = False, blockwise: bool | None = None) -> torch.Tensor:
     """On torch's kernel (`kernel`) where the tiles are whole, else on the emulation. A
     Linear whose own dimensions are not whole tiles is logged at conversion
-    (mixprec.fp8.convert); a micro-batch whose token count is not is said there too: no
+    (mixprec.narrow.convert); a micro-batch whose token count is not is said there too: no
     log line here, inside a compiled graph."""
     if kernel and _whole_tiles(a, b):
         return kernel_mm(a, b, out_dtype, fast_accum, blockwise)

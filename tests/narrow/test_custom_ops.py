@@ -6,16 +6,17 @@ shapes where they differ. The block-wise GEMM has no CPU kernel: its fake is che
 torch's own meta function of the GEMM it calls. The Triton casts are torch.library.triton_op:
 their fake function is their own Python with the kernel launch left out, the same
 allocations by construction (Triton's interpreter would launch the kernel on the fake
-tensors); they are opchecked on CUDA (tests/fp8/test_blockwise_cast.py, gpu)."""
+tensors); they are opchecked on CUDA (tests/narrow/test_blockwise_cast.py, gpu)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from mixprec.fp8 import gemm, mx  # noqa: F401 - registers the operators
-from mixprec.fp8.microscaling import E2M1, E4M3, E5M2
+from mixprec.narrow import experts, gemm, mx  # noqa: F401 - registers the operators
+from mixprec.narrow.microscaling import E2M1, E4M3, E5M2
 
-CHECKED_ELSEWHERE = {"mixprec::blockwise_cast_transpose", "mixprec::blockwise_recast_transposed"}  # on CUDA
+CHECKED_ELSEWHERE = {"mixprec::blockwise_cast_transpose", "mixprec::blockwise_recast_transposed",  # on CUDA
+                     "mixprec::experts_mm", "mixprec::experts_mm_backward"}  # tests/narrow/test_experts.py
 
 
 def registered() -> set[str]:
@@ -56,6 +57,8 @@ def cases():
            for name, args in quantize_cases().items()]
     q = mx.MXRecipe.from_name("nvfp4").quantize(values(48, 80), square=True)
     out.append(pytest.param("mixprec::mx_transpose", (q.data, q.scale), id="mx_transpose-nvfp4-48x80"))
+    q1 = mx.MXRecipe.from_name("nvfp4").quantize(values(16, 64), square=True)  # one row of blocks: no alias returned
+    out.append(pytest.param("mixprec::mx_transpose", (q1.data, q1.scale), id="mx_transpose-nvfp4-16x64"))
     q8 = mx.MXRecipe.from_name("mxfp8").quantize(values(40, 64))
     out.append(pytest.param("mixprec::mx_transpose", (q8.data, q8.scale), id="mx_transpose-fp8-40x64"))
     out += [pytest.param("mixprec::mx_mm", mm_args(R, N, K, name), id=f"mx_mm-{name}-{R}x{N}x{K}")
@@ -91,7 +94,7 @@ def test_opcheck(op, args):
 def test_the_blockwise_gemms_fake_is_torchs_meta_function(M, K, N, b_blocks):
     # CUDA's operands, on the meta device: a (M, K) row-major, b (K, N) column-major, scales
     # laid out as gemm.kernel_scales lays them (torch's meta function checks them)
-    from mixprec.fp8.scaling import quantize
+    from mixprec.narrow.scaling import quantize
 
     a = quantize(torch.randn(M, K), E4M3, (1, 128))[0]
     b = quantize(torch.randn(K, N), E4M3, (128, 128) if b_blocks else (128, 1))[0]

@@ -45,12 +45,12 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from mixprec.dtypes import dtype_name
-from mixprec.fp8.gathered import BACKWARD, FORWARD, GatheredWeight
-from mixprec.fp8.linear import FP8Linear
-from mixprec.fp8.microscaling import E2M1, E8M0
-from mixprec.fp8.mx import MXRecipe
-from mixprec.fp8.recipe import E4M3, FP8Recipe, Granularity
-from mixprec.fp8.scaling import DelayedScales, amax_to_scale, cast, quantize, tile_amax
+from mixprec.narrow.gathered import BACKWARD, FORWARD, GatheredWeight
+from mixprec.narrow.linear import FP8Linear
+from mixprec.narrow.microscaling import E2M1, E8M0
+from mixprec.narrow.mx import MXRecipe
+from mixprec.narrow.recipe import E4M3, FP8Recipe, Granularity
+from mixprec.narrow.scaling import DelayedScales, amax_to_scale, cast, quantize, tile_amax
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ gradient) run on scaled FP8 operands.
 Saved for backward: the FP8 input and its scales (half the bytes of a bfloat16 input)
 and the weight as the module holds it (alive anyway: the parameter, or FSDP2's
 all-gathered copy, which fully_shard gathers again for backward; gathered in FP8 by
-mixprec.fp8.all_gather, the copy is read as it is instead of cast). The input's FP8 copy
+mixprec.narrow.all_gather, the copy is read as it is instead of cast). The input's FP8 copy
 is cast along K; a recipe whose weight-gradient GEMM scales along M (row- and block-wise)
 re-casts it from its dequantised value, as DeepSeek-V3 does with its cached activations.
 """
@@ -22,11 +22,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from mixprec.fp8 import blockwise_cast
-from mixprec.fp8.gathered import BACKWARD, FORWARD, gathered_copy
-from mixprec.fp8.gemm import probe, scaled_mm
-from mixprec.fp8.recipe import E4M3, FP8Recipe, Granularity, Tiles
-from mixprec.fp8.scaling import DelayedScales, Quantized, amax_to_scale, cast, quantize, resolve_tile, tile_amax
+from mixprec.narrow import blockwise_cast
+from mixprec.narrow.gathered import BACKWARD, FORWARD, gathered_copy
+from mixprec.narrow.gemm import probe, scaled_mm
+from mixprec.narrow.recipe import E4M3, FP8Recipe, Granularity, Tiles
+from mixprec.narrow.scaling import DelayedScales, Quantized, amax_to_scale, cast, quantize, resolve_tile, tile_amax
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,18 @@ class Plan:
 class _FP8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, plan: Plan, state):
+        return _FP8Matmul.gemm(*_FP8Matmul.cast(ctx, x, weight, plan, state), plan)
+
+    @staticmethod
+    def gemm(xq: Quantized, wq: Quantized, plan: Plan) -> torch.Tensor:
+        """The forward GEMM on `cast`'s operands: (M, K) x (N, K)^T -> (M, N) in the compute dtype."""
+        return scaled_mm(xq, wq.t(), plan.compute_dtype, kernel=plan.kernels[0], fast_accum=plan.recipe.fast_accum,
+                         blockwise=plan.blockwise)
+
+    @staticmethod
+    def cast(ctx, x: torch.Tensor, weight: torch.Tensor, plan: Plan, state):
+        """The forward GEMM's operands (x (M, K), W (N, K)), with what backward reads saved on ctx
+        (an experts layer calls it and `backward` on each expert's slice: mixprec.narrow.experts)."""
         r, t = plan.recipe, plan.tiles
         pow2 = r.power_of_2_scales
         wq = gathered_copy(weight, FORWARD)  # all-gathered in FP8 already (its amax recorded there)
@@ -62,8 +74,7 @@ class _FP8Matmul(torch.autograd.Function):
         ctx.plan, ctx.state, ctx.x_dtype = plan, state, x.dtype
         ctx.save_for_backward(xq.data, xq.scale_inv, weight, wq.data, wq.scale_inv)
         ctx.x_tile, ctx.w_tile = xq.tile, wq.tile
-        return scaled_mm(xq, wq.t(), plan.compute_dtype, kernel=plan.kernels[0], fast_accum=r.fast_accum,
-                         blockwise=plan.blockwise)
+        return xq, wq
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -74,7 +85,7 @@ class _FP8Matmul(torch.autograd.Function):
         pow2 = r.power_of_2_scales
         dy = dy.contiguous()
         # block-wise on CUDA: dy cast once into both layouts, and x re-cast straight into the
-        # layout the weight-gradient GEMM reads (mixprec.fp8.blockwise_cast)
+        # layout the weight-gradient GEMM reads (mixprec.narrow.blockwise_cast)
         fused = blockwise_cast.applies(dy, r.grad_dtype, (t.g, t.g_wgrad), pow2)  # never for delayed (tensor-wise)
         gq_w = None
         if r.delayed:
@@ -136,7 +147,7 @@ class FP8Linear(nn.Linear):
         new.fp8_enabled = True  # False: taken out of FP8 during a run (a promotion): a plain Linear's matmul
         if plan.recipe.delayed:
             dev, length = linear.weight.device, plan.recipe.amax_history_len
-            # not persistent: the policy checkpoints them by module name (mixprec.fp8.convert)
+            # not persistent: the policy checkpoints them by module name (mixprec.narrow.convert)
             new.register_buffer("amax_history", torch.zeros(3, length, device=dev), persistent=False)
             new.register_buffer("amax_pending", torch.zeros(3, device=dev), persistent=False)
             new.register_buffer("scale", torch.zeros(3, device=dev), persistent=False)

@@ -46,11 +46,11 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.errors import UserError
-from mixprec.fp8.gathered import BACKWARD, FORWARD, gathered_copy
-from mixprec.fp8.linear import FP8Linear, Plan, register_linear
-from mixprec.fp8.microscaling import (E2M1, E4M3, E5M2, E8M0, ROUNDINGS, Blocked, byte_values, hadamard_signs,
+from mixprec.narrow.gathered import BACKWARD, FORWARD, gathered_copy
+from mixprec.narrow.linear import FP8Linear, Plan, register_linear
+from mixprec.narrow.microscaling import (E2M1, E4M3, E5M2, E8M0, ROUNDINGS, Blocked, byte_values, hadamard_signs,
                                       quantize_mx_bits, quantize_nvfp4_bits, rotate)
-from mixprec.fp8.recipe import GEMMS, FP8Recipe, Granularity, Tiles, register_recipe
+from mixprec.narrow.recipe import GEMMS, FP8Recipe, Granularity, Tiles, register_recipe
 
 HADAMARDS = ("none", "random", "deterministic")
 SCALE_FORMATS = ("e8m0", "e4m3")
@@ -203,7 +203,7 @@ class MXRecipe(FP8Recipe):
 # compiled function on the bytes (Blocked.bits: uint8 codes and exponents, which Inductor
 # fuses: one kernel reads an operand and writes its elements and scales, one reads them and
 # writes the bfloat16 operand of the GEMM); on a CPU the same functions run eagerly, the
-# reference (tests/fp8/test_mx_ops.py compiles them on the CPU against it, bit for bit).
+# reference (tests/narrow/test_mx_ops.py compiles them on the CPU against it, bit for bit).
 def _cast(x, element, block, rounding, nv, square, four_over_six, key, amax, values_dtype=None) -> Blocked:
     """The cast, and with values_dtype the dequantised GEMM operand from it (one fused kernel compiled).
     Made by Blocked's constructor: torch 2.11's Dynamo cannot return a NamedTuple made by _replace."""
@@ -270,6 +270,10 @@ def _mx_transpose(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor
     """A tensor in square blocks, transposed (Blocked.t): the elements and scales of W^T."""
     q = Blocked(data, scale, (1, 1), None, (0, 0)).bits()
     t, ts = compiled(_transpose, data.device.type)(q.data, q.scale)
+    # one row or column of blocks transposes to a view of its input (a contiguous (1, n) is one of (n, 1)):
+    # an operator returns no alias of its inputs
+    same = lambda a, b: a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # noqa: E731
+    t, ts = (t.clone() if same(t, data) else t), (ts.clone() if same(ts, scale) else ts)
     return t.view(data.dtype), ts.view(scale.dtype)
 
 
@@ -359,6 +363,15 @@ def _key(t: torch.Tensor, salt: int, role: int) -> torch.Tensor:
 class _MXMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, plan: Plan, salt: int):
+        return _MXMatmul.gemm(*_MXMatmul.cast(ctx, x, weight, plan, salt), plan)
+
+    @staticmethod
+    def gemm(xq: Blocked, wq: Blocked, plan: Plan) -> torch.Tensor:
+        return mx_mm(xq, wq, plan.compute_dtype)
+
+    @staticmethod
+    def cast(ctx, x: torch.Tensor, weight: torch.Tensor, plan: Plan, salt: int):
+        """The forward GEMM's operands, with what backward reads saved on ctx (as _FP8Matmul.cast)."""
         r = plan.recipe
         # values=True: each GEMM operand dequantised in its cast's own pass (not kept for backward)
         xq = r.quantize(x, values=True)  # (M, K) along K
@@ -371,7 +384,7 @@ class _MXMatmul(torch.autograd.Function):
         kept = wq if r.weight_2d else Blocked(None, None, None, None, None)
         ctx.save_for_backward(weight, xt_q.data, xt_q.scale, xt_q.tensor_scale, kept.data, kept.scale,
                               kept.tensor_scale)
-        return mx_mm(xq, wq, plan.compute_dtype)
+        return xq, wq
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):

@@ -1,6 +1,6 @@
-"""mixprec.fp8.blockwise_cast: where its Triton kernel applies, and the kernel itself bit for
+"""mixprec.narrow.blockwise_cast: where its Triton kernel applies, and the kernel itself bit for
 bit against the pure-PyTorch casts in Triton's interpreter on the CPU
-(tests/fp8/blockwise_cast_cases.py, in a process of its own: TRITON_INTERPRET is read when
+(tests/narrow/blockwise_cast_cases.py, in a process of its own: TRITON_INTERPRET is read when
 Triton is imported, and a process that compiled for a GPU must not run interpreted)."""
 
 import os
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixprec.fp8 import blockwise_cast
-from mixprec.fp8.recipe import E4M3
+from mixprec.narrow import blockwise_cast
+from mixprec.narrow.recipe import E4M3
 
 
 @pytest.mark.slow
@@ -65,8 +65,8 @@ def test_a_layer_converted_on_the_cpu_probes_the_kernel_where_it_is_moved(monkey
     # probes there when moved, before any step, and says what it found
     import logging
 
-    from mixprec.fp8.convert import convert_to_fp8
-    from mixprec.fp8.recipe import FP8Recipe
+    from mixprec.narrow.convert import convert_to_fp8
+    from mixprec.narrow.recipe import FP8Recipe
 
     probed = []
     monkeypatch.setattr(blockwise_cast, "_PROBED", {})

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from mixprec.fp8.recipe import E4M3, E5M2
+from mixprec.narrow.recipe import E4M3, E5M2
 
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448, 57344
 EPS = 1e-12  # an all-zero tile gets a finite scale
@@ -53,7 +53,7 @@ def per_tile(op, x: torch.Tensor, values: torch.Tensor, tile: tuple[int, int]) -
     (A repeat_interleave of the values cut to (R, C), or x padded to whole tiles and cut
     back, is what Inductor's CPU code computed wrongly where a tile was partial: it read
     past the values, or wrote only the first tile of each row of an FP8 output;
-    tests/fp8/test_scaling.py compiles every tile shape against the eager result.)"""
+    tests/narrow/test_scaling.py compiles every tile shape against the eager result.)"""
     (R, C), (nr, nc) = x.shape, values.shape
     tr, tc = (R if nr == 1 else tile[0]), (C if nc == 1 else tile[1])
     rows = []

@@ -12,8 +12,8 @@ Written with torch's ops these are two reads of dy and a transposing copy of eac
 result that Inductor does not fuse into one kernel (a reduction along rows and one along
 columns). On CUDA, with Triton installed and whole tiles, each is one Triton kernel per
 128 x 128 tile, registered as a torch op (torch.library.triton_op) so that a compiled block
-keeps it in its graph. The pure-PyTorch casts (mixprec.fp8.scaling.quantize) are the
-reference and every other route; tests/fp8/test_blockwise_cast.py runs the kernels on the
+keeps it in its graph. The pure-PyTorch casts (mixprec.narrow.scaling.quantize) are the
+reference and every other route; tests/narrow/test_blockwise_cast.py runs the kernels on the
 CPU in Triton's interpreter against them, bit for bit.
 
 The kernel rounds to e4m3 itself (to nearest, ties to even, on the FP32 bits) and stores the
@@ -28,8 +28,8 @@ import logging
 
 import torch
 
-from mixprec.fp8.recipe import E4M3
-from mixprec.fp8.scaling import EPS, FP8_MAX, Quantized, quantize
+from mixprec.narrow.recipe import E4M3
+from mixprec.narrow.scaling import EPS, FP8_MAX, Quantized, quantize
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +38,10 @@ BLOCK = 128
 
 @functools.cache
 def _kernel():
-    """The kernel (mixprec.fp8.blockwise_cast_kernel), compiled for CUDA at its first launch; run
+    """The kernel (mixprec.narrow.blockwise_cast_kernel), compiled for CUDA at its first launch; run
     in Triton's interpreter on CPU tensors when the process started with TRITON_INTERPRET=1
     (Triton reads it at import: the tests start one such)."""
-    from mixprec.fp8.blockwise_cast_kernel import cast_tiles
+    from mixprec.narrow.blockwise_cast_kernel import cast_tiles
 
     return cast_tiles
 
@@ -101,7 +101,7 @@ def probe(device_type: str) -> str | None:
         why = _PROBED[device_type] = _probe(device_type)
         if why is None:
             logger.info("fp8: block-wise backward casts on %s in one Triton kernel per operand, both layouts at "
-                        "once (mixprec.fp8.blockwise_cast)", device_type)
+                        "once (mixprec.narrow.blockwise_cast)", device_type)
         elif device_type == "cuda":
             logger.info("fp8: block-wise backward casts with torch's ops, a transposing copy each: %s", why)
     return _PROBED[device_type]

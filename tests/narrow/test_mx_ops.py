@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch._dynamo
 
-from mixprec.fp8 import mx
-from mixprec.fp8.microscaling import E2M1, E4M3, E5M2
+from mixprec.narrow import mx
+from mixprec.narrow.microscaling import E2M1, E4M3, E5M2
 
 CASTS = {  # element, block, rounding, nv, square, four_over_six, stochastic
     "mxfp8-ceil": (E4M3, 32, "ceil", False, False, False, False),

@@ -46,7 +46,7 @@ def cases():
 
 
 def test_the_package_has_kernels_and_every_one_has_compile_cases():
-    assert "mixprec.fp8.blockwise_cast_kernel" in kernel_modules()
+    assert "mixprec.narrow.blockwise_cast_kernel" in kernel_modules()
     assert len(cases()) >= 6
 
 

@@ -1,9 +1,9 @@
-"""The Triton kernel of mixprec.fp8.blockwise_cast, in a module of its own: Triton is optional,
+"""The Triton kernel of mixprec.narrow.blockwise_cast, in a module of its own: Triton is optional,
 and its code generator resolves the names a kernel uses (`tl`) in the module's globals, so the
 kernel's module imports Triton at its top and is imported only where Triton is installed.
 
 COMPILE_CASES lists the signatures and constexpr combinations the casts launch it with;
-tests/fp8/test_triton_compile.py compiles each for Hopper (sm_90) on the CPU (Triton's
+tests/narrow/test_triton_compile.py compiles each for Hopper (sm_90) on the CPU (Triton's
 compiler and its bundled ptxas need no GPU), as it does every kernel of the package.
 """
 

@@ -1,0 +1,18 @@
+"""Narrow formats: the FP8 recipes on torch's scaled GEMMs and the microscaled MXFP8, NVFP4 and
+MXFP4 recipes (emulated), scaling, and the layers that run them (Linear, grouped experts), conversion."""
+
+from mixprec.narrow.convert import Conversion, convert_to_fp8, why_not
+from mixprec.narrow.gemm import emulated_mm, kernel_mm, scaled_mm
+from mixprec.narrow.linear import FP8Linear
+from mixprec.narrow.mx import MXLinear, MXRecipe
+from mixprec.narrow.recipe import E4M3, E5M2, RECIPES, FP8Recipe, Granularity, Scaling
+from mixprec.narrow.scaling import Quantized, amax_to_scale, quantize, sqnr
+
+__all__ = [
+    # recipes
+    "FP8Recipe", "MXRecipe", "RECIPES", "Granularity", "Scaling", "E4M3", "E5M2",
+    # conversion
+    "convert_to_fp8", "Conversion", "FP8Linear", "MXLinear", "why_not",
+    # numerics
+    "quantize", "amax_to_scale", "Quantized", "scaled_mm", "emulated_mm", "kernel_mm", "sqnr",
+]

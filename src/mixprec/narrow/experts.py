@@ -1,0 +1,177 @@
+"""Grouped experts in a narrow recipe: the GEMMs of a mixture-of-experts layer, every expert
+scaled on its own, by the same recipe objects and the same code as a converted Linear.
+
+    out = experts_mm(x, weight, offs, layer)     # x (S, K) sorted by expert, weight (E, N, K)
+
+`offs` holds the cumulative end of each expert's rows (int32, as torch's grouped GEMMs take
+it: expert e owns rows offs[e-1]:offs[e]); rows past offs[-1] give zeros. Each expert's three
+GEMMs are its rows run through the dense Linear's autograd Function (`FP8Linear.matmul`,
+`MXLinear.matmul`: its `cast`, its GEMM, its `backward`), so no scale spans two experts:
+the weight is cast per expert (row-wise per expert and output column, 128x128 blocks per
+expert, MX blocks per expert), and the weight-gradient GEMM, which sums over each expert's
+tokens, scales along that expert's tokens only (torchao's "jagged" scales). An experts
+layer's outputs and gradients are therefore, bit for bit, each expert's Linear run alone on
+its own tokens (tests/narrow/test_experts.py). Where a GEMM runs torch's block-wise kernel,
+which takes whole 128-token tiles only, each expert's rows are padded with zero rows to a
+multiple of 128 in the backward (zeros change no amax and add nothing to any sum); the other
+recipes need no padding (torch._scaled_mm's K is padded to 16 inside mixprec.narrow.gemm,
+the microscaled casts pad their own blocks).
+
+The loop over the experts is one operator (mixprec::experts_mm, its backward
+mixprec::experts_mm_backward): a compiled model keeps the layer in its graph with no break,
+the group sizes being read on the host inside it (on CUDA: one device-to-host read of `offs`
+per projection per pass). The backward casts each expert's input again from the saved input
+(the casts are deterministic: the same operands as the forward's), so what is kept between
+the passes is the layer's input in its own dtype, as a grouped BF16 layer keeps it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mixprec.errors import UserError
+from mixprec.narrow.linear import Plan, linear_class
+
+
+class Saved:
+    """What an autograd Function's ctx holds: the dense Function's `cast` and `backward` run on it directly."""
+
+    def save_for_backward(self, *tensors) -> None:
+        self.saved_tensors = tensors
+
+
+@dataclass(frozen=True)
+class ExpertsGemm:
+    """One projection of an experts layer (gate_up_proj, down_proj), fixed at conversion."""
+    name: str  # the parameter's FQN, as the log and the audit name it
+    plan: Plan  # the dense Linear's plan: recipe, tiles, compute dtype, kernel routes
+    transposed: bool  # weight (E, K, N) (gpt-oss) rather than (E, N, K) (nn.Linear's per expert)
+    salts: tuple[int, ...] = ()  # each expert's part of its stochastic-rounding keys (microscaled recipes)
+
+    @property
+    def matmul(self) -> type:
+        return linear_class(self.plan.recipe).matmul
+
+    def state(self, e: int):
+        """What the dense matmul takes besides the plan: the microscaled recipes' salt; None for current scaling."""
+        return self.salts[e] if self.salts else None
+
+    def pad_to(self) -> int:
+        """Rows per expert a backward needs whole: 128 where a block-wise GEMM runs torch's kernel."""
+        return self.plan.recipe.block if self.plan.blockwise and any(self.plan.kernels) else 1
+
+
+_GEMMS: list[ExpertsGemm] = []  # the operators take an index into this registry (an operator takes no plan object)
+
+
+def register(gemm: ExpertsGemm) -> int:
+    """The index an experts projection is known by to the operators."""
+    _GEMMS.append(gemm)
+    return len(_GEMMS) - 1
+
+
+def gemm_of(key: int) -> ExpertsGemm:
+    return _GEMMS[key]
+
+
+def check_recipe(recipe) -> None:
+    """Experts take every current-scaling recipe; delayed scaling keeps one amax history per Linear."""
+    if recipe.delayed:
+        raise UserError(f"fp8.recipe = {recipe.name!r}: delayed scaling keeps one amax history per Linear layer and "
+                        "has none for grouped experts; accepted for experts: tensorwise, rowwise, blockwise, mxfp8, "
+                        "nvfp4, mxfp4 (or keep the experts in the base mode with fp8.filter_fqns)")
+
+
+def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+    ends = offs.tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+def _weight(weight: torch.Tensor, e: int, g: ExpertsGemm) -> torch.Tensor:
+    """Expert e's weight as an nn.Linear holds it: (N, K)."""
+    return weight[e].t().contiguous() if g.transposed else weight[e]
+
+
+def _pad(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = -t.shape[0] % multiple
+    return F.pad(t, (0, 0, 0, pad)) if pad else t
+
+
+def _no_autocast(device: torch.device):
+    """The narrow GEMMs choose their own dtypes: autocast has no say inside (as FP8Linear.forward)."""
+    return torch.autocast(device.type, enabled=False) if device.type in ("cpu", "cuda") else contextlib.nullcontext()
+
+
+def forward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, g: ExpertsGemm) -> torch.Tensor:
+    """(S, K) -> (S, N) in the plan's compute dtype, each expert through the dense matmul's `cast` and `gemm`."""
+    n = weight.shape[2] if g.transposed else weight.shape[1]
+    out = x.new_zeros(x.shape[0], n, dtype=g.plan.compute_dtype)
+    with _no_autocast(x.device):
+        for e, (start, end) in enumerate(_bounds(offs)):
+            if end > start:
+                xq, wq = g.matmul.cast(Saved(), x[start:end], _weight(weight, e, g), g.plan, g.state(e))
+                out[start:end] = g.matmul.gemm(xq, wq, g.plan)
+    return out
+
+
+def backward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, dy: torch.Tensor,
+             g: ExpertsGemm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx (S, K) in x's dtype, dW in the weight's layout and dtype), each expert through the dense backward."""
+    dx, dw = torch.zeros_like(x), torch.zeros_like(weight)
+    multiple = g.pad_to()
+    with _no_autocast(x.device):
+        for e, (start, end) in enumerate(_bounds(offs)):
+            if end == start:
+                continue
+            ctx = Saved()
+            g.matmul.cast(ctx, _pad(x[start:end], multiple), _weight(weight, e, g), g.plan, g.state(e))
+            dx_e, dw_e = g.matmul.backward(ctx, _pad(dy[start:end], multiple))[:2]
+            dx[start:end] = dx_e[:end - start]
+            dw[e] = dw_e.t() if g.transposed else dw_e
+    return dx, dw
+
+
+@torch.library.custom_op("mixprec::experts_mm", mutates_args=())
+def _experts_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, key: int) -> torch.Tensor:
+    return forward(x, weight, offs, gemm_of(key))
+
+
+@_experts_mm.register_fake
+def _(x, weight, offs, key):
+    g = gemm_of(key)
+    return x.new_empty(x.shape[0], weight.shape[2] if g.transposed else weight.shape[1], dtype=g.plan.compute_dtype)
+
+
+@torch.library.custom_op("mixprec::experts_mm_backward", mutates_args=())
+def _experts_mm_backward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, dy: torch.Tensor,
+                         key: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return backward(x, weight, offs, dy.contiguous(), gemm_of(key))
+
+
+@_experts_mm_backward.register_fake
+def _(x, weight, offs, dy, key):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, offs, key = inputs
+    ctx.save_for_backward(x, weight, offs)
+    ctx.key = key
+
+
+def _backward(ctx, dy):
+    x, weight, offs = ctx.saved_tensors
+    dx, dw = torch.ops.mixprec.experts_mm_backward(x, weight, offs, dy, ctx.key)
+    return dx, dw, None, None
+
+
+_experts_mm.register_autograd(_backward, setup_context=_setup_context)
+
+
+def experts_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, key: int) -> torch.Tensor:
+    """The experts projection registered as `key` (`register`) on x (S, K), rows sorted by expert."""
+    return torch.ops.mixprec.experts_mm(x, weight, offs, key)

@@ -1,0 +1,211 @@
+"""The experts of Hugging Face mixture-of-experts models in a narrow recipe, through
+transformers' own seam: an experts implementation registered in its `ExpertsInterface`
+("mixprec") and selected by the model's `experts_implementation`, as transformers' own
+`grouped_mm` is. It runs the same routing as `grouped_mm` (tokens sorted by expert, the
+cumulative end offsets, the gate, the routing weights, the combine), with each projection
+on mixprec.narrow.experts; an experts module left in the base mode runs torch's grouped GEMM
+in the base compute dtype (`in_base_mode`). A module it was not set up for runs transformers'
+`grouped_mm`.
+
+Which modules are experts: the classes transformers' `use_experts_implementation` decorates
+(their `has_gate` / `is_transposed` / `has_bias` say the layout: qwen3_moe, qwen2_moe,
+mixtral, olmoe, deepseek_v3, phimoe, gpt_oss (transposed, biased, interleaved), ...). A
+module holding 3-D expert weights outside the interface (Llama 4's experts run a bmm; dbrx,
+jetmoe) cannot be reached there: it stays in the base mode, named in the log and the audit.
+
+Which modules are routers, by role rather than class (Llama 4's and PhiMoE's routers
+subclass nn.Linear): a sibling of an experts module with a 2-D weight of one row per expert,
+and one-output gates beside them (Qwen2-MoE's shared_expert_gate). They stay out of every
+narrow format, with their logits and score function in FP32 (mixprec.precision.layout).
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mixprec.narrow import experts
+from mixprec.narrow.experts import ExpertsGemm
+from mixprec.narrow.linear import Plan
+from mixprec.narrow.microscaling import byte_values
+
+IMPLEMENTATION = "mixprec"  # the key in transformers' ExpertsInterface
+BASE = "grouped_mm"  # what an unconverted experts module runs under it: transformers' own grouped GEMMs
+
+
+@dataclass
+class ExpertsLayer:
+    """An experts module's two projections: in a narrow recipe (operator keys of
+    mixprec.narrow.experts), or on torch's grouped GEMM in the base compute dtype."""
+    fqn: str
+    up: int | None  # the operator key of gate_up_proj (or up_proj); None: the base mode
+    down: int | None
+    dtype: torch.dtype  # the base mode's compute dtype (the recipe's GEMMs write it too)
+    enabled: bool = True  # False: taken out of the recipe during a run, the base mode's grouped GEMM
+
+    @property
+    def gemms(self) -> tuple[ExpertsGemm, ExpertsGemm]:
+        return experts.gemm_of(self.up), experts.gemm_of(self.down)
+
+    @property
+    def narrow(self) -> bool:
+        return self.up is not None and self.enabled
+
+
+def interface_experts(module: nn.Module) -> bool:
+    """A module whose forward transformers' experts interface dispatches (use_experts_implementation)."""
+    return hasattr(module, "is_transposed") and hasattr(module, "has_gate") and hasattr(module, "config") \
+        and hasattr(module.config, "_experts_implementation")
+
+
+def expert_weights(module: nn.Module) -> dict[str, nn.Parameter]:
+    """A module's own 3-D floating parameters: one matrix per expert."""
+    return {n: p for n, p in module.named_parameters(recurse=False) if p.dim() == 3 and p.is_floating_point()}
+
+
+def projections(module: nn.Module) -> tuple[str, str]:
+    return ("gate_up_proj" if module.has_gate else "up_proj"), "down_proj"
+
+
+def find_experts(model: nn.Module) -> dict[str, str | None]:
+    """Every experts module of `model`: FQN -> None where a recipe can take it, else why it cannot."""
+    found = {}
+    for fqn, m in model.named_modules():
+        weights = expert_weights(m)
+        if not weights:
+            continue
+        if not interface_experts(m):
+            found[fqn] = (f"{type(m).__name__} is outside transformers' experts interface (its forward runs the experts "
+                          "itself): no seam to run them in a narrow format")
+        elif getattr(m, "_is_expert_parallel", False):
+            found[fqn] = "expert-parallel experts (tokens exchanged between ranks) are not converted yet"
+        else:
+            shapes = [tuple(weights[n].shape[1:]) for n in projections(m) if n in weights]
+            odd = [s for s in shapes if s[0] % 16 or s[1] % 16]
+            found[fqn] = (f"expert matrices {' and '.join(f'{a} x {b}' for a, b in odd)}: narrow GEMMs need dimensions "
+                          "that are multiples of 16" if odd else None)
+    return found
+
+
+def routers(model: nn.Module, experts_fqns) -> dict[str, str]:
+    """The routers and gates beside each experts module: FQN -> what it is."""
+    found = {}
+    for fqn in experts_fqns:
+        parent_name, _, own = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        n_experts = next(iter(expert_weights(parent.get_submodule(own)).values())).shape[0]
+        for name, child in parent.named_children():
+            w = getattr(child, "weight", None)
+            if name == own or not isinstance(w, torch.Tensor) or w.dim() != 2:
+                continue
+            if w.shape[0] == n_experts:
+                found[f"{parent_name}.{name}".lstrip(".")] = f"the router of {fqn} ({n_experts} experts)"
+            elif w.shape[0] == 1:
+                found[f"{parent_name}.{name}".lstrip(".")] = f"a one-output gate beside {fqn}"
+    return found
+
+
+def convert(model: nn.Module, fqns, plan: Plan) -> dict[str, ExpertsLayer]:
+    """Run the experts modules `fqns` of `model` in `plan`'s recipe: each gets its ExpertsLayer, and its
+    config the "mixprec" experts implementation (registered in transformers' interface here)."""
+    experts.check_recipe(plan.recipe)
+    register_implementation()
+    if hasattr(plan.recipe, "element"):  # drawn and copied now, outside any compiled region (as MXLinear.from_linear)
+        device = plan.device if plan.device not in ("meta",) else "cpu"
+        plan.recipe.transform(torch.device(device))
+        byte_values(torch.device(device))
+    converted = {}
+    for fqn in fqns:
+        m = model.get_submodule(fqn)
+        keys = []
+        for proj in projections(m):
+            name = f"{fqn}.{proj}"
+            n_experts = getattr(m, proj).shape[0]
+            salts = tuple(zlib.crc32(f"{name}.{e}".encode()) for e in range(n_experts)) \
+                if hasattr(plan.recipe, "element") else ()
+            keys.append(experts.register(ExpertsGemm(name, plan, bool(m.is_transposed), salts)))
+        m.mixprec_experts = converted[fqn] = ExpertsLayer(fqn, *keys, plan.compute_dtype)
+        m.config._experts_implementation = IMPLEMENTATION  # shared by the model's experts modules, as transformers sets it
+    return converted
+
+
+def in_base_mode(model: nn.Module, fqns, dtype: torch.dtype) -> None:
+    """Run the experts modules `fqns` on torch's grouped GEMM in `dtype`, their weights cast to it as
+    autocast casts a Linear's (transformers' grouped_mm, which autocast does not reach, would
+    compute in the weights' own dtype: FP32 master weights in FP32)."""
+    register_implementation()
+    for fqn in fqns:
+        m = model.get_submodule(fqn)
+        m.mixprec_experts = ExpertsLayer(fqn, None, None, dtype)
+        m.config._experts_implementation = IMPLEMENTATION
+
+
+def replan(layer: ExpertsLayer, plan: Plan) -> None:
+    """The layer's projections under `plan` (its routes chosen again for another device)."""
+    layer.up, layer.down = (experts.register(ExpertsGemm(g.name, plan, g.transposed, g.salts)) for g in layer.gemms)
+
+
+def runs_narrow(module: nn.Module) -> bool:
+    """Whether `module` runs its experts' GEMMs in a narrow recipe now."""
+    layer = getattr(module, "mixprec_experts", None)
+    return layer is not None and layer.narrow and module.config._experts_implementation == IMPLEMENTATION
+
+
+def _grouped(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, transposed: bool,
+             dtype: torch.dtype) -> torch.Tensor:
+    """x (S, K) @ each expert's weight in `dtype` on torch's grouped GEMM (S, N)."""
+    w = weight.to(dtype)
+    w = w if transposed else w.transpose(-2, -1)  # (E, K, N)
+    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    with torch.autocast(x.device.type, enabled=False):
+        return grouped_mm(x.to(dtype), w, offs=offs)
+
+
+def register_implementation() -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+    if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
+        ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+
+
+def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts forward (the arguments of its `grouped_mm`) with the projections in the recipe."""
+    layer = getattr(self, "mixprec_experts", None)
+    if layer is None:  # a module this process's policy did not set up
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        return ALL_EXPERTS_FUNCTIONS[BASE](self, hidden_states, top_k_index, top_k_weights)
+    if layer.narrow:
+        up, down = (functools.partial(experts.experts_mm, key=k) for k in (layer.up, layer.down))
+    else:
+        up, down = (functools.partial(_grouped, transposed=bool(self.is_transposed), dtype=layer.dtype)
+                    for _ in range(2))
+    device = hidden_states.device
+    num_tokens, top_k = top_k_index.shape
+    expert_ids = top_k_index.reshape(-1)  # (S,), S = tokens x top_k
+    expert_ids_g, perm = torch.sort(expert_ids)  # (S,) grouped by expert
+    x = hidden_states[perm // top_k]  # (S, H)
+    # histc, not bincount (whose size depends on the largest id: a device-to-host read), as grouped_mm counts
+    ids = expert_ids_g.float() if device.type in ("cpu", "mps") else expert_ids_g.int()
+    counts = torch.histc(ids, bins=self.num_experts, min=0, max=self.num_experts - 1)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)  # (E,) each expert's end row
+    up_name, down_name = projections(self)
+    out = up(x, getattr(self, up_name), offs)  # (S, 2I) or (S, I)
+    if self.has_bias:
+        out = out + getattr(self, f"{up_name}_bias")[expert_ids_g].to(out.dtype)
+    out = self._apply_gate(out) if self.has_gate else self.act_fn(out)  # (S, I)
+    out = down(out, self.down_proj, offs)  # (S, H)
+    if self.has_bias:
+        out = out + self.down_proj_bias[expert_ids_g].to(out.dtype)
+    if self.has_post_expert_norm:
+        out = self.post_expert_norm(out)
+    weighted = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)  # (S, H)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=device)
+    # each token's top_k rows summed as grouped_mm sums them (reshape and sum, not index_add_)
+    return weighted[inverse].view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
