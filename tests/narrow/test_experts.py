@@ -146,3 +146,15 @@ def test_cuda_route_traced_on_meta():
     assert out.shape == (40, 80) and out.dtype == torch.bfloat16 and out.device.type == "meta"
     dx, dw = torch.autograd.grad(out.sum(), (x, w))
     assert dx.shape == x.shape and dw.shape == w.shape and dw.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", ["rowwise", "tensorwise", "blockwise"])
+def test_an_expert_with_one_token(name):
+    """A single token's row scale is also its tensor scale: the row-wise kernel takes it (it was refused)."""
+    x, w, offs, dy = problem(K=32, N=48, sizes=(1, 0, 2, 1), seed=4)
+    g = gemm(name)
+    out = experts.experts_mm(x, w, offs, experts.register(g))
+    out.backward(dy)
+    xr, wr = x.detach().float(), w.detach()
+    ref = torch.cat([xr[s:t] @ wr[e].t() for e, (s, t) in enumerate(experts._bounds(offs))])
+    assert sqnr(ref, out) > 20

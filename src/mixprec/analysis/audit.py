@@ -20,6 +20,7 @@ from collections import defaultdict
 
 import torch
 
+from mixprec.analysis import audit_experts
 from mixprec.analysis.audit_fp8 import NARROW, FP8Tracker, element_name, fp8_rows, promised_granularity
 from mixprec.optim.updates import COMPENSATION
 from mixprec.precision.dtypes import dtype_name
@@ -43,6 +44,8 @@ class _Observer(EmulatedMatmul):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.fp8 is not None and (out := audit_experts.decompose(self, self.fp8, func, args)) is not None:
+            return out  # an experts operator, seen op by op
         name = func.__name__ if hasattr(func, "__name__") else str(func)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if func in _MATMULS and self.emulate:
@@ -51,6 +54,8 @@ class _Observer(EmulatedMatmul):
             out = func(*args, **kwargs)
         if self.fp8 is not None and self.fp8.observe(func, args, out, self.backward):
             return out  # an FP8 GEMM: its own stages, not the plain matmuls'
+        if self.fp8 is not None and audit_experts.observe_grouped(self.fp8, func, args, out, self.backward, self.seen):
+            return out
         if func in _BATCHED:  # attention's score and value products, forward and backward
             self.seen["attention matmuls (bmm)"].add(out.dtype)
             return out
@@ -90,6 +95,8 @@ def promises(policy) -> dict[str, set[torch.dtype] | None]:
     storage, compute = policy.storage_dtype, policy.param_dtype
     stored = {m.storage for m in policy.layout.modules.values()} if policy.layout is not None else {storage}
     computes = {compute} | set(policy.layout.dtype_overrides().values()) if policy.layout is not None else {compute}
+    if policy.layout is not None and policy.layout.routers():  # a mixture-of-experts model's routers: float32
+        computes |= {m.compute for m in policy.layout.routers().values()}
     return {
         "stored parameters": stored,
         "compute parameters (matmul operands)": computes,
@@ -179,7 +186,7 @@ def observe_step(model: torch.nn.Module, policy, optimizer: torch.optim.Optimize
     # Ops between the end of a forward and the start of the next are the backward's.
     hooks = [model.register_forward_pre_hook(lambda *_: setattr(observer, "backward", False)),
              model.register_forward_hook(lambda *_: setattr(observer, "backward", True))]
-    hooks += tracker.hooks(model)
+    hooks += tracker.hooks(model) + audit_experts.hooks(tracker, model)
 
     def grads() -> set[torch.dtype]:
         return {_local(p.grad).dtype for p in model.parameters() if p.grad is not None}
@@ -232,6 +239,9 @@ def observe_step(model: torch.nn.Module, policy, optimizer: torch.optim.Optimize
     module_rows, module_notes = per_module_rows(tracker, policy.layout, micro_batches)
     rows += module_rows
     notes += module_notes
+    experts_rows, experts_notes = audit_experts.experts_rows(tracker, policy.layout, model, micro_batches)
+    rows += experts_rows
+    notes += experts_notes
     if policy.layout.fp8():
         fp8, fp8_notes = fp8_rows(tracker, policy, micro_batches=micro_batches)
         rows += fp8

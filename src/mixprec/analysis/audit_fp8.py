@@ -66,6 +66,11 @@ class FP8Tracker:
         self.rows: dict[str, int] = {}  # the rows (tokens) of each Linear's last FP8 input cast
         self.operands = {"forward": set(), "backward": set()}
         self.outputs: set[torch.dtype] = set()
+        # experts projections and modules (mixprec.analysis.audit_experts): recorded apart from the Linear layers
+        self.experts: set[str] = set()
+        self.experts_forward: dict[str, set[str]] = defaultdict(set)
+        self.experts_backward: dict[str, set[tuple]] = defaultdict(set)
+        self.expert_passes: dict[str, int] = defaultdict(int)  # expert slices with tokens through each backward
 
     @property
     def backward_gemms(self) -> int:
@@ -124,6 +129,13 @@ class FP8Tracker:
 
     def _record(self, sources, backward: bool) -> bool:
         self.operands["backward" if backward else "forward"].update(dtype for dtype, _ in sources)
+        if self.module in self.experts:
+            pair = tuple(serial for _, serial in sources), tuple(dtype for dtype, _ in sources)
+            if backward:
+                self.experts_backward[self.module].add(pair)
+            else:
+                self.experts_forward[self.module].add(element_name(sources[0][0]))
+            return True
         if backward:
             pair = tuple(serial for _, serial in sources)
             self._backward_pairs.add(pair)

@@ -74,6 +74,9 @@ def kernel_scales(a: Quantized, b: Quantized, blockwise: bool | None = None):
         blockwise = "blockwise" in (kind_a, kind_b) or kind_a != kind_b
     sa, sb = a.scale_inv.float(), b.scale_inv.float()
     if not blockwise:
+        single = (kind_a == "tensorwise" and a.data.shape[0] == 1) or (kind_b == "tensorwise" and b.data.shape[1] == 1)
+        if {kind_a, kind_b} == {"tensorwise", "rowwise"} and single:  # one token (an expert's only one): its one
+            kind_a = kind_b = "rowwise"  # scale is its row's
         if kind_a != kind_b:
             raise ValueError(f"no scaled GEMM takes a {kind_a} a with a {kind_b} b")
         if kind_a == "tensorwise":

@@ -30,7 +30,7 @@ class ModulePrecision:
     storage: torch.dtype  # its own parameters
     compute: Format | None  # its matmuls; None for a module without a matmul of its own
     why: str  # where the compute format comes from
-    features: int = 0  # a Linear's in x out features (its GEMM FLOPs per token, up to a factor 6); experts: their weights
+    features: int = 0  # a Linear's in x out features (its GEMM FLOPs per token, up to a factor 6); experts: top-k's
 
     @property
     def compute_name(self) -> str:
@@ -74,10 +74,13 @@ class Layout:
                 if m.kind in ("linear", "matmul", "experts") and not isinstance(m.compute, FP8Recipe)}
 
     def flops_by_format(self, exclude=()) -> dict[str, float]:
-        """Each compute format's share of the Linear layers' GEMM FLOPs (all three GEMMs of a
-        layer scale with in x out features, per token alike), less the `exclude` FQNs."""
+        """Each compute format's share of the Linear layers' and experts' GEMM FLOPs (all three
+        GEMMs of a layer scale with in x out features, per token alike; a token runs top-k of
+        the experts), less the `exclude` FQNs."""
         flops = {}
-        for fqn, m in self.linears().items():
+        for fqn, m in self.modules.items():
+            if m.kind not in ("linear", "experts"):
+                continue
             if fqn not in exclude:
                 flops[m.compute_name] = flops.get(m.compute_name, 0) + m.features
         total = sum(flops.values())
@@ -158,7 +161,10 @@ def resolve(spec: PrecisionSpec, model: nn.Module, *, exclude=(), module_filter_
 def _experts_row(spec: PrecisionSpec, fqn: str, module: nn.Module, storage: torch.dtype, reason: str | None,
                  exclude, module_filter_fn, kept: dict[str, str]) -> ModulePrecision:
     """An experts module: in the base mode's recipe, or in the base mode and why."""
-    params = sum(p.numel() for p in expert_weights(module).values())
+    weights = expert_weights(module)
+    n_experts = next(iter(weights.values())).shape[0]
+    top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", n_experts)
+    params = sum(p.numel() for p in weights.values()) * min(top_k, n_experts) // n_experts  # a token's share
     if spec.fp8 is None:
         return ModulePrecision("experts", storage, spec.param_dtype, "the base mode", params)
     if reason is None and spec.fp8.delayed:

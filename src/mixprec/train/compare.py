@@ -119,7 +119,7 @@ def judge(runs: dict[str, dict], thresholds) -> dict:
 def to_markdown(report: dict) -> str:
     lines = [f"# mixprec compare (baseline {report['baseline']})", "",
              "| preset | val loss | diff | perplexity | diff | tokens/s | speed-up | peak memory MiB | ratio | "
-             "Linear GEMM FLOPs by format | overflow rate | skipped | fallback | incidents (rewinds) | result |",
+             "GEMM FLOPs by format | overflow rate | skipped | fallback | incidents (rewinds) | result |",
              "|" + "---|" * 15]
     for r in report["presets"]:
         speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
