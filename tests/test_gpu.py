@@ -205,3 +205,31 @@ def test_bf16_updates_fused_adamw_on_cuda_tracks_the_cpu(method):
     cpu, cuda = run("cpu"), run("cuda")
     assert (cpu != cuda).float().mean() < 0.02  # FMA and order may move a rare last bit
     assert ((cpu - cuda).abs() <= 2**-6 * cpu.abs()).all()
+
+
+@pytest.mark.parametrize("preset", ["fp8-rowwise", "fp8-blockwise", "mxfp8", "nvfp4"])
+def test_moe_experts_in_each_recipe_on_cuda_track_the_cpu(preset):
+    """A tiny Qwen3-MoE block's experts on CUDA (row-wise: forward and input gradient on torch's grouped
+    kernel; block-wise: torch's kernel per expert, padded to 128-token tiles) against the same block on
+    the CPU's emulation: the same recipe, other summation orders."""
+    transformers = pytest.importorskip("transformers")
+    from mixprec.precision import Policy
+
+    results = []
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        config = transformers.AutoConfig.for_model(
+            "qwen3_moe", hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=128, num_experts=8,
+            num_experts_per_tok=2)
+        model = transformers.AutoModelForCausalLM.from_config(config).to(device)
+        policy = Policy.from_preset(preset)
+        policy.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        block = model.model.layers[0].mlp
+        x = torch.randn(4, 300, 256, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_()
+        with policy.autocast(device):
+            out = block(x)
+        out.float().square().sum().backward()
+        results.append([t.detach().float().cpu() for t in (out, x.grad, block.experts.gate_up_proj.grad)])
+    for cpu, cuda in zip(*results):
+        assert float((cpu - cuda).norm() / cpu.norm()) < 2e-2

@@ -158,3 +158,51 @@ def test_an_expert_with_one_token(name):
     xr, wr = x.detach().float(), w.detach()
     ref = torch.cat([xr[s:t] @ wr[e].t() for e, (s, t) in enumerate(experts._bounds(offs))])
     assert sqnr(ref, out) > 20
+
+
+def _reference_grouped(a, b, scale_a, scale_b, offs):
+    """torch's grouped row-wise GEMM group by group on torch._scaled_mm (what the CPU has)."""
+    out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.bfloat16)
+    for e, (s, t) in enumerate(experts._bounds(offs)):
+        if t > s:
+            out[s:t] = torch._scaled_mm(a[s:t], b[e], scale_a[s:t].view(-1, 1), scale_b[e].view(1, -1),
+                                        out_dtype=torch.bfloat16)
+    return out
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_grouped_row_wise_route_equals_expert_by_expert(monkeypatch, transposed):
+    """The grouped route casts x, dy and all the weights at once: the same operands as expert by
+    expert (row-wise scales never cross a row), laid out as torch's grouped kernel reads them; with
+    that kernel stood in for by torch._scaled_mm per group, the results are the loop's, bit for bit."""
+    monkeypatch.setattr(experts, "_scaled_grouped_mm", _reference_grouped)
+    loop = gemm("rowwise", transposed)
+    grouped = experts.ExpertsGemm(loop.name, loop.plan, transposed, grouped=True)
+    results = []
+    for g in (loop, grouped):
+        x, w, offs, dy = problem(transposed=transposed, seed=5)
+        experts.experts_mm(x, w, offs, experts.register(g)).backward(dy)
+        results.append((experts.experts_mm(x, w, offs, experts.register(g)).detach(), x.grad, w.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_grouped_route_traced_on_meta(monkeypatch):
+    """CUDA's grouped route on the meta device: torch's meta function of torch._scaled_grouped_mm checks the
+    operands' dtypes, layouts (a row-major, b column-major) and the scales' shapes."""
+    g = experts.ExpertsGemm("e.gate_up_proj", gemm("rowwise").plan, False, grouped=True)
+    x = torch.empty(40, 48, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(4, 80, 48, device="meta")
+    offs = torch.empty(4, dtype=torch.int32, device="meta")
+    out = experts.forward(x, w, offs, g)
+    assert out.shape == (40, 80) and out.dtype == torch.bfloat16
+    monkeypatch.setattr(experts, "_bounds", lambda offs: [])  # the per-expert weight gradients read sizes on the host
+    dx, dw = experts.backward(x, w, offs, torch.empty(40, 80, dtype=torch.bfloat16, device="meta"), g)
+    assert dx.shape == x.shape and dx.dtype == x.dtype and dw.shape == w.shape
+
+
+def test_routes_said_at_conversion():
+    plan = gemm("rowwise").plan
+    assert "not torch's grouped row-wise kernel: torch's grouped scaled GEMM runs on CUDA GPUs only" in \
+        experts.describe(plan)
+    assert experts.describe(gemm("mxfp8").plan).startswith("expert by expert")

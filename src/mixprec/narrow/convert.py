@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from mixprec.narrow import blockwise_cast, hf_experts
+from mixprec.narrow.experts import describe as experts_route
 from mixprec.narrow.hf_experts import ExpertsLayer
 from mixprec.narrow.gemm import KERNELS, route
 from mixprec.narrow.linear import FP8Linear, Plan, linear_class, replan
@@ -32,8 +33,6 @@ from mixprec.dtypes import dtype_name
 logger = logging.getLogger(__name__)
 
 DEFAULT_EXCLUDE = ()
-EXPERTS_ROUTE = ("one device-to-host read of the group sizes per projection and pass; torch's grouped scaled GEMMs "
-                 "(F.scaled_grouped_mm) are not driven yet")
 
 
 def matches(fqn: str, patterns) -> str | None:
@@ -149,8 +148,9 @@ class Conversion:
         kernels = ", ".join(f"{g}: {kernel}" for g, kernel in self.kernels().items())
         said = f"{len(self.modules)} Linear layers in {self.recipe.label} ({self.recipe.name}: {self.recipe.summary()}; {kernels})"
         if self.experts:
+            plan = next(iter(self.experts.values())).gemms[0].plan
             said += (f"; {len(self.experts)} experts modules in {self.recipe.label}, each expert scaled on its own "
-                     f"(its GEMMs as the Linear layers', one expert after another: {EXPERTS_ROUTE})")
+                     f"({experts_route(plan)})")
         return said
 
 

@@ -35,6 +35,8 @@ import torch.nn.functional as F
 
 from mixprec.errors import UserError
 from mixprec.narrow.linear import Plan, linear_class
+from mixprec.narrow.recipe import E4M3, Granularity
+from mixprec.narrow.scaling import quantize
 
 
 class Saved:
@@ -51,6 +53,7 @@ class ExpertsGemm:
     plan: Plan  # the dense Linear's plan: recipe, tiles, compute dtype, kernel routes
     transposed: bool  # weight (E, K, N) (gpt-oss) rather than (E, N, K) (nn.Linear's per expert)
     salts: tuple[int, ...] = ()  # each expert's part of its stochastic-rounding keys (microscaled recipes)
+    grouped: bool = False  # row-wise: forward and input gradient on torch's grouped row-wise kernel (`grouped_route`)
 
     @property
     def matmul(self) -> type:
@@ -106,8 +109,83 @@ def _no_autocast(device: torch.device):
     return torch.autocast(device.type, enabled=False) if device.type in ("cpu", "cuda") else contextlib.nullcontext()
 
 
+# ---- the grouped row-wise route (CUDA, SM90 and SM100) --------------------------------------------------------
+# Row-wise scales run along the dimension a GEMM sums over: a token's row of x or dy is scaled
+# alone whatever expert it goes to, and each expert's weight per output (or input) column; so
+# the whole x (S, K) is cast at once and every expert's weight in one pass, the same operands
+# as expert by expert, and torch's grouped kernel multiplies them group by group. The weight
+# gradient sums over each expert's tokens (its scales along them, per expert): expert by expert.
+def grouped_route(device: str, compute_dtype: torch.dtype) -> str | None:
+    """None where the row-wise experts' forward and input-gradient GEMMs run on torch's grouped
+    row-wise kernel; otherwise why they run expert by expert."""
+    if device != "cuda":
+        return "torch's grouped scaled GEMM runs on CUDA GPUs only"
+    if compute_dtype != torch.bfloat16:
+        return "torch's grouped scaled GEMM writes bfloat16 only"
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
+    if torch.cuda.get_device_capability() not in ((9, 0), (10, 0)):
+        return "torch's grouped row-wise kernel needs compute capability 9.0 or 10.0"
+    return None
+
+
+def uses_grouped(plan: Plan) -> bool:
+    """Whether experts under `plan` run their forward and input gradient on the grouped row-wise kernel."""
+    return (plan.recipe.granularity is Granularity.ROWWISE and plan.kernels[0] and not plan.emulated
+            and grouped_route(plan.device, plan.compute_dtype) is None)
+
+
+def describe(plan: Plan) -> str:
+    """How experts under `plan` run their GEMMs, for the conversion's log line."""
+    loop = ("expert by expert, each GEMM as the Linear layers' (one device-to-host read of the group sizes per "
+            "projection and pass)")
+    if uses_grouped(plan):
+        return ("forward and input gradient on torch's grouped row-wise kernel (torch._scaled_grouped_mm), the "
+                f"weight gradient {loop}")
+    if plan.recipe.granularity is Granularity.ROWWISE:
+        why = "fp8.emulate = true" if plan.emulated else grouped_route(plan.device, plan.compute_dtype)
+        return f"{loop}; not torch's grouped row-wise kernel: {why}"
+    return loop
+
+
+def _valid_rows(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """out with the rows past offs[-1] zeroed (the grouped kernel leaves them as they were), on the device."""
+    rows = torch.arange(out.shape[0], device=out.device) < offs[-1]
+    return torch.where(rows[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def _rows(t: torch.Tensor, dtype: torch.dtype, pow2: bool):
+    """t (R, C), each row scaled along its length."""
+    return quantize(t, dtype, (1, 0), power_of_2=pow2)[0]
+
+
+def _scaled_grouped_mm(a, b, scale_a, scale_b, offs):
+    """torch's grouped row-wise GEMM (its meta function states the layout: a row-major, b (E, K, N)
+    column-major, scale_a (S,), scale_b (E, N)); a test stands a reference in for it on the CPU."""
+    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
+
+
+def _grouped(a, b, n_experts: int, offs: torch.Tensor) -> torch.Tensor:
+    """a (S, K) row-wise @ each expert's b rows (E * N, K, row-wise along K) -> (S, N)."""
+    K = a.data.shape[1]
+    N = b.data.shape[0] // n_experts
+    mat_b = b.data.view(n_experts, N, K).transpose(1, 2)  # (E, K, N), column-major as the kernel reads it
+    return _scaled_grouped_mm(a.data, mat_b, a.scale_inv.reshape(-1), b.scale_inv.reshape(n_experts, N), offs)
+
+
+def _by_output(weight: torch.Tensor, g: ExpertsGemm) -> torch.Tensor:
+    """(E, N, K): each expert's weight as an nn.Linear holds it."""
+    return weight.transpose(1, 2) if g.transposed else weight
+
+
 def forward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, g: ExpertsGemm) -> torch.Tensor:
     """(S, K) -> (S, N) in the plan's compute dtype, each expert through the dense matmul's `cast` and `gemm`."""
+    if g.grouped:
+        r, E = g.plan.recipe, weight.shape[0]
+        w = _by_output(weight, g)
+        with _no_autocast(x.device):
+            return _valid_rows(_grouped(_rows(x, E4M3, r.power_of_2_scales),
+                                        _rows(w.reshape(-1, w.shape[2]), E4M3, r.power_of_2_scales), E, offs), offs)
     n = weight.shape[2] if g.transposed else weight.shape[1]
     out = x.new_zeros(x.shape[0], n, dtype=g.plan.compute_dtype)
     with _no_autocast(x.device):
@@ -124,13 +202,22 @@ def backward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, dy: torc
     dx, dw = torch.zeros_like(x), torch.zeros_like(weight)
     multiple = g.pad_to()
     with _no_autocast(x.device):
+        if g.grouped:  # dy along N per token, each expert's weight along N per input column
+            r, E = g.plan.recipe, weight.shape[0]
+            wt = _by_output(weight, g).transpose(1, 2)  # (E, K, N)
+            dx = _valid_rows(_grouped(_rows(dy, r.grad_dtype, r.power_of_2_scales),
+                                      _rows(wt.reshape(-1, wt.shape[2]), E4M3, r.power_of_2_scales), E, offs),
+                             offs).to(x.dtype)
         for e, (start, end) in enumerate(_bounds(offs)):
             if end == start:
                 continue
             ctx = Saved()
             g.matmul.cast(ctx, _pad(x[start:end], multiple), _weight(weight, e, g), g.plan, g.state(e))
-            dx_e, dw_e = g.matmul.backward(ctx, _pad(dy[start:end], multiple))[:2]
-            dx[start:end] = dx_e[:end - start]
+            if g.grouped:
+                dw_e = g.matmul.wgrad(ctx, dy[start:end])
+            else:
+                dx_e, dw_e = g.matmul.backward(ctx, _pad(dy[start:end], multiple))[:2]
+                dx[start:end] = dx_e[:end - start]
             dw[e] = dw_e.t() if g.transposed else dw_e
     return dx, dw
 

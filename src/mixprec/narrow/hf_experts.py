@@ -127,7 +127,8 @@ def convert(model: nn.Module, fqns, plan: Plan) -> dict[str, ExpertsLayer]:
             n_experts = getattr(m, proj).shape[0]
             salts = tuple(zlib.crc32(f"{name}.{e}".encode()) for e in range(n_experts)) \
                 if hasattr(plan.recipe, "element") else ()
-            keys.append(experts.register(ExpertsGemm(name, plan, bool(m.is_transposed), salts)))
+            keys.append(experts.register(ExpertsGemm(name, plan, bool(m.is_transposed), salts,
+                                                     experts.uses_grouped(plan))))
         m.mixprec_experts = converted[fqn] = ExpertsLayer(fqn, *keys, plan.compute_dtype)
         m.config._experts_implementation = IMPLEMENTATION  # shared by the model's experts modules, as transformers sets it
     return converted
@@ -146,7 +147,8 @@ def in_base_mode(model: nn.Module, fqns, dtype: torch.dtype) -> None:
 
 def replan(layer: ExpertsLayer, plan: Plan) -> None:
     """The layer's projections under `plan` (its routes chosen again for another device)."""
-    layer.up, layer.down = (experts.register(ExpertsGemm(g.name, plan, g.transposed, g.salts)) for g in layer.gemms)
+    layer.up, layer.down = (experts.register(ExpertsGemm(g.name, plan, g.transposed, g.salts,
+                                                         experts.uses_grouped(plan))) for g in layer.gemms)
 
 
 def runs_narrow(module: nn.Module) -> bool:

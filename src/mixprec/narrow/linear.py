@@ -99,14 +99,28 @@ class _FP8Matmul(torch.autograd.Function):
         else:
             wq_d = wq
         dx = scaled_mm(gq, wq_d, plan.compute_dtype, kernel=plan.kernels[1], blockwise=plan.blockwise).to(ctx.x_dtype)
+        return dx, _FP8Matmul.wgrad(ctx, dy, gq, gq_w, fused), None, None
+
+    @staticmethod
+    def wgrad(ctx, dy: torch.Tensor, gq: Quantized | None = None, gq_w: Quantized | None = None,
+              fused: bool = False) -> torch.Tensor:
+        """The weight-gradient GEMM dy^T (N, M) x (M, K), FP32 sums, in the weight's dtype. gq, gq_w:
+        dy's casts along N and along M where backward made them (a current-scaling recipe's made here)."""
+        plan = ctx.plan
+        r, t = plan.recipe, plan.tiles
+        x_data, x_scale_inv, weight = ctx.saved_tensors[:3]
+        xq = Quantized(x_data, x_scale_inv, ctx.x_tile)
+        pow2 = r.power_of_2_scales
         if gq_w is None:
-            gq_w = quantize(dy, r.grad_dtype, t.g_wgrad, power_of_2=pow2)[0] if t.g_wgrad else gq
+            if t.g_wgrad:
+                gq_w = quantize(dy, r.grad_dtype, t.g_wgrad, power_of_2=pow2)[0]
+            else:
+                gq_w = gq if gq is not None else quantize(dy, r.grad_dtype, t.g, power_of_2=pow2)[0]
         if fused and blockwise_cast.applies(x_data, E4M3, (ctx.x_tile, t.x_wgrad), pow2):
             xq_w = blockwise_cast.recast_transposed(xq, triton=True)
         else:
             xq_w = quantize(xq.dequantize(), E4M3, t.x_wgrad, power_of_2=pow2)[0] if t.x_wgrad else xq
-        dw = scaled_mm(gq_w.t(), xq_w, torch.float32, kernel=plan.kernels[2], blockwise=plan.blockwise).to(weight.dtype)
-        return dx, dw, None, None
+        return scaled_mm(gq_w.t(), xq_w, torch.float32, kernel=plan.kernels[2], blockwise=plan.blockwise).to(weight.dtype)
 
 
 def _delayed_cast(x: torch.Tensor, state, role: int, dtype: torch.dtype):
