@@ -77,14 +77,9 @@ def test_the_base_route_is_transformers_grouped_mm(family):
     """The mixprec implementation's routing, gate, biases and combine (an experts module in the base
     mode: torch's grouped GEMM in the compute dtype) against transformers' grouped_mm, a model in
     bfloat16: the same GEMMs on the same rows, so the same outputs and gradients."""
-    ref, mine = tiny(family).bfloat16(), tiny(family).bfloat16()
+    ref, mine = tiny(family).bfloat16(), tiny(family).bfloat16()  # ref keeps transformers' default, grouped_mm
     hf_experts.in_base_mode(mine, list(experts_of(mine)), torch.bfloat16)
-    assert mine.config._experts_implementation == "mixprec"
-    for model in (ref, mine):
-        model.model.layers[0].mlp.experts.config._experts_implementation  # noqa: B018 - shared config
-    ref.config._experts_implementation = "grouped_mm"
-    for m in experts_of(ref).values():
-        m.config = ref.config
+    assert mine.config._experts_implementation == "mixprec" and ref.config._experts_implementation == "grouped_mm"
     b = batch(1)
     out_ref, out_mine = ref(**b), mine(**b)
     out_ref.loss.backward()
@@ -156,3 +151,63 @@ def test_compiled_moe_block_has_no_graph_break_and_matches_eager():
     # value in the down projection's cast: measured 0.33% relative in bf16-mixed, 0.77% in fp8-rowwise
     err = float((compiled.float() - eager.float()).norm() / eager.float().norm())
     assert compiled.dtype == eager.dtype and err < 2e-2, err
+
+
+def moe_config(folder, family="qwen3_moe"):
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": family, **SMALL, "vocab_size": 512,
+                                                    **FAMILIES[family]}))
+    return folder
+
+
+@pytest.mark.parametrize("preset", ["fp8-blockwise", "nvfp4"])
+def test_the_documented_commands_train_and_audit_a_moe_model(tmp_path, text_file, capsys, preset):
+    """docs/moe.md: `mixprec train` and `mixprec audit` with model.hf_config naming an MoE model."""
+    import json
+
+    from conftest import run_train, tiny_args
+    from mixprec.cli import main
+
+    config = moe_config(tmp_path / "cfg", "gpt_oss" if preset == "nvfp4" else "qwen3_moe")
+    hf = ("--model.hf_config", str(config), "--data.tokenizer", "byte", "--precision.preset", preset)
+    records = run_train(tmp_path / "run", text_file, *hf)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    capsys.readouterr()
+    args = tiny_args(tmp_path / "unused", text_file, *hf)
+    args[0] = "audit"
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    stage = next(r for r in report["stages"] if r["stage"] == "experts modules by compute (per module)")
+    assert stage["ok"] and stage["observed"] == stage["promised"]
+    narrow = 2 if preset == "fp8-blockwise" else 1  # nvfp4 keeps the last decoder block of two in bfloat16
+    assert f"{narrow} {'float8' if narrow == 2 else 'e2m1'}" in stage["observed"]
+
+
+def test_coverage_benchmark_counts_the_experts():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from moe_coverage import coverage
+
+    share, narrow, total = coverage("gpt_oss", "fp8-rowwise")
+    assert narrow == total == 2 and share > 0.99
+
+
+@pytest.mark.parametrize("preset", ["fp8-tensorwise", "fp8-rowwise", "fp8-blockwise", "mxfp8", "nvfp4", "mxfp4",
+                                    "bf16-mixed", "fp8-delayed"])
+def test_audit_passes_on_a_moe_model_in_every_preset(preset):
+    from mixprec.optim import AdamW
+
+    model = tiny("gpt_oss")
+    policy = Policy.from_preset(preset)
+    optimizer = AdamW(model.parameters(), lr=1e-3, moments_dtype=policy.spec.moments_dtype)
+    policy.setup(model, optimizer)
+    report = audit(model, policy, optimizer, [batch(0), batch(1)])
+    assert report["ok"], [r for r in report["stages"] if not r["ok"]]
+    stage = next(r for r in report["stages"] if r["stage"] == "experts modules by compute (per module)")
+    narrow = {"nvfp4": ["1 bfloat16", "1 e2m1"], "mxfp4": ["2 e2m1"], "bf16-mixed": ["2 bfloat16"],
+              "fp8-delayed": ["2 bfloat16"]}.get(preset, ["2 float8"])
+    assert stage["observed"] == narrow

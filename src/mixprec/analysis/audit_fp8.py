@@ -30,7 +30,11 @@ MX_QUANTIZE = torch.ops.mixprec.mx_quantize.default
 BLOCKWISE_MM = torch.ops.mixprec.blockwise_scaled_mm.default  # registered by mixprec.narrow.gemm
 NARROW = ("float8", "e2m1")  # how the report names a GEMM's element format
 _VIEWS = {aten.slice.Tensor, aten.t.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default,
-          aten.expand.default, aten.alias.default, aten.permute.default, aten.narrow.default}
+          aten.expand.default, aten.alias.default, aten.permute.default, aten.narrow.default, aten.reshape.default}
+# An experts operator run op by op inside the observer (mixprec.analysis.audit_experts) issues its ops below
+# autograd, where composite ops arrive undecomposed: a widening as aten.to, a GEMM as aten.matmul
+_WIDENINGS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout}
+_GEMMS = _MATMULS | {aten.matmul.default}
 
 
 def element_name(dtype: torch.dtype) -> str:
@@ -103,7 +107,7 @@ class FP8Tracker:
             data, scale = out[0], out[1]
             rows, cols = data.shape[0], data.shape[1] * (2 if data.dtype == E2M1 else 1)
             self._cast(first.shape[0], rows // scale.shape[0], cols // scale.shape[1])
-        if func is aten._to_copy.default and isinstance(first, torch.Tensor) and first.dtype in FP8_DTYPES:
+        if func in _WIDENINGS and isinstance(first, torch.Tensor) and first.dtype in FP8_DTYPES:
             self._track(out, (first.dtype, next(self._serials)))  # an FP8 tensor widened for the emulated GEMM
         elif func in _VIEWS and (src := self._source(first)) is not None and out.dtype not in FP8_DTYPES:
             self._track(out, src)
@@ -113,7 +117,7 @@ class FP8Tracker:
         # torch's scaled GEMMs, and mixprec's block-wise one: an operator whose insides (F.scaled_mm) a dispatch
         # mode does not see, so it is recognised by itself (on CUDA the audit missed every block-wise kernel GEMM)
         scaled = getattr(func, "__name__", "").startswith("_scaled_mm") or func is BLOCKWISE_MM
-        sources = [self._source(a) for a in args[:2]] if (scaled or func in _MATMULS) else []
+        sources = [self._source(a) for a in args[:2]] if (scaled or func in _GEMMS) else []
         if func in (aten.addmm.default, aten.baddbmm.default):
             sources = [self._source(a) for a in args[1:3]]
         if not sources or None in sources:
