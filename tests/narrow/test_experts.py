@@ -12,7 +12,8 @@ from mixprec.narrow import experts
 from mixprec.narrow.convert import Conversion  # noqa: F401 - registers the recipes
 from mixprec.narrow.linear import Plan, linear_class
 from mixprec.narrow.recipe import RECIPES
-from mixprec.narrow.scaling import sqnr
+from mixprec.narrow.gemm import scaled_mm
+from mixprec.narrow.scaling import Quantized, sqnr
 
 CURRENT = [name for name, r in RECIPES.items() if not r.delayed]
 
@@ -161,12 +162,16 @@ def test_an_expert_with_one_token(name):
 
 
 def _reference_grouped(a, b, scale_a, scale_b, offs):
-    """torch's grouped row-wise GEMM group by group on torch._scaled_mm (what the CPU has)."""
+    """torch's grouped row-wise GEMM group by group, on the route a row-wise Linear takes on this CPU
+    (torch._scaled_mm where it takes row-wise scales, torch 2.13; the emulation where not, 2.11)."""
+    kernel = gemm("rowwise").plan.kernels[0]
+    K = a.shape[1]
     out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.bfloat16)
     for e, (s, t) in enumerate(experts._bounds(offs)):
         if t > s:
-            out[s:t] = torch._scaled_mm(a[s:t], b[e], scale_a[s:t].view(-1, 1), scale_b[e].view(1, -1),
-                                        out_dtype=torch.bfloat16)
+            qa = Quantized(a[s:t], scale_a[s:t].view(-1, 1), (1, K))
+            qb = Quantized(b[e], scale_b[e].view(1, -1), (K, 1))
+            out[s:t] = scaled_mm(qa, qb, torch.bfloat16, kernel=kernel)
     return out
 
 
@@ -206,3 +211,15 @@ def test_routes_said_at_conversion():
     assert "not torch's grouped row-wise kernel: torch's grouped scaled GEMM runs on CUDA GPUs only" in \
         experts.describe(plan)
     assert experts.describe(gemm("mxfp8").plan).startswith("expert by expert")
+
+
+def test_grouped_kernel_probe(monkeypatch):
+    """The probe that admits torch's grouped kernel (run on CUDA at conversion), on the CPU with the kernel
+    stood in for: a faithful kernel is admitted, a wrong one refused with the error."""
+    monkeypatch.setattr(experts, "_scaled_grouped_mm", _reference_grouped)
+    experts._probe_grouped.cache_clear()
+    assert experts._probe_grouped("cpu") is None
+    monkeypatch.setattr(experts, "_scaled_grouped_mm", lambda *args: _reference_grouped(*args) * 1.1)
+    experts._probe_grouped.cache_clear()
+    assert "disagrees with expert by expert (0.1)" in experts._probe_grouped("cpu")
+    experts._probe_grouped.cache_clear()

@@ -211,3 +211,14 @@ def test_audit_passes_on_a_moe_model_in_every_preset(preset):
     narrow = {"nvfp4": ["1 bfloat16", "1 e2m1"], "mxfp4": ["2 e2m1"], "bf16-mixed": ["2 bfloat16"],
               "fp8-delayed": ["2 bfloat16"]}.get(preset, ["2 float8"])
     assert stage["observed"] == narrow
+
+
+def test_another_experts_implementation_is_replaced_and_said(caplog):
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model("mixtral", **{**SMALL, **FAMILIES["mixtral"]})
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="batched_mm")
+    assert model.config._experts_implementation == "batched_mm"
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        Policy.from_preset("mxfp8").setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert model.config._experts_implementation == "mixprec"
+    assert any("experts_implementation 'batched_mm' replaced by 'mixprec'" in r.message for r in caplog.records)

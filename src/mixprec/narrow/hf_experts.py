@@ -22,6 +22,7 @@ narrow format, with their logits and score function in FP32 (mixprec.precision.l
 from __future__ import annotations
 
 import functools
+import logging
 import zlib
 from dataclasses import dataclass
 
@@ -32,6 +33,8 @@ from mixprec.narrow import experts
 from mixprec.narrow.experts import ExpertsGemm
 from mixprec.narrow.linear import Plan
 from mixprec.narrow.microscaling import byte_values
+
+logger = logging.getLogger(__name__)
 
 IMPLEMENTATION = "mixprec"  # the key in transformers' ExpertsInterface
 BASE = "grouped_mm"  # what an unconverted experts module runs under it: transformers' own grouped GEMMs
@@ -130,8 +133,19 @@ def convert(model: nn.Module, fqns, plan: Plan) -> dict[str, ExpertsLayer]:
             keys.append(experts.register(ExpertsGemm(name, plan, bool(m.is_transposed), salts,
                                                      experts.uses_grouped(plan))))
         m.mixprec_experts = converted[fqn] = ExpertsLayer(fqn, *keys, plan.compute_dtype)
-        m.config._experts_implementation = IMPLEMENTATION  # shared by the model's experts modules, as transformers sets it
+        _select(m)
     return converted
+
+
+def _select(module: nn.Module) -> None:
+    """The module's config selects mixprec's implementation (a config is shared by a model's experts modules,
+    as transformers sets it); another one chosen before is said."""
+    old = module.config._experts_implementation
+    if old != IMPLEMENTATION:
+        if old != BASE:
+            logger.info("precision: experts_implementation %r replaced by %r (transformers' experts interface; "
+                        "the recipe and the base mode's dtype run there)", old, IMPLEMENTATION)
+        module.config._experts_implementation = IMPLEMENTATION
 
 
 def in_base_mode(model: nn.Module, fqns, dtype: torch.dtype) -> None:
@@ -142,7 +156,7 @@ def in_base_mode(model: nn.Module, fqns, dtype: torch.dtype) -> None:
     for fqn in fqns:
         m = model.get_submodule(fqn)
         m.mixprec_experts = ExpertsLayer(fqn, None, None, dtype)
-        m.config._experts_implementation = IMPLEMENTATION
+        _select(m)
 
 
 def replan(layer: ExpertsLayer, plan: Plan) -> None:
