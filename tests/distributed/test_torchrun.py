@@ -267,3 +267,22 @@ def test_ddp_saves_one_file_and_resumes_exactly(tmp_path, text_file, preset="fp1
     resumed = torchrun_ckpt(tmp_path / "run", text_file, *ddp)  # 2 -> 2 from step 3
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps_this_run"] == 3
     assert [r["loss"] for r in resumed[3:]] == [r["loss"] for r in full[3:]]
+
+
+def test_a_moe_model_under_fsdp_tracks_one_process(tmp_path, text_file):
+    """A transformers Qwen3-MoE model, fp8-rowwise, on two FSDP2 ranks: its routers sharded as units of
+    their own gathered in float32 (FSDP2 would hand them over in bfloat16 otherwise, and the float32
+    router fail), the experts in the recipe; the losses track one process (FSDP2 gathers the weights in
+    bfloat16 before their FP8 casts, where one process casts the FP32 weights: close, not equal)."""
+    pytest.importorskip("transformers")
+    config = tmp_path / "moe"
+    config.mkdir()
+    (config / "config.json").write_text(json.dumps(dict(
+        model_type="qwen3_moe", hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512, num_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=64)))
+    hf = ("--model.hf_config", str(config), "--data.tokenizer", "byte", "--precision.preset", "fp8-rowwise")
+    one = run_train(tmp_path / "one", text_file, "--checkpoint.enable", "false", *hf)
+    two = torchrun(tmp_path / "two", text_file, "--parallelism.data_parallel_shard_degree", "2", *hf)
+    a, b = [r["loss"] for r in one if "loss" in r], [r["loss"] for r in two if "loss" in r]
+    assert len(a) == len(b) and all(abs(x - y) / x < 0.02 for x, y in zip(a, b)), (a, b)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
@@ -53,6 +54,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, policy: Policy, *, reshard_af
     # mixprec's Llama; another model's embeddings and head stay in the root
     if hasattr(model, "tok_embeddings") and "tok_embeddings" not in tied:
         fully_shard(model.tok_embeddings, **kwargs)
+    _shard_routers(model, policy, kwargs)
     for block in blocks:
         fully_shard(block, **kwargs)
     if hasattr(model, "output") and "output" not in tied:
@@ -60,6 +62,20 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, policy: Policy, *, reshard_af
     fully_shard(model, **{**kwargs, "reshard_after_forward": reshard_after_forward == "always"})
     all_gather.attach_units(model)
     return model
+
+
+def _shard_routers(model: nn.Module, policy: Policy, kwargs: dict) -> None:
+    """A mixture-of-experts model's routers, each a unit of its own gathered in float32 (their layout rows:
+    FP32 weights, logits and scores), before the blocks that hold them take the rest in the compute dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    routers = list(policy.layout.routers()) if policy.layout is not None else []
+    if not routers or kwargs["mp_policy"].param_dtype in (None, torch.float32):
+        return
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=kwargs["mp_policy"].reduce_dtype)
+    for fqn in routers:
+        fully_shard(model.get_submodule(fqn), **{**kwargs, "mp_policy": fp32})
+    logger.info("fsdp: %d routers all-gathered in float32, each a unit of its own (%s, ...)", len(routers), routers[0])
 
 
 def _narrow_gathers(model: nn.Module, blocks: list[nn.Module], world: int, reshard_after_forward: str, enabled: bool,
