@@ -33,6 +33,7 @@ from mixprec.narrow import experts
 from mixprec.narrow.experts import ExpertsGemm
 from mixprec.narrow.linear import Plan
 from mixprec.narrow.microscaling import byte_values
+from mixprec.narrow.mx import MXRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,6 @@ class ExpertsLayer:
     up: int | None  # the operator key of gate_up_proj (or up_proj); None: the base mode
     down: int | None
     dtype: torch.dtype  # the base mode's compute dtype (the recipe's GEMMs write it too)
-    enabled: bool = True  # False: taken out of the recipe during a run, the base mode's grouped GEMM
 
     @property
     def gemms(self) -> tuple[ExpertsGemm, ExpertsGemm]:
@@ -56,7 +56,7 @@ class ExpertsLayer:
 
     @property
     def narrow(self) -> bool:
-        return self.up is not None and self.enabled
+        return self.up is not None
 
 
 def interface_experts(module: nn.Module) -> bool:
@@ -117,7 +117,8 @@ def convert(model: nn.Module, fqns, plan: Plan) -> dict[str, ExpertsLayer]:
     config the "mixprec" experts implementation (registered in transformers' interface here)."""
     experts.check_recipe(plan.recipe)
     register_implementation()
-    if hasattr(plan.recipe, "element"):  # drawn and copied now, outside any compiled region (as MXLinear.from_linear)
+    microscaled = isinstance(plan.recipe, MXRecipe)
+    if microscaled:  # drawn and copied now, outside any compiled region (as MXLinear.from_linear)
         device = plan.device if plan.device not in ("meta",) else "cpu"
         plan.recipe.transform(torch.device(device))
         byte_values(torch.device(device))
@@ -128,8 +129,8 @@ def convert(model: nn.Module, fqns, plan: Plan) -> dict[str, ExpertsLayer]:
         for proj in projections(m):
             name = f"{fqn}.{proj}"
             n_experts = getattr(m, proj).shape[0]
-            salts = tuple(zlib.crc32(f"{name}.{e}".encode()) for e in range(n_experts)) \
-                if hasattr(plan.recipe, "element") else ()
+            # each expert's part of its stochastic-rounding keys, as an MXLinear's salt is its name's
+            salts = tuple(zlib.crc32(f"{name}.{e}".encode()) for e in range(n_experts)) if microscaled else ()
             keys.append(experts.register(ExpertsGemm(name, plan, bool(m.is_transposed), salts,
                                                      experts.uses_grouped(plan))))
         m.mixprec_experts = converted[fqn] = ExpertsLayer(fqn, *keys, plan.compute_dtype)
