@@ -4,7 +4,7 @@ here) trained by `mixprec compare` on the default corpus (this Python's standard
 for several seeds, then each recipe's final validation loss against bf16-mixed, seed by seed
 (benchmarks/seed_spread.py).
 
-    python benchmarks/moe_accuracy.py --out runs/moe-acc [--families qwen3_moe,mixtral,gpt_oss]
+    python benchmarks/moe_accuracy.py --out runs/moe-acc [--families qwen3_moe,mixtral,gpt_oss]   # any of FAMILIES
         [--presets bf16-mixed,fp8-rowwise,...] [--seeds 0,1,2] [--steps 150]
 
 Each compare run prints its own progress; a family's table follows its last seed.
