@@ -76,7 +76,7 @@ def test_experts_sqnr_against_fp32(name, floors):
     out = experts.experts_mm(x, w, offs, experts.register(g))
     out.backward(dy)
     xr, wr = x.detach().float().requires_grad_(), w.detach().clone().requires_grad_()
-    ref = torch.cat([xr[s:t] @ wr[e].t() for e, (s, t) in enumerate(experts._bounds(offs))])
+    ref = torch.cat([xr[s:t] @ wr[e].t() for e, (s, t) in enumerate(experts.groups(offs))])
     ref.backward(dy.float())
     got = (sqnr(ref, out), sqnr(xr.grad, x.grad), sqnr(wr.grad, w.grad))
     assert all(s >= f for s, f in zip(got, floors)), (name, got)
@@ -157,7 +157,7 @@ def test_an_expert_with_one_token(name):
     out = experts.experts_mm(x, w, offs, experts.register(g))
     out.backward(dy)
     xr, wr = x.detach().float(), w.detach()
-    ref = torch.cat([xr[s:t] @ wr[e].t() for e, (s, t) in enumerate(experts._bounds(offs))])
+    ref = torch.cat([xr[s:t] @ wr[e].t() for e, (s, t) in enumerate(experts.groups(offs))])
     assert sqnr(ref, out) > 20
 
 
@@ -167,7 +167,7 @@ def _reference_grouped(a, b, scale_a, scale_b, offs):
     kernel = gemm("rowwise").plan.kernels[0]
     K = a.shape[1]
     out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.bfloat16)
-    for e, (s, t) in enumerate(experts._bounds(offs)):
+    for e, (s, t) in enumerate(experts.groups(offs)):
         if t > s:
             qa = Quantized(a[s:t], scale_a[s:t].view(-1, 1), (1, K))
             qb = Quantized(b[e], scale_b[e].view(1, -1), (K, 1))
@@ -201,7 +201,7 @@ def test_grouped_route_traced_on_meta(monkeypatch):
     offs = torch.empty(4, dtype=torch.int32, device="meta")
     out = experts.forward(x, w, offs, g)
     assert out.shape == (40, 80) and out.dtype == torch.bfloat16
-    monkeypatch.setattr(experts, "_bounds", lambda offs: [])  # the per-expert weight gradients read sizes on the host
+    monkeypatch.setattr(experts, "groups", lambda offs: [])  # the per-expert weight gradients read sizes on the host
     dx, dw = experts.backward(x, w, offs, torch.empty(40, 80, dtype=torch.bfloat16, device="meta"), g)
     assert dx.shape == x.shape and dx.dtype == x.dtype and dw.shape == w.shape
 

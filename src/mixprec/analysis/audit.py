@@ -95,8 +95,6 @@ def promises(policy) -> dict[str, set[torch.dtype] | None]:
     storage, compute = policy.storage_dtype, policy.param_dtype
     stored = {m.storage for m in policy.layout.modules.values()} if policy.layout is not None else {storage}
     computes = {compute} | set(policy.layout.dtype_overrides().values()) if policy.layout is not None else {compute}
-    if policy.layout is not None and policy.layout.routers():  # a mixture-of-experts model's routers: float32
-        computes |= {m.compute for m in policy.layout.routers().values()}
     return {
         "stored parameters": stored,
         "compute parameters (matmul operands)": computes,

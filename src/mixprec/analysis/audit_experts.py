@@ -41,8 +41,8 @@ def decompose(mode, tracker: FP8Tracker, func, args):
         with mode:
             if func is EXPERTS_MM:
                 return experts.forward(x, weight, offs, g)
-            tracker.expert_passes[g.name] += sum(end > start for start, end in experts._bounds(offs))
-            return experts.backward(x, weight, offs, rest[0].contiguous(), g)
+            tracker.expert_passes[g.name] += sum(end > start for start, end in experts.groups(offs))
+            return experts.backward(x, weight, offs, rest[0], g)
     finally:
         tracker.module = before
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mixprec.narrow import blockwise_cast, hf_experts
+from mixprec.narrow import blockwise_cast, experts, hf_experts
 from mixprec.narrow.experts import describe as experts_route
 from mixprec.narrow.hf_experts import ExpertsLayer
 from mixprec.narrow.gemm import KERNELS, route
@@ -75,6 +75,19 @@ def why_not(fqn: str, module: nn.Module, exclude=DEFAULT_EXCLUDE, outputs: dict[
     if module.in_features % 16 or module.out_features % 16:
         return f"{module.in_features} x {module.out_features}: FP8 GEMMs need dimensions that are multiples of 16"
     return None
+
+
+def experts_why_not(fqn: str, module: nn.Module, recipe: FP8Recipe, reason: str | None, exclude=DEFAULT_EXCLUDE,
+                    module_filter_fn=None) -> str | None:
+    """The reason an experts module stays in the base mode under `recipe`, or None to convert it.
+    reason: what hf_experts.find_experts said of it (None: a recipe can take it)."""
+    if reason is None and recipe.delayed:
+        reason = experts.DELAYED
+    if reason is None and (pattern := matches(fqn, exclude)) is not None:
+        reason = f"matches fp8.filter_fqns pattern {pattern!r}"
+    if reason is None and module_filter_fn is not None and not module_filter_fn(fqn, module):
+        reason = "refused by module_filter_fn"
+    return reason
 
 
 @dataclass
@@ -221,13 +234,8 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.
         conversion.modules[fqn] = new
     if experts is None:
         experts = []
-        for fqn, reason in hf_experts.find_experts(model).items():
-            if reason is None and recipe.delayed:
-                reason = "delayed scaling keeps one amax history per Linear and none for grouped experts"
-            if reason is None and (pattern := matches(fqn, exclude)) is not None:
-                reason = f"matches fp8.filter_fqns pattern {pattern!r}"
-            if reason is None and module_filter_fn is not None and not module_filter_fn(fqn, model.get_submodule(fqn)):
-                reason = "refused by module_filter_fn"
+        for fqn, found in hf_experts.find_experts(model).items():
+            reason = experts_why_not(fqn, model.get_submodule(fqn), recipe, found, exclude, module_filter_fn)
             if reason is None:
                 experts.append(fqn)
             else:

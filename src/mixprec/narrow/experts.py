@@ -82,22 +82,20 @@ def gemm_of(key: int) -> ExpertsGemm:
     return _GEMMS[key]
 
 
+DELAYED = "delayed scaling keeps one amax history per Linear layer and none for grouped experts"
+
+
 def check_recipe(recipe) -> None:
     """Experts take every current-scaling recipe; delayed scaling keeps one amax history per Linear."""
     if recipe.delayed:
-        raise UserError(f"fp8.recipe = {recipe.name!r}: delayed scaling keeps one amax history per Linear layer and "
-                        "has none for grouped experts; accepted for experts: tensorwise, rowwise, blockwise, mxfp8, "
-                        "nvfp4, mxfp4 (or keep the experts in the base mode with fp8.filter_fqns)")
+        raise UserError(f"fp8.recipe = {recipe.name!r}: {DELAYED}; accepted for experts: tensorwise, rowwise, "
+                        "blockwise, mxfp8, nvfp4, mxfp4 (or keep the experts in the base mode with fp8.filter_fqns)")
 
 
-def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+def groups(offs: torch.Tensor) -> list[tuple[int, int]]:
+    """Each expert's (start, end) rows, read on the host."""
     ends = offs.tolist()
     return list(zip([0] + ends[:-1], ends))
-
-
-def _weight(weight: torch.Tensor, e: int, g: ExpertsGemm) -> torch.Tensor:
-    """Expert e's weight as an nn.Linear holds it: (N, K)."""
-    return weight[e].t().contiguous() if g.transposed else weight[e]
 
 
 def _pad(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -209,12 +207,12 @@ def forward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, g: Expert
         with _no_autocast(x.device):
             return _valid_rows(_grouped(_rows(x, E4M3, r.power_of_2_scales),
                                         _rows(w.reshape(-1, w.shape[2]), E4M3, r.power_of_2_scales), E, offs), offs)
-    n = weight.shape[2] if g.transposed else weight.shape[1]
-    out = x.new_zeros(x.shape[0], n, dtype=g.plan.compute_dtype)
+    w = _by_output(weight, g)
+    out = x.new_zeros(x.shape[0], w.shape[1], dtype=g.plan.compute_dtype)
     with _no_autocast(x.device):
-        for e, (start, end) in enumerate(_bounds(offs)):
+        for e, (start, end) in enumerate(groups(offs)):
             if end > start:
-                xq, wq = g.matmul.cast(Saved(), x[start:end], _weight(weight, e, g), g.plan, g.state(e))
+                xq, wq = g.matmul.cast(Saved(), x[start:end], w[e].contiguous(), g.plan, g.state(e))
                 out[start:end] = g.matmul.gemm(xq, wq, g.plan)
     return out
 
@@ -222,26 +220,27 @@ def forward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, g: Expert
 def backward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, dy: torch.Tensor,
              g: ExpertsGemm) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx (S, K) in x's dtype, dW in the weight's layout and dtype), each expert through the dense backward."""
+    dy = dy.contiguous()
     dx, dw = torch.zeros_like(x), torch.zeros_like(weight)
+    w, dw_by_output = _by_output(weight, g), _by_output(dw, g)
     multiple = g.pad_to()
     with _no_autocast(x.device):
         if g.grouped:  # dy along N per token, each expert's weight along N per input column
             r, E = g.plan.recipe, weight.shape[0]
-            wt = _by_output(weight, g).transpose(1, 2)  # (E, K, N)
+            wt = w.transpose(1, 2)  # (E, K, N)
             dx = _valid_rows(_grouped(_rows(dy, r.grad_dtype, r.power_of_2_scales),
                                       _rows(wt.reshape(-1, wt.shape[2]), E4M3, r.power_of_2_scales), E, offs),
                              offs).to(x.dtype)
-        for e, (start, end) in enumerate(_bounds(offs)):
+        for e, (start, end) in enumerate(groups(offs)):
             if end == start:
                 continue
             ctx = Saved()
-            g.matmul.cast(ctx, _pad(x[start:end], multiple), _weight(weight, e, g), g.plan, g.state(e))
+            g.matmul.cast(ctx, _pad(x[start:end], multiple), w[e].contiguous(), g.plan, g.state(e))
             if g.grouped:
-                dw_e = g.matmul.wgrad(ctx, dy[start:end])
+                dw_by_output[e] = g.matmul.wgrad(ctx, dy[start:end], ctx.saved_tensors[:3])
             else:
-                dx_e, dw_e = g.matmul.backward(ctx, _pad(dy[start:end], multiple))[:2]
+                dx_e, dw_by_output[e] = g.matmul.backward(ctx, _pad(dy[start:end], multiple))[:2]
                 dx[start:end] = dx_e[:end - start]
-            dw[e] = dw_e.t() if g.transposed else dw_e
     return dx, dw
 
 
@@ -253,13 +252,13 @@ def _experts_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, key: 
 @_experts_mm.register_fake
 def _(x, weight, offs, key):
     g = gemm_of(key)
-    return x.new_empty(x.shape[0], weight.shape[2] if g.transposed else weight.shape[1], dtype=g.plan.compute_dtype)
+    return x.new_empty(x.shape[0], _by_output(weight, g).shape[1], dtype=g.plan.compute_dtype)
 
 
 @torch.library.custom_op("mixprec::experts_mm_backward", mutates_args=())
 def _experts_mm_backward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, dy: torch.Tensor,
                          key: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return backward(x, weight, offs, dy.contiguous(), gemm_of(key))
+    return backward(x, weight, offs, dy, gemm_of(key))
 
 
 @_experts_mm_backward.register_fake

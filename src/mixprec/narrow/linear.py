@@ -102,15 +102,15 @@ class _FP8Matmul(torch.autograd.Function):
         return dx, _FP8Matmul.wgrad(ctx, dy, (x_data, x_scale_inv, weight), gq, gq_w, fused), None, None
 
     @staticmethod
-    def wgrad(ctx, dy: torch.Tensor, saved=None, gq: Quantized | None = None, gq_w: Quantized | None = None,
+    def wgrad(ctx, dy: torch.Tensor, saved, gq: Quantized | None = None, gq_w: Quantized | None = None,
               fused: bool = False) -> torch.Tensor:
         """The weight-gradient GEMM dy^T (N, M) x (M, K), FP32 sums, in the weight's dtype. saved: the
-        input's FP8 data and scales and the weight, where backward unpacked them already (a ctx's saved
-        tensors are read once: under activation checkpointing a second read recomputes or fails); gq, gq_w:
-        dy's casts along N and along M where backward made them (a current-scaling recipe's made here)."""
+        input's FP8 data and scales and the weight, as the caller unpacked them (a ctx's saved tensors are
+        read once: under activation checkpointing a second read recomputes or fails); gq, gq_w: dy's casts
+        along N and along M where backward made them (a current-scaling recipe's made here)."""
         plan = ctx.plan
         r, t = plan.recipe, plan.tiles
-        x_data, x_scale_inv, weight = saved if saved is not None else ctx.saved_tensors[:3]
+        x_data, x_scale_inv, weight = saved
         xq = Quantized(x_data, x_scale_inv, ctx.x_tile)
         pow2 = r.power_of_2_scales
         if gq_w is None:

@@ -58,11 +58,6 @@ class ModuleFormats:
             hf_experts.in_base_mode(model, base, spec.param_dtype)
             logger.info("precision: %d experts modules compute in %s on torch's grouped GEMM, their weights cast to it "
                         "as autocast casts a Linear's (%s)", len(base), dtype_name(spec.param_dtype), ", ".join(base))
-        for fqn, row in self.layout.routers().items():
-            if spec.param_dtype != FP32:
-                module = model.get_submodule(fqn)
-                module.forward = _compute_in(module.forward, FP32, device_type)
-                logger.info("precision: %s computes in float32 (%s)", fqn, row.why.split(":")[0])
         for fqn, dtype in self.layout.dtype_overrides().items():
             module = model.get_submodule(fqn)
             module.forward = _compute_in(module.forward, dtype, device_type)

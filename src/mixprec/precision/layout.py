@@ -13,7 +13,7 @@ from torch import nn
 
 from mixprec.dtypes import dtype_name
 from mixprec.errors import UserError
-from mixprec.narrow.convert import matches, output_projections, why_not
+from mixprec.narrow.convert import experts_why_not, output_projections, why_not
 from mixprec.narrow.hf_experts import expert_weights, find_experts, routers
 from mixprec.narrow.mx import kept_blocks
 from mixprec.narrow.recipe import FP8Recipe
@@ -61,9 +61,9 @@ class Layout:
         return list(dict.fromkeys([*self.fp8().values(), *self.experts().values()]))
 
     def dtype_overrides(self) -> dict[str, torch.dtype]:
-        """Linear layers whose compute dtype differs from the base mode's."""
-        return {fqn: m.compute for fqn, m in self.linears().items()
-                if isinstance(m.compute, torch.dtype) and m.compute != self.spec.param_dtype}
+        """Linear layers and routers whose compute dtype differs from the base mode's."""
+        return {fqn: m.compute for fqn, m in self.modules.items() if m.kind in ("linear", "router")
+                and isinstance(m.compute, torch.dtype) and m.compute != self.spec.param_dtype}
 
     def left_out(self) -> dict[str, str]:
         """Linear layers (and other matmul modules) not in FP8 although the base mode has a
@@ -167,13 +167,7 @@ def _experts_row(spec: PrecisionSpec, fqn: str, module: nn.Module, storage: torc
     params = sum(p.numel() for p in weights.values()) * min(top_k, n_experts) // n_experts  # a token's share
     if spec.fp8 is None:
         return ModulePrecision("experts", storage, spec.param_dtype, "the base mode", params)
-    if reason is None and spec.fp8.delayed:
-        reason = ("delayed scaling keeps one amax history per Linear and none for grouped experts (accepted for "
-                  "experts: the current-scaling recipes)")
-    if reason is None and (pattern := matches(fqn, exclude)) is not None:
-        reason = f"matches fp8.filter_fqns pattern {pattern!r}"
-    if reason is None and module_filter_fn is not None and not module_filter_fn(fqn, module):
-        reason = "refused by module_filter_fn"
+    reason = experts_why_not(fqn, module, spec.fp8, reason, exclude, module_filter_fn)
     if reason is None:
         reason = next((why for prefix, why in kept.items() if fqn.startswith(prefix)), None)
     if reason is None:
