@@ -33,7 +33,7 @@ class Job:
 @dataclass(frozen=True)
 class Model:
     flavor: str = "small"
-    """Model shape: debug (tests, seconds on a CPU), small (~30M parameters), 1B, 8B, 70B (Llama-3 shapes)."""
+    """Model shape: debug (tests, seconds on a CPU), small (~30M parameters), 1B, 8B, 70B (Llama-3 shapes); mixtures of experts: moe-debug, moe-small (56M parameters, 23M active), moe-16B (DeepSeek-V2-Lite's shape)."""
     n_kv_heads: int = 0
     """Key/value heads for grouped-query attention; 0 keeps the flavor's."""
     tie_embeddings: str = "flavor"
@@ -42,6 +42,8 @@ class Model:
     """eager (explicit FP32 softmax, observable by the audit), sdpa (PyTorch's fused scaled_dot_product_attention), or auto: sdpa on CUDA, eager on a CPU (where the fused BF16 kernel is slower)."""
     loss: str = "auto"
     """full (the micro-batch's FP32 logits at once), chunked (output projection and loss a chunk of tokens at a time, gradients computed in the same pass: the full logits never exist), or auto: chunked when a micro-batch's FP32 logits exceed 256 MiB, or, with the loss compiled on a GPU, 1/16 of its memory (there the compiled full loss was measured faster and lighter)."""
+    balance: str = "bias"
+    """How an MoE flavor balances its experts' load: bias (DeepSeek-V3's auxiliary-loss-free: a per-expert bias on the routing scores, moved after each step towards the under-loaded experts) or aux (the auxiliary loss, added to the training loss)."""
     hf_config: str = ""
     """A Hugging Face causal LM's config.json (or its folder) to train instead of mixprec's Llama: randomly initialised, nothing downloaded (needs mixprec[hf]); FSDP2, activation checkpointing and compile act on each decoder layer; no tensor parallel or chunked loss yet. Empty: the flavor."""
 
@@ -51,6 +53,7 @@ class Model:
                self.tie_embeddings, "true, false, flavor")
         _check(self.attention in ("auto", "eager", "sdpa"), "model.attention", self.attention, "auto, eager, sdpa")
         _check(self.loss in ("auto", "chunked", "full"), "model.loss", self.loss, "auto, chunked, full")
+        _check(self.balance in ("bias", "aux"), "model.balance", self.balance, "bias, aux")
 
 
 @dataclass(frozen=True)

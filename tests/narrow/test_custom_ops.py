@@ -63,6 +63,12 @@ def cases():
     out.append(pytest.param("mixprec::mx_transpose", (q8.data, q8.scale), id="mx_transpose-fp8-40x64"))
     out += [pytest.param("mixprec::mx_mm", mm_args(R, N, K, name), id=f"mx_mm-{name}-{R}x{N}x{K}")
             for name, (R, N, K) in (("mxfp8", (40, 64, 96)), ("nvfp4", (25, 48, 32)), ("mxfp4", (100, 32, 64)))]
+    # the base mode's experts outside bfloat16: 4 experts of 7, 0, 20 and 3 rows, 2 rows past the last group
+    offs = torch.tensor([7, 7, 27, 30], dtype=torch.int32)
+    x, w = values(32, 24).requires_grad_(), values(4 * 24, 40, 3).view(4, 24, 40).requires_grad_()
+    out.append(pytest.param("mixprec::experts_mm_loop", (x, w, offs), id="experts_mm_loop-float32"))
+    out.append(pytest.param("mixprec::experts_mm_loop_backward", (x.detach(), w.detach(), offs, values(32, 40, 4)),
+                            id="experts_mm_loop_backward-float32"))
     return out
 
 

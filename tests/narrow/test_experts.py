@@ -223,3 +223,25 @@ def test_grouped_kernel_probe(monkeypatch):
     experts._probe_grouped.cache_clear()
     assert "disagrees with expert by expert (0.1)" in experts._probe_grouped("cpu")
     experts._probe_grouped.cache_clear()
+
+
+def test_the_base_modes_expert_by_expert_gemm_is_each_experts_matmul():
+    # mixprec::experts_mm_loop (float32 and float16 experts, torch without a grouped GEMM): each expert's rows
+    # times its weight, the rows past the last group zero; gradients against autograd through a float64 loop
+    from mixprec.narrow.experts import base_mm
+
+    gen = torch.Generator().manual_seed(0)
+    offs = torch.tensor([5, 5, 26, 31], dtype=torch.int32)
+    x = torch.randn(33, 24, generator=gen, requires_grad=True)
+    w = torch.randn(4, 40, 24, generator=gen, requires_grad=True)  # (E, N, K), as nn.Linear per expert
+    out = base_mm(x, w, offs, transposed=False, dtype=torch.float32)
+    dy = torch.randn(33, 40, generator=gen)
+    out.backward(dy)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ends = [0, *offs.tolist()]
+    ref = torch.cat([x64[a:b] @ w64[e].T for e, (a, b) in enumerate(zip(ends, ends[1:]))] + [x64[31:] * 0 @ w64[0].T])
+    ref.backward(dy.double())
+    assert torch.equal(out[31:], torch.zeros(2, 40))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-6, atol=1e-6)

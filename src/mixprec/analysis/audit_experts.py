@@ -17,7 +17,7 @@ import torch
 
 from mixprec.analysis.audit_fp8 import FP8Tracker, element_name
 from mixprec.narrow import experts
-from mixprec.narrow.hf_experts import interface_experts
+from mixprec.narrow.hf_experts import runs_here
 from mixprec.precision.dtypes import dtype_name
 from mixprec.precision.spec import format_name
 
@@ -62,7 +62,7 @@ def hooks(tracker: FP8Tracker, model: torch.nn.Module) -> list:
     """Forward hooks on every experts module that tell the tracker whose forward is running."""
     handles = []
     for fqn, module in model.named_modules():
-        if interface_experts(module):
+        if runs_here(module):
             tracker.experts.add(fqn)
             handles.append(module.register_forward_pre_hook(lambda m, a, fqn=fqn: setattr(tracker, "module", fqn)))
             handles.append(module.register_forward_hook(lambda m, a, out: setattr(tracker, "module", None)))
@@ -78,7 +78,7 @@ def experts_rows(tracker: FP8Tracker, layout, model: torch.nn.Module, micro_batc
     for fqn, m in layout.modules.items():
         if m.kind != "experts":
             continue
-        if not interface_experts(model.get_submodule(fqn)):
+        if not runs_here(model.get_submodule(fqn)):
             notes.append(f"experts {fqn}: left in {m.compute_name}, not judged here ({m.why})")
             continue
         if isinstance(m.compute, torch.dtype):

@@ -20,6 +20,7 @@ from torch import nn
 
 from mixprec.errors import UserError
 from mixprec.models.loss import chunked_cross_entropy
+from mixprec.models.moe import MoE, aux_loss, moe_layers
 from mixprec.models.ties import retie, tie_pairs
 
 
@@ -39,9 +40,19 @@ class ModelArgs:
     attention: str = "eager"  # or "sdpa": F.scaled_dot_product_attention, fused, no (T, T) tensors kept
     loss_chunk: int = 0  # tokens per chunk of the output projection and loss; 0: the full logits at once
     hidden_dim: int | None = None  # the SwiGLU hidden size as given (a pretrained model's); None: Llama's rule
+    # Mixture of experts (mixprec.models.moe); n_experts 0: every block has the dense SwiGLU
+    n_experts: int = 0  # routed experts per MoE block
+    top_k: int = 0  # routed experts each token goes through
+    moe_hidden_dim: int = 0  # each expert's SwiGLU hidden size
+    n_shared_experts: int = 0  # experts every token goes through (one SwiGLU of n times the hidden size)
+    n_dense_layers: int = 0  # the first blocks keep the dense SwiGLU (DeepSeek's first_k_dense_replace)
+    route_scale: float = 1.0  # the routed experts' weights are scaled by it (DeepSeek's routed_scaling_factor)
+    balance: str = "bias"  # "bias": auxiliary-loss-free (a per-expert bias), "aux": the auxiliary loss
+    balance_rate: float = 1e-3  # the bias's step after each optimizer step (DeepSeek-V3: 0.001)
+    aux_loss_coeff: float = 1e-2  # the auxiliary loss's weight, balance "aux" (Switch Transformer: 0.01)
 
-    # How the model computes, not what it is: a checkpoint resumes under other values.
-    RUNTIME_FIELDS = ("attention", "loss_chunk")
+    # How the model computes or trains, not what it is: a checkpoint resumes under other values.
+    RUNTIME_FIELDS = ("attention", "loss_chunk", "balance", "balance_rate", "aux_loss_coeff")
 
     def __post_init__(self):
         if self.dim % self.n_heads:
@@ -52,11 +63,24 @@ class ModelArgs:
             )
         if (self.dim // self.n_heads) % 2:
             raise UserError(f"model: head dim {self.dim // self.n_heads} must be even for RoPE")
+        if self.balance not in ("bias", "aux"):
+            raise UserError(f"model.balance: {self.balance!r} is not a balancing; accepted: bias (DeepSeek-V3's "
+                            "auxiliary-loss-free), aux (the auxiliary loss)")
+        if self.n_experts and not (0 < self.top_k <= self.n_experts and self.moe_hidden_dim > 0):
+            raise UserError(f"model: {self.n_experts} experts need 0 < top_k <= n_experts and moe_hidden_dim > 0 "
+                            f"(top_k {self.top_k}, moe_hidden_dim {self.moe_hidden_dim})")
+
+    def moe_block(self, layer: int) -> bool:
+        """Whether block `layer` has the mixture of experts (else the dense SwiGLU)."""
+        return self.n_experts > 0 and layer >= self.n_dense_layers
 
     def architecture(self) -> dict:
-        """What a checkpoint records of the model (hidden_dim only where given: older checkpoints lack it)."""
+        """What a checkpoint records of the model (hidden_dim only where given, the MoE fields only for
+        an MoE: older checkpoints lack them)."""
+        moe = ("top_k", "moe_hidden_dim", "n_shared_experts", "n_dense_layers", "route_scale")
         return {k: v for k, v in asdict(self).items()
-                if k not in self.RUNTIME_FIELDS and not (k == "hidden_dim" and v is None)}
+                if k not in self.RUNTIME_FIELDS and not (k == "hidden_dim" and v is None)
+                and not (k in moe + ("n_experts",) and not self.n_experts)}
 
     @classmethod
     def from_architecture(cls, fields: dict) -> "ModelArgs":
@@ -90,6 +114,16 @@ FLAVORS: dict[str, dict] = {
                ffn_dim_multiplier=1.3, multiple_of=1024, rope_theta=500000.0, max_seq_len=8192),
     "70B": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
                 ffn_dim_multiplier=1.3, multiple_of=4096, rope_theta=500000.0, max_seq_len=8192),
+    # Mixtures of experts, DeepSeek-V3's design (mixprec.models.moe): sigmoid routing, shared experts
+    "moe-debug": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, max_seq_len=512,
+                      n_experts=8, top_k=2, moe_hidden_dim=32, n_shared_experts=1),
+    "moe-small": dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, multiple_of=256,
+                      n_experts=16, top_k=4, moe_hidden_dim=256, n_shared_experts=1, n_dense_layers=1),
+    # DeepSeek-V2-Lite's shape (15.8B parameters, 2.7B active a token) with grouped-query attention in place of
+    # its latent attention: 64 routed experts, 6 a token, 2 shared, the first block dense
+    "moe-16B": dict(dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, vocab_size=102400, hidden_dim=10944,
+                    rope_theta=10000.0, max_seq_len=4096, n_experts=64, top_k=6, moe_hidden_dim=1408,
+                    n_shared_experts=2, n_dense_layers=1),
 }
 
 
@@ -189,12 +223,12 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = MoE(args) if args.moe_block(layer) else FeedForward(args)
         self.checkpointed = False  # activation checkpointing: keep only the input, recompute in backward
 
     def forward(self, x, cos, sin, mask):
@@ -229,7 +263,7 @@ class Llama(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = Output(args)
         if args.tie_embeddings:
@@ -245,7 +279,11 @@ class Llama(nn.Module):
         h = self.tok_embeddings(tokens)  # (B, T, D)
         for layer in self.layers:
             h = layer(h, cos, sin, mask)
-        return self.output(self.norm(h), targets)
+        loss = self.output(self.norm(h), targets)
+        if targets is not None and self.args.balance == "aux" and torch.is_grad_enabled():
+            aux = aux_loss(self, self.args.aux_loss_coeff)  # the MoE blocks' balancing loss, training only
+            loss = loss if aux is None else loss + aux
+        return loss
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -258,18 +296,24 @@ class Llama(nn.Module):
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
                 continue
-            std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            std = residual_std if name.endswith(("wo.weight", "w2.weight", "down_proj")) else 0.02
             p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+        for layer in moe_layers(self):
+            layer.router.reset()
 
-    def num_params(self, exclude_embedding: bool = False) -> int:
+    def num_params(self, exclude_embedding: bool = False, active: bool = False) -> int:
+        """Parameters; active: those one token computes with (top_k of each block's routed experts)."""
         n = sum(p.numel() for p in self.parameters())
+        if active and self.args.n_experts:
+            routed = sum(p.numel() for name, p in self.named_parameters() if ".experts." in name)
+            n -= routed - routed * self.args.top_k // self.args.n_experts
         return n - self.tok_embeddings.weight.numel() if exclude_embedding else n
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6 per non-embedding parameter plus attention's
-        score and value matmuls (PaLM appendix B)."""
+        """Training FLOPs per token: 6 per non-embedding parameter it computes with (an MoE's active
+        ones) plus attention's score and value matmuls (PaLM appendix B)."""
         a = self.args
-        return 6 * self.num_params(exclude_embedding=True) + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
+        return 6 * self.num_params(exclude_embedding=True, active=True) + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
 
 
 def build_model(args: ModelArgs, *, device: torch.device | str, storage_dtype: torch.dtype,

@@ -284,3 +284,107 @@ _experts_mm.register_autograd(_backward, setup_context=_setup_context)
 def experts_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, key: int) -> torch.Tensor:
     """The experts projection registered as `key` (`register`) on x (S, K), rows sorted by expert."""
     return torch.ops.mixprec.experts_mm(x, weight, offs, key)
+
+
+# ---- an experts module's forward: the routing around the two projections ---------------------------------------
+@dataclass
+class ExpertsLayer:
+    """An experts module's two projections: in a narrow recipe (operator keys of `register`),
+    or on torch's grouped GEMM in the base compute dtype."""
+    fqn: str
+    up: int | None  # the operator key of gate_up_proj (or up_proj); None: the base mode
+    down: int | None
+    dtype: torch.dtype | None  # the base mode's compute dtype (the recipe's GEMMs write it too); None: autocast's
+    # or else the weights'
+
+    @property
+    def gemms(self) -> tuple[ExpertsGemm, ExpertsGemm]:
+        return gemm_of(self.up), gemm_of(self.down)
+
+    @property
+    def narrow(self) -> bool:
+        return self.up is not None
+
+    def projections(self, transposed: bool):
+        """(up, down): each (x (S, K), weight, offs) -> (S, N)."""
+        if self.narrow:
+            return (functools.partial(experts_mm, key=k) for k in (self.up, self.down))
+        return (functools.partial(base_mm, transposed=transposed, dtype=self.dtype) for _ in range(2))
+
+
+def base_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, transposed: bool,
+            dtype: torch.dtype | None) -> torch.Tensor:
+    """x (S, K) @ each expert's weight in `dtype` (None: autocast's where it is on, else the
+    weights'), which autocast does not reach: the weights are cast as autocast casts a Linear's.
+    bfloat16 on torch's grouped GEMM; other dtypes (torch's grouped GEMM takes bfloat16 only, on
+    CUDA and compiled) and torch before 2.8 expert by expert (`mixprec::experts_mm_loop`)."""
+    if dtype is None:
+        on = torch.is_autocast_enabled(x.device.type)
+        dtype = torch.get_autocast_dtype(x.device.type) if on else weight.dtype
+    w = weight.to(dtype)
+    w = w if transposed else w.transpose(-2, -1)  # (E, K, N)
+    grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    with _no_autocast(x.device):
+        if grouped_mm is not None and dtype == torch.bfloat16:
+            return grouped_mm(x.to(dtype), w, offs=offs)
+        return torch.ops.mixprec.experts_mm_loop(x.to(dtype), w, offs)
+
+
+@torch.library.custom_op("mixprec::experts_mm_loop", mutates_args=())
+def _loop_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x (S, K) @ w[e] (E, K, N) for each expert's rows: (S, N), rows past offs[-1] zero."""
+    out = x.new_zeros(x.shape[0], w.shape[2])
+    for e, (start, end) in enumerate(groups(offs)):
+        out[start:end] = x[start:end] @ w[e]
+    return out
+
+
+@_loop_mm.register_fake
+def _(x, w, offs):
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+@torch.library.custom_op("mixprec::experts_mm_loop_backward", mutates_args=())
+def _loop_mm_backward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
+                      dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, dw = torch.zeros_like(x), torch.zeros_like(w)
+    for e, (start, end) in enumerate(groups(offs)):
+        dx[start:end] = dy[start:end] @ w[e].T
+        dw[e] = x[start:end].T @ dy[start:end]
+    return dx, dw
+
+
+@_loop_mm_backward.register_fake
+def _(x, w, offs, dy):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _loop_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _loop_backward(ctx, dy):
+    return *torch.ops.mixprec.experts_mm_loop_backward(*ctx.saved_tensors, dy), None
+
+
+_loop_mm.register_autograd(_loop_backward, setup_context=_loop_setup)
+
+
+def dispatch(top_k_index: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A router's choices (tokens, top_k) -> (perm, the sorted expert ids, offs): row r of the
+    grouped input is token perm[r] // top_k, each expert's rows ending at offs (int32)."""
+    expert_ids_g, perm = torch.sort(top_k_index.reshape(-1))  # (S,), S = tokens x top_k, grouped by expert
+    # histc, not bincount (whose size depends on the largest id: a device-to-host read), as grouped_mm counts
+    ids = expert_ids_g.float() if top_k_index.device.type in ("cpu", "mps") else expert_ids_g.int()
+    counts = torch.histc(ids, bins=n_experts, min=0, max=n_experts - 1)
+    return perm, expert_ids_g, torch.cumsum(counts, 0, dtype=torch.int32)
+
+
+def combine(out: torch.Tensor, top_k_weights: torch.Tensor, perm: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The grouped rows out (S, H) weighted and summed back to each token's: (tokens, H) in `dtype`."""
+    num_tokens, top_k = top_k_weights.shape
+    weighted = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)  # (S, H)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    # each token's top_k rows summed as grouped_mm sums them (reshape and sum, not index_add_)
+    return weighted[inverse].view(num_tokens, top_k, -1).sum(dim=1).to(dtype)

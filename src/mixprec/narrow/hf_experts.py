@@ -21,16 +21,14 @@ narrow format, with their logits and score function in FP32 (mixprec.precision.l
 
 from __future__ import annotations
 
-import functools
 import logging
 import zlib
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from mixprec.narrow import experts
-from mixprec.narrow.experts import ExpertsGemm
+from mixprec.narrow.experts import ExpertsGemm, ExpertsLayer
 from mixprec.narrow.linear import Plan
 from mixprec.narrow.microscaling import byte_values
 from mixprec.narrow.mx import MXRecipe
@@ -39,30 +37,19 @@ logger = logging.getLogger(__name__)
 
 IMPLEMENTATION = "mixprec"  # the key in transformers' ExpertsInterface
 BASE = "grouped_mm"  # what an unconverted experts module runs under it: transformers' own grouped GEMMs
-
-
-@dataclass
-class ExpertsLayer:
-    """An experts module's two projections: in a narrow recipe (operator keys of
-    mixprec.narrow.experts), or on torch's grouped GEMM in the base compute dtype."""
-    fqn: str
-    up: int | None  # the operator key of gate_up_proj (or up_proj); None: the base mode
-    down: int | None
-    dtype: torch.dtype  # the base mode's compute dtype (the recipe's GEMMs write it too)
-
-    @property
-    def gemms(self) -> tuple[ExpertsGemm, ExpertsGemm]:
-        return experts.gemm_of(self.up), experts.gemm_of(self.down)
-
-    @property
-    def narrow(self) -> bool:
-        return self.up is not None
+OWN = "mixprec_seam"  # a class attribute of experts modules that run mixprec's ExpertsLayer themselves
 
 
 def interface_experts(module: nn.Module) -> bool:
     """A module whose forward transformers' experts interface dispatches (use_experts_implementation)."""
     return hasattr(module, "is_transposed") and hasattr(module, "has_gate") and hasattr(module, "config") \
         and hasattr(module.config, "_experts_implementation")
+
+
+def runs_here(module: nn.Module) -> bool:
+    """A module whose experts mixprec can run: transformers' interface, or one that declares the seam
+    itself (mixprec's own MoE: `mixprec.models.moe.Experts`, whose forward runs its ExpertsLayer)."""
+    return getattr(module, OWN, False) or interface_experts(module)
 
 
 def expert_weights(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -81,7 +68,7 @@ def find_experts(model: nn.Module) -> dict[str, str | None]:
         weights = expert_weights(m)
         if not weights:
             continue
-        if not interface_experts(m):
+        if not runs_here(m):
             found[fqn] = (f"{type(m).__name__} is outside transformers' experts interface (its forward runs the experts "
                           "itself): no seam to run them in a narrow format")
         elif getattr(m, "_is_expert_parallel", False):
@@ -116,7 +103,6 @@ def convert(model: nn.Module, fqns, plan: Plan) -> dict[str, ExpertsLayer]:
     """Run the experts modules `fqns` of `model` in `plan`'s recipe: each gets its ExpertsLayer, and its
     config the "mixprec" experts implementation (registered in transformers' interface here)."""
     experts.check_recipe(plan.recipe)
-    register_implementation()
     microscaled = isinstance(plan.recipe, MXRecipe)
     if microscaled:  # drawn and copied now, outside any compiled region (as MXLinear.from_linear)
         device = plan.device if plan.device not in ("meta",) else "cpu"
@@ -140,7 +126,10 @@ def convert(model: nn.Module, fqns, plan: Plan) -> dict[str, ExpertsLayer]:
 
 def _select(module: nn.Module) -> None:
     """The module's config selects mixprec's implementation (a config is shared by a model's experts modules,
-    as transformers sets it); another one chosen before is said."""
+    as transformers sets it); another one chosen before is said. mixprec's own experts need nothing."""
+    if not interface_experts(module):
+        return
+    register_implementation()
     old = module.config._experts_implementation
     if old != IMPLEMENTATION:
         if old != BASE:
@@ -153,7 +142,6 @@ def in_base_mode(model: nn.Module, fqns, dtype: torch.dtype) -> None:
     """Run the experts modules `fqns` on torch's grouped GEMM in `dtype`, their weights cast to it as
     autocast casts a Linear's (transformers' grouped_mm, which autocast does not reach, would
     compute in the weights' own dtype: FP32 master weights in FP32)."""
-    register_implementation()
     for fqn in fqns:
         m = model.get_submodule(fqn)
         m.mixprec_experts = ExpertsLayer(fqn, None, None, dtype)
@@ -169,17 +157,8 @@ def replan(layer: ExpertsLayer, plan: Plan) -> None:
 def runs_narrow(module: nn.Module) -> bool:
     """Whether `module` runs its experts' GEMMs in a narrow recipe now."""
     layer = getattr(module, "mixprec_experts", None)
-    return layer is not None and layer.narrow and module.config._experts_implementation == IMPLEMENTATION
-
-
-def _grouped(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, transposed: bool,
-             dtype: torch.dtype) -> torch.Tensor:
-    """x (S, K) @ each expert's weight in `dtype` on torch's grouped GEMM (S, N)."""
-    w = weight.to(dtype)
-    w = w if transposed else w.transpose(-2, -1)  # (E, K, N)
-    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
-    with torch.autocast(x.device.type, enabled=False):
-        return grouped_mm(x.to(dtype), w, offs=offs)
+    return layer is not None and layer.narrow and (not interface_experts(module)
+                                                   or module.config._experts_implementation == IMPLEMENTATION)
 
 
 def register_implementation() -> None:
@@ -197,20 +176,9 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
         return ALL_EXPERTS_FUNCTIONS[BASE](self, hidden_states, top_k_index, top_k_weights)
-    if layer.narrow:
-        up, down = (functools.partial(experts.experts_mm, key=k) for k in (layer.up, layer.down))
-    else:
-        up, down = (functools.partial(_grouped, transposed=bool(self.is_transposed), dtype=layer.dtype)
-                    for _ in range(2))
-    device = hidden_states.device
-    num_tokens, top_k = top_k_index.shape
-    expert_ids = top_k_index.reshape(-1)  # (S,), S = tokens x top_k
-    expert_ids_g, perm = torch.sort(expert_ids)  # (S,) grouped by expert
-    x = hidden_states[perm // top_k]  # (S, H)
-    # histc, not bincount (whose size depends on the largest id: a device-to-host read), as grouped_mm counts
-    ids = expert_ids_g.float() if device.type in ("cpu", "mps") else expert_ids_g.int()
-    counts = torch.histc(ids, bins=self.num_experts, min=0, max=self.num_experts - 1)
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)  # (E,) each expert's end row
+    up, down = layer.projections(bool(self.is_transposed))
+    perm, expert_ids_g, offs = experts.dispatch(top_k_index, self.num_experts)
+    x = hidden_states[perm // top_k_index.shape[1]]  # (S, H)
     up_name, down_name = projections(self)
     out = up(x, getattr(self, up_name), offs)  # (S, 2I) or (S, I)
     if self.has_bias:
@@ -221,8 +189,4 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         out = out + self.down_proj_bias[expert_ids_g].to(out.dtype)
     if self.has_post_expert_norm:
         out = self.post_expert_norm(out)
-    weighted = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)  # (S, H)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.numel(), device=device)
-    # each token's top_k rows summed as grouped_mm sums them (reshape and sum, not index_add_)
-    return weighted[inverse].view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+    return experts.combine(out, top_k_weights, perm, hidden_states.dtype)

@@ -53,7 +53,7 @@ class ModuleFormats:
         for fqn, reason in self.layout.left_out().items():
             logger.info("fp8: %s stays in %s: %s", fqn, self.layout.modules[fqn].compute_name, reason)
         base = [fqn for fqn, m in self.layout.modules.items() if m.kind == "experts" and m.compute == spec.param_dtype
-                and hf_experts.interface_experts(model.get_submodule(fqn))]
+                and hf_experts.runs_here(model.get_submodule(fqn))]
         if base and spec.param_dtype != FP32:
             hf_experts.in_base_mode(model, base, spec.param_dtype)
             logger.info("precision: %d experts modules compute in %s on torch's grouped GEMM, their weights cast to it "

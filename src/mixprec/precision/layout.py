@@ -163,7 +163,7 @@ def _experts_row(spec: PrecisionSpec, fqn: str, module: nn.Module, storage: torc
     """An experts module: in the base mode's recipe, or in the base mode and why."""
     weights = expert_weights(module)
     n_experts = next(iter(weights.values())).shape[0]
-    top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", n_experts)
+    top_k = getattr(module, "top_k", None) or getattr(getattr(module, "config", None), "num_experts_per_tok", n_experts)
     params = sum(p.numel() for p in weights.values()) * min(top_k, n_experts) // n_experts  # a token's share
     if spec.fp8 is None:
         return ModulePrecision("experts", storage, spec.param_dtype, "the base mode", params)

@@ -106,7 +106,7 @@ def model_shape(config: Config, vocab_size: int, device_type: str, log: bool = F
     mcfg, tcfg = config.model, config.training
     if mcfg.hf_config:
         raise UserError("model_shape describes mixprec's own Llama, not model.hf_config")
-    overrides = {"attention": resolve_attention(mcfg.attention, device_type)}
+    overrides = {"attention": resolve_attention(mcfg.attention, device_type), "balance": mcfg.balance}
     if log and mcfg.attention == "auto":
         logger.info("model.attention auto: %s on %s", overrides["attention"], device_type)
     if pretrained is not None and (mcfg.n_kv_heads or mcfg.tie_embeddings != "flavor"):

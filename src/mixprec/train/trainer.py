@@ -20,6 +20,7 @@ import torch
 from mixprec.config import Config, to_toml
 from mixprec.distributed.elastic import attempt, check_restartable, log_restart
 from mixprec.errors import TrainingUnstable
+from mixprec.models import moe
 from mixprec.precision import Policy, StepResult
 from mixprec.precision.step import ReadSchedule
 from mixprec.reporting import peak_memory_bytes
@@ -57,6 +58,7 @@ class Pending:
     result: StepResult
     lr: float
     batches: list  # its micro-batches (token ids), for the locator
+    routing: torch.Tensor | None = None  # an MoE's (max/mean rows per expert, bias min, bias max), on the device
 
 
 class Trainer:
@@ -137,17 +139,18 @@ class Trainer:
             with self.replanner.watch(self.step + 1) if self.replanner is not None else contextlib.nullcontext():
                 micro_loss, result = self.train_step(step=self.step + 1)
             self.step += 1
-            pending.append(Pending(self.step, micro_loss, result, lr, self._batches))
+            pending.append(Pending(self.step, micro_loss, result, lr, self._batches, self._routing))
             if not self.policy.reads.due(self.step):
                 continue  # nothing read: the host queues the next step while the device works
             # ---- the read: the one place the loop waits for the device (the policy has read what
             # the steps did at the end of this one: counts, loss-scale log, fallback) ----
             losses = torch.stack([p.loss for p in pending]).tolist()
+            routing = [p.routing.tolist() if p.routing is not None else None for p in pending]
             now = time.perf_counter()
             speed = tokens_per_step * len(pending) / (now - since)  # over the steps read: each step's own is not seen
             steps, pending, since = pending, [], now
             rewound = False
-            for p, loss in zip(steps, losses):
+            for p, loss, routed in zip(steps, losses, routing):
                 speeds.append(speed)
                 if self.guard is not None:
                     try:
@@ -171,6 +174,8 @@ class Trainer:
                     "precision": r.precision, "skipped": not r.applied, "loss_scale": r.loss_scale,
                     **(self.guard.health if self.guard is not None else {}),
                 }
+                if routed is not None:  # the routers' load (1.0: even) and the balancing biases' range
+                    record.update(router_load=routed[0], expert_bias_min=routed[1], expert_bias_max=routed[2])
                 if p is steps[-1]:  # the read step
                     if set(self.policy.promoted) - promoted:  # taken out of FP8 since the last read
                         record["promoted"] = sorted(set(self.policy.promoted) - promoted)
@@ -274,6 +279,7 @@ class Trainer:
         called after each micro-batch's backward."""
         accum = self.accum
         loss_sum = torch.zeros((), device=self.device)
+        moe.clear_counts(self.raw_model)  # an MoE's routers count this step's training passes only
         self._batches = []  # this rank's micro-batches, for the locator should this step go non-finite
         for micro in range(accum):
             x, y = self.loader.next_batch()  # this rank's rows
@@ -290,6 +296,7 @@ class Trainer:
             torch.distributed.all_reduce(loss_sum)
             loss_sum /= self.dims.world_size
         result = self.policy.step(self.optimizer, self.config.training.max_norm, step=step)
+        self._routing = moe.update_balance(self.raw_model)  # outside the gradient, every rank's tokens counted
         # torch.amp's convention: the schedule advances every iteration, a skipped step's too
         # (deciding otherwise would read the skip on the host)
         self.scheduler.step()
