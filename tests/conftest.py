@@ -32,6 +32,20 @@ def run_train(folder: Path, source: Path, *extra: str) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
+def kill_9_after(cmd: list[str], saved: Path, timeout: float = 240) -> None:
+    """Start `cmd` and SIGKILL it as soon as the file `saved` exists (or it ended, or `timeout`)."""
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while not saved.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
 class Payload:
     """What a hostile checkpoint may hold: unpickling it runs code (here: creates a file)."""
 

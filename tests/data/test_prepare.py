@@ -3,10 +3,8 @@
 import gzip
 import json
 import shutil
-import signal
 import subprocess
 import sys
-import time
 import zlib
 
 import pytest
@@ -17,7 +15,7 @@ from mixprec.data.corpus import load_corpus
 from mixprec.data.prepare import run_prepare
 from mixprec.data.shards import HEADER_BYTES, open_prepared
 from mixprec.data.tokenizer import ByteTokenizer
-from tests.conftest import run_train, tiny_args
+from tests.conftest import kill_9_after, run_train, tiny_args
 from tests.test_cli import one_line_error
 
 
@@ -215,13 +213,8 @@ def test_kill_9_mid_run_then_resume_reads_the_same_tokens_in_the_same_order(tmp_
     full, run = tmp_path / "full", tmp_path / "killed"
     done = subprocess.run(_train_cmd(full, prepared), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    proc = subprocess.Popen(_train_cmd(run, prepared), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     saved = run / "checkpoint" / "step-8.pt"
-    deadline = time.monotonic() + 240
-    while not saved.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.002)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_9_after(_train_cmd(run, prepared), saved)
     steps_before = [r["step"] for r in _records(run)]
     assert saved.exists() and steps_before[-1] < 16, steps_before  # killed mid-run, after the checkpoint
     again = subprocess.run(_train_cmd(run, prepared), capture_output=True, text=True, timeout=300)

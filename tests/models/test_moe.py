@@ -2,15 +2,13 @@
 preset, the experts in the preset's recipe, the two balancings, and runs that resume bit for bit."""
 
 import json
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from conftest import run_train, tiny_args
+from conftest import kill_9_after, run_train, tiny_args
 from mixprec.models import moe
 from mixprec.models.llama import build_model, model_args, rope_tables
 from mixprec.precision import Policy
@@ -138,13 +136,8 @@ def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_moe_run(tmp_path, te
     full, run = tmp_path / "full", tmp_path / "killed"
     done = subprocess.run(cmd(full), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    proc = subprocess.Popen(cmd(run), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     saved = run / "checkpoint" / "step-8.pt"
-    deadline = time.monotonic() + 240
-    while not saved.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.002)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_9_after(cmd(run), saved)
     assert saved.exists() and records(run)[-1]["step"] < 12
     again = subprocess.run(cmd(run), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
