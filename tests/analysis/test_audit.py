@@ -8,6 +8,7 @@ import torch
 from conftest import tiny_args
 from mixprec.cli import main
 from mixprec.precision import Policy
+from mixprec.precision.presets import PRESETS
 
 
 def audit(tmp_path, text_file, *extra) -> tuple[int, dict]:
@@ -191,3 +192,23 @@ def test_block_wise_gemms_on_torchs_kernel_are_counted(tmp_path, text_file, caps
     assert ran and set(ran) == {(torch.float8_e4m3fn, torch.float8_e4m3fn)}
     (backward,) = [r for r in report["stages"] if r["stage"] == "FP8 backward GEMMs"]
     assert backward["ok"] and backward["observed"] == backward["promised"], backward
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_the_moe_flavor_keeps_its_promise_in_every_preset(tmp_path, text_file, capsys, preset):
+    # each experts module's GEMMs in the preset's recipe (or the base mode, with why), the routers in float32,
+    # and the rows each expert received in the audited step (2 micro-batches of 4 x 32 tokens, 2 experts each)
+    assert audit(tmp_path, text_file, "--model.flavor", "moe-debug", "--precision.preset", preset) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"], [r for r in report["stages"] if not r["ok"]]
+    stages = {r["stage"]: r for r in report["stages"]}
+    assert stages["experts modules by compute (per module)"]["ok"]
+    tokens = [n for n in report["notes"] if "tokens per expert in the audited step" in n]
+    assert len(tokens) == 2
+    for note in tokens:
+        counts = json.loads(note.split("audited step ")[1].split(" (")[0])
+        assert len(counts) == 8 and sum(counts) == 2 * 4 * 32 * 2
+    recipe = PRESETS[preset].fp8
+    if recipe is not None and not recipe.delayed:
+        assert stages["narrow experts backward GEMMs"]["ok"]
+        assert any("gate_up_proj: forward" in n and "down_proj: forward" in n for n in report["notes"])

@@ -95,6 +95,9 @@ def promises(policy) -> dict[str, set[torch.dtype] | None]:
     storage, compute = policy.storage_dtype, policy.param_dtype
     stored = {m.storage for m in policy.layout.modules.values()} if policy.layout is not None else {storage}
     computes = {compute} | set(policy.layout.dtype_overrides().values()) if policy.layout is not None else {compute}
+    moments = {FP32 if policy.sharded and policy.master_weights else policy.spec.moments_dtype}
+    if policy.spec.moments_dtype == storage:  # moments kept as their parameters (torch.optim): routers' in FP32
+        moments |= stored
     return {
         "stored parameters": stored,
         "compute parameters (matmul operands)": computes,
@@ -109,7 +112,7 @@ def promises(policy) -> dict[str, set[torch.dtype] | None]:
         # a gradient takes its parameter's dtype; under FSDP they stay inside fully_shard
         "accumulated gradients (micro-batch 1 of 2)": None if policy.sharded else stored,
         "reduced gradients": stored,
-        "optimizer states": {FP32 if policy.sharded and policy.master_weights else policy.spec.moments_dtype},
+        "optimizer states": moments,
         "master weights": {FP32} if policy.master_weights else None,
         "Kahan compensation": {storage} if policy.spec.update is Update.KAHAN else None,
         # uint8: FSDP2 gathers a unit whose tensors differ in dtype (FP8 elements, FP32 scales) as bytes

@@ -24,6 +24,8 @@ from mixprec.precision.spec import format_name
 EXPERTS_MM = torch.ops.mixprec.experts_mm.default
 EXPERTS_MM_BACKWARD = torch.ops.mixprec.experts_mm_backward.default
 GROUPED_MM = torch.ops.aten._grouped_mm.default
+LOOP_MM = torch.ops.mixprec.experts_mm_loop.default  # the base mode outside bfloat16
+LOOP_MM_BACKWARD = torch.ops.mixprec.experts_mm_loop_backward.default
 
 
 def decompose(mode, tracker: FP8Tracker, func, args):
@@ -48,25 +50,42 @@ def decompose(mode, tracker: FP8Tracker, func, args):
 
 
 def observe_grouped(tracker: FP8Tracker, func, args, out, backward: bool, seen: dict) -> bool:
-    """torch's grouped GEMM (experts in the base mode): True when `func` was one."""
-    if func is not GROUPED_MM:
+    """torch's grouped GEMM or mixprec's expert-by-expert one (experts in the base mode): True when `func`
+    was one."""
+    if func not in (GROUPED_MM, LOOP_MM, LOOP_MM_BACKWARD):
         return False
-    if backward:
-        seen["local gradients (backward matmuls)"].add(out.dtype)
+    if backward or func is LOOP_MM_BACKWARD:
+        seen["local gradients (backward matmuls)"] |= {t.dtype for t in (out if isinstance(out, tuple) else (out,))}
     elif tracker.module in tracker.experts:
         tracker.experts_forward[tracker.module] |= {dtype_name(args[0].dtype), dtype_name(args[1].dtype)}
     return True
 
 
 def hooks(tracker: FP8Tracker, model: torch.nn.Module) -> list:
-    """Forward hooks on every experts module that tell the tracker whose forward is running."""
+    """Forward hooks on every experts module that tell the tracker whose forward is running, and
+    count the rows each expert receives (its inputs: tokens, the router's top-k ids, their weights)."""
+    def enter(module, args, fqn):
+        tracker.module = fqn
+        counts = torch.bincount(args[1].detach().flatten().cpu(), minlength=module.num_experts)
+        tracker.expert_tokens[fqn] = tracker.expert_tokens.get(fqn, 0) + counts
+
     handles = []
     for fqn, module in model.named_modules():
         if runs_here(module):
             tracker.experts.add(fqn)
-            handles.append(module.register_forward_pre_hook(lambda m, a, fqn=fqn: setattr(tracker, "module", fqn)))
+            handles.append(module.register_forward_pre_hook(lambda m, a, fqn=fqn: enter(m, a, fqn)))
             handles.append(module.register_forward_hook(lambda m, a, out: setattr(tracker, "module", None)))
     return handles
+
+
+def tokens_note(fqn: str, counts: torch.Tensor | None) -> str:
+    """What each expert of `fqn` received in the audited step (forward passes only: a block that
+    recomputes its forward is counted once a pass)."""
+    if counts is None:
+        return f"experts {fqn}: not run in the audited step"
+    c = counts.tolist()
+    return (f"experts {fqn}: tokens per expert in the audited step {c} (max / mean {max(c) / max(sum(c) / len(c), 1e-9):.2f}"
+            f"{f', {c.count(0)} experts received none' if 0 in c else ''})")
 
 
 def experts_rows(tracker: FP8Tracker, layout, model: torch.nn.Module, micro_batches: int
@@ -81,9 +100,10 @@ def experts_rows(tracker: FP8Tracker, layout, model: torch.nn.Module, micro_batc
         if not runs_here(model.get_submodule(fqn)):
             notes.append(f"experts {fqn}: left in {m.compute_name}, not judged here ({m.why})")
             continue
+        notes.append(tokens_note(fqn, tracker.expert_tokens.get(fqn)))
         if isinstance(m.compute, torch.dtype):
             want, got = format_name(m.compute), tracker.experts_forward.get(fqn, set())
-            notes.append(f"experts {fqn}: torch's grouped GEMM on {', '.join(sorted(got)) or 'nothing'} ({m.why})")
+            notes.append(f"experts {fqn}: grouped GEMMs on {', '.join(sorted(got)) or 'nothing'} ({m.why})")
         else:
             want = element_name(next(iter(m.compute.operand_formats[0])))
             projections = sorted(n for n in tracker.experts if n.startswith(f"{fqn}."))

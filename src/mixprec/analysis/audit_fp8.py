@@ -75,6 +75,7 @@ class FP8Tracker:
         self.experts_forward: dict[str, set[str]] = defaultdict(set)
         self.experts_backward: dict[str, set[tuple]] = defaultdict(set)
         self.expert_passes: dict[str, int] = defaultdict(int)  # expert slices with tokens through each backward
+        self.expert_tokens: dict[str, torch.Tensor] = {}  # experts module -> rows each expert received in forward
 
     @property
     def backward_gemms(self) -> int:
