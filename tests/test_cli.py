@@ -15,7 +15,7 @@ from mixprec.cli import build_parser, main
 SURFACE = """
 --config
 --job.dump_folder --job.description
---model.flavor --model.n_kv_heads --model.tie_embeddings --model.attention --model.loss --model.hf_config
+--model.flavor --model.n_kv_heads --model.tie_embeddings --model.attention --model.loss --model.balance --model.hf_config
 --data.source --data.tokenizer --data.bpe_vocab_size --data.val_fraction
 --training.steps --training.seq_len --training.local_batch_size --training.global_batch_size --training.lr
 --training.warmup_steps --training.min_lr_factor --training.weight_decay --training.beta1 --training.beta2 --training.eps

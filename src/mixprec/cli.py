@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     formats.add_argument("--json", action="store_true", help="print JSON")
     memory = sub.add_parser("memory", help="plan per-device memory and per-step communication",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    memory.add_argument("--flavor", default="small", help="debug, small, 1B, 8B, 70B (Llama 3 shapes)")
+    memory.add_argument("--flavor", default="small", help="debug, small, 1B, 8B, 70B (Llama 3 shapes); moe-debug, "
+                        "moe-small, moe-16B (mixtures of experts: planned by running their step on fake tensors)")
     memory.add_argument("--hf-config", default="", metavar="PATH",
                         help="a Hugging Face causal LM's config.json (or folder) instead of a flavor: planned by "
                              "running one step on fake tensors (--preset, --batch, --seq-len, --dp-shard apply)")
@@ -349,6 +350,14 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
     if args.hf_config:
         return _memory_hf(args)
+    shape = model_args(args.flavor, args.vocab_size)
+    if shape.n_experts:
+        from mixprec.models.llama import construct
+        from mixprec.precision import Policy
+
+        storage = Policy.from_preset(resolve_preset_name(args.preset, "--preset")).storage_dtype
+        return _memory_fake(args, lambda: construct(shape, storage), f"{args.flavor} (a mixture of experts, its step "
+                            "run on fake tensors)", f"--flavor {args.flavor}")
 
     setup = Setup(model_args(args.flavor, args.vocab_size), resolve_preset_name(args.preset, "--preset"),
                   overrides=tuple(r for r in args.override.split(",") if r.strip()), batch=args.batch, seq_len=args.seq_len, optimizer=args.optimizer, checkpointing=args.checkpointing,
@@ -374,28 +383,35 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
 def _memory_hf(args: argparse.Namespace) -> int:
     """mixprec memory --hf-config: the model's step run on fake tensors (mixprec.plan_memory)."""
+    from mixprec.models.hf import HFCausalLM, load_hf_config
+
+    config = load_hf_config(args.hf_config)
+    title = f"{type(config).__name__.removesuffix('Config')} from {args.hf_config}"
+    return _memory_fake(args, lambda: HFCausalLM(config), title, "--hf-config")
+
+
+def _memory_fake(args: argparse.Namespace, build, title: str, flag: str) -> int:
+    """The step of the model `build()` makes, run on fake tensors (mixprec.plan_memory): transformers
+    models and mixprec's mixtures of experts, whose routed activations the formula does not model."""
     import torch
 
     from mixprec.analysis.plan_model import plan_memory
-    from mixprec.models.hf import HFCausalLM, load_hf_config
     from mixprec.precision.presets import resolve_preset_name
 
-    for flag, value, default in (("--dp-replicate", args.dp_replicate, 1),
-                                 ("--tp", args.tp, 1), ("--checkpointing", args.checkpointing, "none"),
-                                 ("--override", args.override, ""), ("--optimizer", args.optimizer, "adamw")):
+    for option, value, default in (("--dp-replicate", args.dp_replicate, 1),
+                                   ("--tp", args.tp, 1), ("--checkpointing", args.checkpointing, "none"),
+                                   ("--override", args.override, ""), ("--optimizer", args.optimizer, "adamw")):
         if value != default:
-            raise UserError(f"mixprec memory --hf-config with {flag} {value}: not planned yet (FSDP2 by --dp-shard, "
-                            f"AdamW, no checkpointing); accepted: leave {flag} out")
+            raise UserError(f"mixprec memory {flag} with {option} {value}: not planned yet (FSDP2 by --dp-shard, "
+                            f"AdamW, no checkpointing); accepted: leave {option} out")
     preset = resolve_preset_name(args.preset, "--preset")
-    config = load_hf_config(args.hf_config)
     tokens = torch.zeros(args.batch, args.seq_len, dtype=torch.long)
-    result = plan_memory(lambda: HFCausalLM(config), preset, (tokens, tokens), dp_shard=args.dp_shard)
+    result = plan_memory(build, preset, (tokens, tokens), dp_shard=args.dp_shard)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{type(config).__name__.removesuffix('Config')} from {args.hf_config} ({result['parameters'] / 1e6:.1f}M "
-          f"parameters), {preset}, batch {args.batch} x {args.seq_len}, dp_shard {args.dp_shard}; per device, peak "
-          f"{result['peak_bytes'] / 2**30:.3f} GiB:")
+    print(f"{title} ({result['parameters'] / 1e6:.1f}M parameters), {preset}, batch {args.batch} x {args.seq_len}, "
+          f"dp_shard {args.dp_shard}; per device, peak {result['peak_bytes'] / 2**30:.3f} GiB:")
     for kind, value in result["by_kind"].items():
         print(f"  {kind:<10} {value / 2**30:10.3f} GiB")
     return 0

@@ -108,13 +108,19 @@ def _plan(build_model, planned, name: str, batch, optimizer, loss_fn, mesh=None)
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from mixprec.narrow.gemm import probe
+    from mixprec.narrow.microscaling import byte_values
+    from mixprec.narrow.mx import MXRecipe
     from mixprec.narrow.recipe import FP8Recipe
     from mixprec.precision.grad_norm import grad_norm
 
     for recipe in {f for f in planned.spec.compute_formats if isinstance(f, FP8Recipe)}:
         for _, (a_tile, b_tile), dtypes in recipe.gemms(planned.param_dtype):
             probe("cpu", a_tile, b_tile, *dtypes)  # on real tensors now; cached for the fake model's conversion
-    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        if isinstance(recipe, MXRecipe):  # its constants (Hadamard matrix, byte tables): real, cached, read as such
+            recipe.transform(torch.device("cpu"))
+            byte_values(torch.device("cpu"))
+    # real inputs allowed: the constants recipes hold (NVFP4's Hadamard matrix, the byte tables) are real tensors
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         model = build_model()
         if mesh is not None:
             _shard(model, planned, mesh)

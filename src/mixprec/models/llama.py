@@ -316,18 +316,24 @@ class Llama(nn.Module):
         return 6 * self.num_params(exclude_embedding=True, active=True) + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
 
 
+def construct(args: ModelArgs, storage_dtype: torch.dtype) -> Llama:
+    """The model in the storage dtype on the default device, not initialised (the memory planner
+    builds it so under FakeTensorMode)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(storage_dtype)
+    try:
+        return Llama(args)
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def build_model(args: ModelArgs, *, device: torch.device | str, storage_dtype: torch.dtype,
                 seed: int | None) -> Llama:
     """Build on the meta device under the storage dtype (no memory touched), then
     materialise on `device` and initialise. seed None: left on the meta device, for weights
     that come from a checkpoint (`mixprec.interop.load`: sharded first, then materialised)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(storage_dtype)
-    try:
-        with torch.device("meta"):
-            model = Llama(args)
-    finally:
-        torch.set_default_dtype(previous)
+    with torch.device("meta"):
+        model = construct(args, storage_dtype)
     if seed is None:
         return model
     tied = tie_pairs(model)
