@@ -42,7 +42,7 @@ SURFACE = """
 --stability.lr_backoff --stability.backoff_steps --stability.inject
 --compare.max_loss_diff --compare.max_perplexity_diff --compare.max_overflow_rate
 --plan.out --plan.steps --plan.measure_steps --plan.candidates --plan.objective --plan.target
---plan.forward_floor_db --plan.gradient_floor_db --plan.interval --plan.max_lost
+--plan.forward_floor_db --plan.gradient_floor_db --plan.interval --plan.max_lost --plan.min_expert_tokens
 """.split()
 
 

@@ -222,3 +222,49 @@ def test_objective_speed_times_this_device_and_never_counts_an_emulated_format(t
     data = tomllib.loads(modeled.read_text())
     assert data["plan"]["speed"].startswith("modeled")
     assert {layer["format"] for layer in data["layers"].values()} == {"fp8-tensorwise"}  # the table's fastest
+
+
+EXPERTS = ("layers.0.feed_forward.experts", "layers.1.feed_forward.experts")
+
+
+def test_an_moes_experts_are_planned_measured_whole_and_trained_and_audited_as_planned(tmp_path, text_file, capsys):
+    # moe-debug: each experts module measured on the step's routed tensors in fp8-rowwise and nvfp4; nvfp4 is not
+    # offered to the last block (its keep_last_blocks); training on the plan runs each experts module as planned
+    plan = tmp_path / "plan.toml"
+    flags = ("--model.flavor", "moe-debug", "--training.seq_len", "64", "--training.local_batch_size", "8")
+    assert main(cli_args(tmp_path / "p", text_file, *flags, "--plan.candidates", "fp8-rowwise,nvfp4",
+                         "--plan.out", str(plan))) == 0
+    rows = tomllib.loads(plan.read_text())["layers"]
+    for fqn in EXPERTS:
+        assert rows[fqn]["kind"] == "experts" and set(rows[fqn]["measured"]) == {"fp8-rowwise", "nvfp4"}
+        assert sum(rows[fqn]["tokens_per_expert"]) == 8 * 64 * 2  # top-2 of 8 experts
+        assert rows[fqn]["measured"]["fp8-rowwise"]["forward_db"] > rows[fqn]["measured"]["nvfp4"]["forward_db"]
+    assert "not offered: nvfp4 keeps the last 1 of 2 decoder blocks" in rows[EXPERTS[1]]["reason"]
+    assert rows[EXPERTS[0]]["format"] == "fp8-rowwise"  # 24.5 dB forward measured: the floor less 3 dB is 22
+    capsys.readouterr()
+    audit = [a if a != "train" else "audit" for a in tiny_args(tmp_path / "a", text_file, *flags,
+                                                                 "--precision.plan", str(plan))]
+    assert main(audit + ["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    stages = {r["stage"]: r for r in report["stages"]}
+    assert stages["experts modules by compute (per module)"]["ok"]
+    assert {rows[f]["format"] for f in EXPERTS} == {"fp8-rowwise"}
+    assert stages["experts modules by compute (per module)"]["observed"] == ["2 float8"]
+
+
+def test_experts_with_few_tokens_stay_in_the_base_mode_and_say_why(tmp_path, text_file, capsys):
+    plan = tmp_path / "plan.toml"
+    assert main(cli_args(tmp_path / "p", text_file, "--model.flavor", "moe-debug", "--plan.min_expert_tokens",
+                         "1000", "--plan.out", str(plan))) == 0
+    rows = tomllib.loads(plan.read_text())["layers"]
+    for fqn in EXPERTS:
+        assert rows[fqn]["format"] == "bfloat16"
+        assert "rows in the measured step (below plan.min_expert_tokens 1000)" in rows[fqn]["reason"]
+
+
+def test_an_experts_override_to_a_format_experts_cannot_take_is_one_line(tmp_path, text_file, capsys):
+    code = main(tiny_args(tmp_path, text_file, "--model.flavor", "moe-debug", "--precision.override",
+                          "*.experts=float32"))
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert "experts module 'layers.0.feed_forward.experts' cannot compute in float32" in err and "\n" not in err

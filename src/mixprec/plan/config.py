@@ -37,6 +37,8 @@ class PlanConfig:
     """Re-planning during training: every this many steps each FP8 layer is measured in its own format on that step's tensors, and one that misses the floors computes in the base mode's dtype from then on (logged, in metrics.jsonl, summary.json and checkpoints). 0: off."""
     max_lost: float = 0.01
     """... and its casts flush to zero or saturate at most this share of any operand's values (a whole-tensor SQNR can hide an outlier that flushes the rest of its tile)."""
+    min_expert_tokens: int = 32
+    """A mixture of experts' experts module whose experts received a median of fewer rows than this in the measured step stays in the base mode (per-expert casts and GEMMs on so few rows cost more than they save)."""
 
     def __post_init__(self):
         def check(ok: bool, name: str, accepted: str):
@@ -51,4 +53,5 @@ class PlanConfig:
         for name in ("forward_floor_db", "gradient_floor_db"):
             check(math.isfinite(getattr(self, name)), name, "a number of dB")
         check(0 <= self.max_lost <= 1, "max_lost", "a share from 0 to 1")
+        check(self.min_expert_tokens >= 0, "min_expert_tokens", "an integer >= 0")
         check(bool(self.candidates), "candidates", "one or more FP8 recipes, e.g. fp8-rowwise,fp8-blockwise")

@@ -93,23 +93,33 @@ def measure(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, fmt, comput
         y = linear_class(fmt).matmul.apply(xr, wr, plan, None)
         y.backward(dy.to(y.dtype))
         got = (y, xr.grad, wr.grad)
-        if isinstance(fmt, MXRecipe):
-            roles = {"input": (x, False), "weight": (w, False), "output_gradient": (dy, True)}
-            shares = {role: _mx_shares(fmt, v, gradient) for role, (v, gradient) in roles.items()}
-        else:
-            t, pow2 = fmt.tiles, fmt.power_of_2_scales
-            roles = {"input": (x, E4M3, t.x), "weight": (w, E4M3, t.w), "output_gradient": (dy, fmt.grad_dtype, t.g)}
-            shares = {role: _shares(v, dtype, tile, pow2) for role, (v, dtype, tile) in roles.items()}
     else:  # a 16-bit format: its operands rounded, summed in FP32, the output rounded
         xs, ws, gs = (v.to(fmt).float() for v in (x, w, dy))
         got = ((xs @ ws.t()).to(compute_dtype), (gs @ ws).to(compute_dtype), gs.t() @ xs)
-        shares = {role: ((v != 0).logical_and(v.to(fmt) == 0).sum().item() / max(1, (v != 0).sum().item()),
-                         (~torch.isfinite(v.to(fmt))).float().mean().item())
-                  for role, v in (("input", x), ("weight", w), ("output_gradient", dy))}
-    figures = {f"{g}_db": round(sqnr(ref, out.float()), 2) for g, ref, out in zip(GEMMS, want, got)}
-    figures["flushed"] = {role: s[0] for role, s in shares.items()}
-    figures["saturated"] = {role: s[1] for role, s in shares.items()}
-    return figures
+    return figures(want, got, operand_shares(fmt, x, w, dy))
+
+
+def figures(want, got, shares: dict[str, tuple[float, float]]) -> dict:
+    """The three GEMMs' SQNRs (dB) of `got` against `want`, and the operands' lost shares."""
+    out = {f"{g}_db": round(sqnr(ref, val.float()), 2) for g, ref, val in zip(GEMMS, want, got)}
+    out["flushed"] = {role: s[0] for role, s in shares.items()}
+    out["saturated"] = {role: s[1] for role, s in shares.items()}
+    return out
+
+
+def operand_shares(fmt, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> dict[str, tuple[float, float]]:
+    """Per operand (input, weight (N, K), output gradient): the shares of its values `fmt`'s cast
+    flushes to zero and saturates."""
+    if isinstance(fmt, MXRecipe):
+        roles = {"input": (x, False), "weight": (w, False), "output_gradient": (dy, True)}
+        return {role: _mx_shares(fmt, v, gradient) for role, (v, gradient) in roles.items()}
+    if isinstance(fmt, FP8Recipe):
+        t, pow2 = fmt.tiles, fmt.power_of_2_scales
+        roles = {"input": (x, E4M3, t.x), "weight": (w, E4M3, t.w), "output_gradient": (dy, fmt.grad_dtype, t.g)}
+        return {role: _shares(v, dtype, tile, pow2) for role, (v, dtype, tile) in roles.items()}
+    return {role: ((v != 0).logical_and(v.to(fmt) == 0).sum().item() / max(1, (v != 0).sum().item()),
+                   (~torch.isfinite(v.to(fmt))).float().mean().item())
+            for role, v in (("input", x), ("weight", w), ("output_gradient", dy))}
 
 
 def _time(fn, repeats: int = 5) -> float:

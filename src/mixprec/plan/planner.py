@@ -1,6 +1,6 @@
 """`mixprec plan`: run a few real training steps, measure every Linear layer FP8 can take in
-every candidate format on the last of them (mixprec.plan.measure), choose a format per
-layer (mixprec.plan.choose) and write the plan file (mixprec.plan.file) that
+every candidate format on the last of them (mixprec.plan.measure; a mixture of experts' experts
+modules whole, mixprec.plan.experts), choose a format per layer (mixprec.plan.choose) and write the plan file (mixprec.plan.file) that
 `precision.plan` takes. The command gives it the trainer's step (`for_planning` says how
 the config is run); a library user gives `plan_precision` a model, a policy and batches.
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
 import time
 from pathlib import Path
 
@@ -22,9 +23,11 @@ from torch import nn
 
 from mixprec.errors import UserError
 from mixprec.narrow.convert import output_projections, why_not
+from mixprec.narrow.hf_experts import find_experts
 from mixprec.narrow.recipe import FP8Recipe
 from mixprec.plan.choose import choose, floors, margin, modeled_speedups
 from mixprec.plan.config import PlanConfig
+from mixprec.plan.experts import SERIES_DB, ExpertsCapture, active_features, few_tokens, kept_by, measure_experts, tokens_per_expert
 from mixprec.plan.file import write_plan
 from mixprec.plan.measure import GEMMS, Capture, gemm_times, measure
 from mixprec.precision.spec import FP32, format_name, parse_format
@@ -113,8 +116,15 @@ def plan_layers(model: nn.Module, policy, step, pcfg: PlanConfig, device: torch.
                 layers[fqn] = module
             else:
                 left_out[fqn] = why
+    experts = {}
+    for fqn, why in find_experts(model).items():
+        if why is None:
+            experts[fqn] = model.get_submodule(fqn)
+        else:
+            left_out[fqn] = why
     formats = ({base: policy.param_dtype} if policy.param_dtype != FP32 else {}) | candidates
-    measured: dict[str, dict[str, dict]] = {fqn: {} for fqn in layers}
+    measured: dict[str, dict[str, dict]] = {fqn: {} for fqn in [*layers, *experts]}
+    tokens: dict[str, list[int]] = {}
     shapes: dict[str, tuple[int, int, int]] = {}
     measuring_s = 0.0
     bar = tqdm(total=pcfg.steps, desc="plan", unit="step", disable=not progress or None)
@@ -123,9 +133,17 @@ def plan_layers(model: nn.Module, policy, step, pcfg: PlanConfig, device: torch.
             step()
             bar.update()
             continue
-        with Capture(model, layers) as capture:
+        with Capture(model, layers) as capture, ExpertsCapture(model, experts) as routed:
             step()
         t1 = time.perf_counter()
+        for fqn, module in experts.items():
+            x, index, weights = routed.inputs[fqn]
+            counts = tokens_per_expert(index, module.num_experts)
+            if fqn not in tokens or statistics.median(counts) < statistics.median(tokens[fqn]):
+                tokens[fqn] = counts  # the measured step whose experts got the fewest rows
+            for name, fmt in candidates.items():
+                measured[fqn][name] = _worse(measured[fqn].get(name), measure_experts(
+                    module, x, index, weights, routed.dy[fqn], fmt, policy.param_dtype))
         for fqn, module in layers.items():
             x, dy = capture.x[fqn], capture.dy[fqn]
             shapes[fqn] = (x.shape[0], module.in_features, module.out_features)
@@ -147,8 +165,13 @@ def plan_layers(model: nn.Module, policy, step, pcfg: PlanConfig, device: torch.
                            "measured": measured[fqn]}
         if speedups.get(fqn):
             layer_rows[fqn]["expected_speedup"] = {n: s for n, s in speedups[fqn].items() if s is not None}
+    modeled = modeled_speedups(candidates, base) if pcfg.objective == "speed" and pcfg.target == "h100" else None
+    for fqn in experts:
+        layer_rows[fqn] = _experts_row(model, fqn, measured[fqn], candidates, tokens[fqn], base, floor, pcfg, modeled)
+        chosen[fqn] = layer_rows[fqn]["format"]
     feats = {fqn: m.in_features * m.out_features for fqn, m in model.named_modules()
              if isinstance(m, nn.Linear) and fqn not in outputs}
+    feats |= {fqn: active_features(m) for fqn, m in experts.items()}
     fp8_share = sum(feats[f] for f, fmt in chosen.items() if fmt != base) / max(1, sum(feats.values()))
     header = {"base": policy.requested, "objective": pcfg.objective, "target": pcfg.target or "this device",
               "floors_db": floor, "candidates": list(candidates), "steps": pcfg.steps,
@@ -159,6 +182,27 @@ def plan_layers(model: nn.Module, policy, step, pcfg: PlanConfig, device: torch.
               "measuring_seconds": round(measuring_s, 1),
               "planner_peak_memory_mib": round(peak_memory_bytes(device) / 2**20)}
     return {"header": header, "layer_rows": layer_rows}
+
+
+def _experts_row(model, fqn: str, measured: dict, candidates: dict, tokens: list[int], base: str, floor, pcfg,
+                 modeled) -> dict:
+    """An experts module's plan row: its format and why (mixprec.plan.experts' rules, then choose's)."""
+    # two GEMMs in series (up, then down): each at a floor of F dB leaves the module's output F - 3 dB
+    floor = {k: v - SERIES_DB if k != "lost" else v for k, v in floor.items()}
+    kept = kept_by(candidates, model, fqn)
+    offered = {n: f for n, f in measured.items() if n not in kept}
+    few = few_tokens(tokens, pcfg.min_expert_tokens)
+    if few is not None:
+        fmt, reason = base, few
+    elif not offered:
+        fmt, reason = base, "; ".join(kept.values())
+    else:
+        fmt, reason = choose(offered, base, floor, pcfg.objective, modeled)
+        if pcfg.objective == "speed" and modeled is None:
+            reason += " (experts' GEMMs are not timed here: plan.target h100 models them)"
+        if kept:
+            reason += f"; not offered: {'; '.join(kept.values())}"
+    return {"format": fmt, "reason": reason, "kind": "experts", "tokens_per_expert": tokens, "measured": measured}
 
 
 def save(report: dict, out: str | Path, plot: bool = False) -> None:

@@ -163,8 +163,21 @@ def _experts_row(spec: PrecisionSpec, fqn: str, module: nn.Module, storage: torc
     """An experts module: in the base mode's recipe, or in the base mode and why."""
     weights = expert_weights(module)
     n_experts = next(iter(weights.values())).shape[0]
-    top_k = getattr(module, "top_k", None) or getattr(getattr(module, "config", None), "num_experts_per_tok", n_experts)
+    config = getattr(module, "config", None)
+    top_k = getattr(module, "top_k", None) or getattr(config, "num_experts_per_tok", n_experts)
     params = sum(p.numel() for p in weights.values()) * min(top_k, n_experts) // n_experts  # a token's share
+    rule = spec.override_for(fqn)
+    if rule is not None and isinstance(rule.compute, FP8Recipe):  # a plan's or the user's recipe for it
+        why = experts_why_not(fqn, module, rule.compute, reason, exclude=())
+        if why is None:
+            return ModulePrecision("experts", storage, rule.compute, f"{rule.why}, per expert", params)
+        return ModulePrecision("experts", storage, spec.param_dtype, f"{rule.why} cannot apply: {why}", params)
+    if rule is not None and rule.compute == spec.param_dtype:
+        return ModulePrecision("experts", storage, spec.param_dtype, rule.why, params)
+    if rule is not None:
+        raise UserError(f"{rule.source or 'precision.override'}: experts module {fqn!r} cannot compute in "
+                        f"{format_name(rule.compute)}; accepted for experts: the base mode's "
+                        f"{dtype_name(spec.param_dtype)} or a current-scaling narrow recipe")
     if spec.fp8 is None:
         return ModulePrecision("experts", storage, spec.param_dtype, "the base mode", params)
     reason = experts_why_not(fqn, module, spec.fp8, reason, exclude, module_filter_fn)
@@ -192,9 +205,9 @@ def _kept_blocks(spec: PrecisionSpec, model: nn.Module) -> dict[str, str]:
 
 
 def _check_planned(spec: PrecisionSpec, rows: dict[str, ModulePrecision]) -> None:
-    """A rule for one named module (a plan file's) must name a Linear layer of this model."""
+    """A rule for one named module (a plan file's) must name a Linear layer or an experts module of this model."""
     planned = [o for o in spec.overrides if o.source]
-    linears = sorted(fqn for fqn, m in rows.items() if m.kind == "linear")
+    linears = sorted(fqn for fqn, m in rows.items() if m.kind in ("linear", "experts"))
     missing = [o.modules for o in planned if o.modules not in linears]
     if missing:
         raise UserError(f"{planned[0].source}: no Linear layer {missing[0]!r} in the model ({len(missing)} of its "
