@@ -98,7 +98,9 @@ def test_audit_lists_each_experts_gemm_and_fails_when_the_interface_is_bypassed(
     assert report["ok"], report
     stage = next(r for r in report["stages"] if r["stage"] == "experts modules by compute (per module)")
     assert stage["promised"] == stage["observed"] == ["2 float8"]
-    notes = [n for n in report["notes"] if n.startswith("experts ")]
+    notes = [n for n in report["notes"] if n.startswith("experts ") and "tokens per expert" not in n]
+    tokens = [n for n in report["notes"] if "tokens per expert in the audited step" in n]
+    assert len(tokens) == 2  # one line per experts module: the rows each expert received
     assert len(notes) == 2 and all("gate_up_proj: forward float8" in n and "down_proj: forward float8" in n
                                    for n in notes)
     model.config._experts_implementation = "grouped_mm"  # transformers' own: the recipe bypassed
