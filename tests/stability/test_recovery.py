@@ -177,3 +177,24 @@ def test_bad_stability_input_is_one_line_and_exit_2(tmp_path, text_file, capsys,
     assert main(args(tmp_path / "bad", text_file, *extra)) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1 and not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
+def test_an_moes_experts_module_is_located_and_promoted_out_of_its_recipe(tmp_path, text_file, capsys):
+    # moe-debug in fp8-rowwise: the first NaN comes out of an experts module; the step's replay with its
+    # projections on the base mode's grouped GEMM is finite, so it computes in bfloat16 from then on
+    experts = "layers.0.feed_forward.experts"
+    folder = tmp_path / "run"
+    assert main(args(folder, text_file, "--model.flavor", "moe-debug", "--precision.preset", "fp8-rowwise",
+                     "--stability.inject", f"nan@6:{experts}", steps=10)) == 0
+    summary = json.loads((folder / "summary.json").read_text())
+    (incident,) = summary["stability"]["incident_log"]
+    assert incident["finding"]["module"] == experts and incident["finding"]["phase"] == "forward"
+    assert incident["promoted"]["from"] == "fp8-rowwise" and incident["promoted"]["to"] == "bfloat16"
+    assert summary["promoted"][experts]["step"] == 6
+    assert all(r["loss"] == r["loss"] for r in records(folder) if r["step"] != 6)
+    # the checkpoint keeps the promotion: a resumed run computes the module in bfloat16 too
+    capsys.readouterr()
+    assert main(args(folder, text_file, "--model.flavor", "moe-debug", "--precision.preset", "fp8-rowwise",
+                     steps=12)) == 0
+    assert f"[PROMOTE] {experts} computes in bfloat16, not fp8-rowwise, as the checkpoint's run decided at step 6" \
+        in capsys.readouterr().out

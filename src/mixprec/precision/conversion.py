@@ -15,6 +15,7 @@ from torch import nn
 from mixprec.dtypes import dtype_name
 from mixprec.narrow import blockwise_cast, hf_experts
 from mixprec.narrow.convert import Conversion, convert_to_fp8
+from mixprec.narrow.experts import ExpertsLayer
 from mixprec.narrow.linear import runs_fp8
 from mixprec.narrow.recipe import Granularity
 from mixprec.precision.layout import Layout
@@ -42,6 +43,7 @@ class ModuleFormats:
         self.layout, self.emulate_fp8 = layout, emulate_fp8
         self.conversions: list[Conversion] = []
         self._taken_out: dict[str, Conversion] = {}  # promoted FP8 layers' conversions, for a revert
+        self._experts_out: dict[str, ExpertsLayer] = {}  # promoted experts modules' narrow projections
 
     def apply(self, model: nn.Module, device_type: str) -> None:
         spec = self.layout.spec
@@ -97,12 +99,19 @@ class ModuleFormats:
         hooks hold on to it); it leaves its conversion (delayed scaling, the FP8 count).
         Returns the format it had."""
         module = model.get_submodule(fqn)
-        if not runs_fp8(module):
-            raise ValueError(f"{fqn} does not compute in FP8")
-        conversion = next(c for c in self.conversions if c.modules.get(fqn) is module)
-        module.fp8_enabled = False
-        del conversion.modules[fqn]
-        self._taken_out[fqn] = conversion
+        if hf_experts.runs_narrow(module):  # an experts module: its projections back on the base mode's GEMM
+            conversion = next(c for c in self.conversions if c.experts.get(fqn) is module.mixprec_experts)
+            del conversion.experts[fqn]
+            self._taken_out[fqn] = conversion
+            self._experts_out[fqn] = module.mixprec_experts
+            hf_experts.in_base_mode(model, [fqn], self.layout.spec.param_dtype)
+        elif runs_fp8(module):
+            conversion = next(c for c in self.conversions if c.modules.get(fqn) is module)
+            module.fp8_enabled = False
+            del conversion.modules[fqn]
+            self._taken_out[fqn] = conversion
+        else:
+            raise ValueError(f"{fqn} does not compute in a narrow format")
         old = self.layout.modules[fqn]
         self.layout.modules[fqn] = replace(old, compute=self.layout.spec.param_dtype, why=why)
         return old.compute
@@ -110,8 +119,11 @@ class ModuleFormats:
     def revert(self, model: nn.Module, fqn: str, compute: Format, why: str) -> None:
         """Undo `promote`: the FP8 layer goes back in."""
         module, conversion = model.get_submodule(fqn), self._taken_out.pop(fqn)
-        module.fp8_enabled = True
-        conversion.modules[fqn] = module
+        if fqn in self._experts_out:
+            module.mixprec_experts = conversion.experts[fqn] = self._experts_out.pop(fqn)
+        else:
+            module.fp8_enabled = True
+            conversion.modules[fqn] = module
         self.layout.modules[fqn] = replace(self.layout.modules[fqn], compute=compute, why=why)
 
     def after_step(self) -> None:

@@ -283,8 +283,9 @@ class Policy:
 
     # ---- repairs during a run -----------------------------------------------------------
     def narrow(self, fqn: str) -> bool:
-        """Whether module `fqn` computes in a format narrower than the base mode's (FP8)."""
-        return self.layout is not None and fqn in self.layout.fp8()
+        """Whether module `fqn` (a Linear layer or an experts module) computes in a format narrower than the
+        base mode's (FP8, FP4)."""
+        return self.layout is not None and (fqn in self.layout.fp8() or fqn in self.layout.experts())
 
     def promote(self, fqn: str, step: int, evidence: str) -> dict:
         """Take FP8 layer `fqn` out of FP8 for the rest of the run: its matmuls compute in
