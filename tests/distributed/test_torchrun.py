@@ -286,3 +286,18 @@ def test_a_moe_model_under_fsdp_tracks_one_process(tmp_path, text_file):
     two = torchrun(tmp_path / "two", text_file, "--parallelism.data_parallel_shard_degree", "2", *hf)
     a, b = [r["loss"] for r in one if "loss" in r], [r["loss"] for r in two if "loss" in r]
     assert len(a) == len(b) and all(abs(x - y) / x < 0.02 for x, y in zip(a, b)), (a, b)
+
+
+def test_the_moe_flavor_on_two_fsdp_ranks_matches_one_process_in_fp32(tmp_path, text_file):
+    # moe-debug: experts sharded by FSDP2 (4 of 8 a rank), routers units of their own, the balancing bias
+    # moved by both ranks' token counts summed: the losses and the routers' load and bias as one process's
+    flags = ("--checkpoint.enable", "false", "--precision.preset", "fp32", "--model.flavor", "moe-debug",
+             "--metrics.log_freq", "1")
+    one = run_train(tmp_path / "one", text_file, *flags)
+    two = torchrun(tmp_path / "two", text_file, "--parallelism.data_parallel_shard_degree", "2", *flags)
+    assert len(one) == len(two)
+    for a, b in zip(two, one):
+        assert abs(a["loss"] - b["loss"]) / b["loss"] < 1e-5, (a, b)
+        assert a["router_load"] == b["router_load"]
+        assert (a["expert_bias_min"], a["expert_bias_max"]) == pytest.approx((b["expert_bias_min"],
+                                                                              b["expert_bias_max"]), abs=1e-7)

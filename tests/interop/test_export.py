@@ -138,3 +138,40 @@ def test_bad_export_and_generate_input_is_one_line(tmp_path, run, capsys, args, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and match in err, err
     assert not (tmp_path / "out").exists() and [p.name for p in (tmp_path / "full").iterdir()] == ["mine.txt"]
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory, text_file):
+    """moe-debug, 12 steps in fp8-rowwise (the balancing bias moved off zero), a checkpoint at the end."""
+    folder = tmp_path_factory.mktemp("export-moe") / "run"
+    run_train(folder, text_file, "--precision.preset", "fp8-rowwise", "--training.steps", "12",
+              "--checkpoint.interval", "12", "--model.flavor", "moe-debug")
+    return folder
+
+
+def test_an_moe_exports_as_glm4_moe_with_the_runs_logits_and_generates_the_same(tmp_path, moe_run, capsys):
+    # DeepSeek-V3's MoE in transformers beside Llama's attention: sigmoid router with its correction bias,
+    # shared experts, top-k normalised; the routers stay float32 in a bfloat16 folder
+    import transformers
+    from safetensors import safe_open
+
+    export(moe_run, tmp_path / "hf", dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf).__name__ == "Glm4MoeForCausalLM"
+    ours, tokenizer = load_model(str(moe_run))
+    bias = ours.layers[1].feed_forward.router.bias
+    assert bias.abs().max() > 0 and torch.equal(hf.model.layers[1].mlp.gate.e_score_correction_bias, bias)
+    x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    assert (_logits(hf, x) - _logits(ours, x)).abs().max() < 1e-5
+    ids = hf.generate(torch.tensor([list(b"def main(")]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    want = tokenizer.decode(ids[0, 9:].tolist())
+    assert generate(ours, tokenizer, "def main(", max_new_tokens=12, temperature=0) == want
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "hf"), "--prompt", "def main(", "--max-new-tokens", "12",
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == "def main(" + want + "\n"
+    export(moe_run, tmp_path / "bf16")
+    with safe_open(tmp_path / "bf16" / "model.safetensors", "pt") as f:
+        dtypes = {name: f.get_tensor(name).dtype for name in f.keys()}
+    assert {n for n, d in dtypes.items() if d == torch.float32} == {
+        f"model.layers.{i}.mlp.gate.{w}" for i in range(2) for w in ("weight", "e_score_correction_bias")}

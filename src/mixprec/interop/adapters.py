@@ -39,6 +39,18 @@ _LLAMA = {
     "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
     "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
 }
+# a mixture-of-experts block's feed-forward (mixprec.models.moe) -> transformers' Glm4Moe, DeepSeek-V3's MoE
+# (sigmoid router, e_score_correction_bias, shared experts) beside Llama's attention; the experts fused as
+# transformers holds them in memory (gate_up_proj (E, 2I, D), gate first; down_proj (E, D, I))
+_MOE = {
+    "layers.{i}.feed_forward.router.weight": "model.layers.{i}.mlp.gate.weight",
+    "layers.{i}.feed_forward.router.bias": "model.layers.{i}.mlp.gate.e_score_correction_bias",
+    "layers.{i}.feed_forward.experts.gate_up_proj": "model.layers.{i}.mlp.experts.gate_up_proj",
+    "layers.{i}.feed_forward.experts.down_proj": "model.layers.{i}.mlp.experts.down_proj",
+    "layers.{i}.feed_forward.shared.w1.weight": "model.layers.{i}.mlp.shared_experts.gate_proj.weight",
+    "layers.{i}.feed_forward.shared.w3.weight": "model.layers.{i}.mlp.shared_experts.up_proj.weight",
+    "layers.{i}.feed_forward.shared.w2.weight": "model.layers.{i}.mlp.shared_experts.down_proj.weight",
+}
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -52,14 +64,20 @@ def _pairs_to_halves(w: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 class LlamaAdapter:
-    """mixprec's Llama <-> transformers' LlamaForCausalLM."""
+    """mixprec's Llama <-> transformers' LlamaForCausalLM; its mixture-of-experts flavors <->
+    Glm4MoeForCausalLM (DeepSeek-V3's MoE with Llama's attention: the closest transformers has)."""
 
     def __init__(self, args):
         self.args = args
         self.names = {}
         for ours, theirs in _LLAMA.items():
             for i in range(args.n_layers) if "{i}" in ours else [None]:
-                self.names[ours.format(i=i)] = theirs.format(i=i)
+                if i is None or not (args.moe_block(i) and ".feed_forward." in ours):
+                    self.names[ours.format(i=i)] = theirs.format(i=i)
+        for ours, theirs in _MOE.items():
+            for i in filter(args.moe_block, range(args.n_layers)):
+                if args.n_shared_experts or ".shared." not in ours:
+                    self.names[ours.format(i=i)] = theirs.format(i=i)
 
     def hf_name(self, name: str) -> str:
         if name not in self.names:
@@ -87,6 +105,8 @@ class LlamaAdapter:
 
     def hf_config(self, dtype: str) -> dict:
         a = self.args
+        if a.n_experts:
+            return self._moe_config(dtype)
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": a.dim,
                 "intermediate_size": a.ffn_dim, "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
                 "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim, "vocab_size": a.vocab_size,
@@ -94,6 +114,23 @@ class LlamaAdapter:
                 "max_position_embeddings": a.max_seq_len, "tie_word_embeddings": a.tie_embeddings,
                 "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "initializer_range": 0.02,
                 "torch_dtype": dtype}
+
+
+    def _moe_config(self, dtype: str) -> dict:
+        """transformers' Glm4Moe with what mixprec's MoE computes: full rotary, no q/k norm, no biases, one
+        expert group (plain top-k), the top-k weights normalised then scaled."""
+        a = self.args
+        return {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": a.dim,
+                "intermediate_size": a.ffn_dim, "moe_intermediate_size": a.moe_hidden_dim,
+                "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads,
+                "head_dim": a.head_dim, "vocab_size": a.vocab_size, "n_routed_experts": a.n_experts,
+                "num_experts_per_tok": a.top_k, "n_shared_experts": a.n_shared_experts,
+                "first_k_dense_replace": a.n_dense_layers, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+                "routed_scaling_factor": a.route_scale, "partial_rotary_factor": 1.0, "use_qk_norm": False,
+                "attention_bias": False, "rms_norm_eps": a.norm_eps,
+                "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta, "partial_rotary_factor": 1.0},
+                "max_position_embeddings": a.max_seq_len, "tie_word_embeddings": a.tie_embeddings,
+                "hidden_act": "silu", "initializer_range": 0.02, "torch_dtype": dtype}
 
 
 def llama_fields(config: dict, where: str) -> dict:

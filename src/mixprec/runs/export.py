@@ -5,8 +5,9 @@
     export("outputs/run/checkpoint/step-20", out, dtype=torch.float32)
 
 Reads the model tensors of a single-file or DCP checkpoint (never the optimizer state), maps
-them with the architecture's adapter (mixprec's Llama becomes a LlamaForCausalLM; a
-transformers model keeps its names), and writes config.json, safetensors (sharded above
+them with the architecture's adapter (mixprec's Llama becomes a LlamaForCausalLM, its
+mixtures of experts a Glm4MoeForCausalLM, routers kept in float32; a transformers model keeps
+its names), and writes config.json, safetensors (sharded above
 `max_shard_bytes`, with an index) and the run's tokenizer.json. FP8 and MX runs keep
 their high-precision weights (the converted Linear layers keep the original parameters):
 those are exported.
@@ -27,6 +28,7 @@ from mixprec.interop.adapters import adapter_for
 from mixprec.interop.hf_folder import check_out, write_folder
 from mixprec.interop.load import CheckpointWeights
 from mixprec.models.ties import tied_names
+from mixprec.narrow import hf_experts
 from mixprec.runs.resolve import empty_model, resolve, tokenizer_file
 
 logger = logging.getLogger(__name__)
@@ -63,8 +65,11 @@ def export(source: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloa
         text = None
         logger.info("export: no tokenizer.json (the run's tokenizer file is not where its config.toml says); the "
                     "folder holds the model only")
+    # a mixture of experts' routers stay in float32 in the folder, as they trained (by role: hf_experts.routers)
+    routers = tuple(f"{fqn}." for fqn in hf_experts.routers(model, hf_experts.find_experts(model)))
+    float32 = {adapter.hf_name(n) for n in weights.tensors if n.startswith(routers) and n not in tied}
     written = write_folder(out, tensors, config, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                           extra_files={"tokenizer.json": text} if text else None)
+                           extra_files={"tokenizer.json": text} if text else None, float32=float32)
     seconds = time.perf_counter() - t0
     logger.info("export: step %s of %s -> %s: %d tensors in %s, %d file(s), %.1f MB in %.1f s (%.0f MB/s)",
                 weights.step, path, out, len(tensors), dtype_name(dtype), len(written["files"]),
