@@ -24,11 +24,11 @@ SHAPES = {"debug": {}, "aligned": dict(dim=256, n_kv_heads=4, multiple_of=256)} 
 
 
 def train(rank, preset, lowp, *, shape="debug", steps=8, recompute=False, promote_at=None, revert_at=None,
-          compile=False, save=None, load=None, overrides=()):
+          compile=False, save=None, load=None, overrides=(), flavor="debug", promoted="layers.0.attention.wq"):
     from torch.distributed.device_mesh import init_device_mesh
 
     policy = Policy.from_preset(preset, overrides=overrides)
-    model = build_model(model_args("debug", 256, **SHAPES[shape]), device="cpu", storage_dtype=torch.float32, seed=0)
+    model = build_model(model_args(flavor, 256, **SHAPES[shape]), device="cpu", storage_dtype=torch.float32, seed=0)
     policy.prepare_model(model, "cpu")
     for block in model.layers:
         block.checkpointed = recompute
@@ -50,9 +50,9 @@ def train(rank, preset, lowp, *, shape="debug", steps=8, recompute=False, promot
     losses, gathered = [], []
     for i in range(first, steps):
         if i == promote_at:
-            policy.promote("layers.0.attention.wq", i, "test")
+            policy.promote(promoted, i, "test")
         if i == revert_at:
-            policy.unpromote("layers.0.attention.wq")
+            policy.unpromote(promoted)
         comm = CommBytes()
         with comm:
             local = BATCHES[i].chunk(WORLD)[rank]
@@ -134,6 +134,17 @@ def _worker(rank, store_path, path):
         for preset in ("fp8-tensorwise", "fp8-rowwise"):  # eager against compiled blocks, both gathering narrow
             compare(rank, f"{preset} compiled", train(rank, preset, True, steps=4),
                     train(rank, preset, True, steps=4, compile=True), out)
+        # mixprec's MoE: each rank casts its own whole experts (8 experts, 4 a rank)
+        for preset in ("fp8-tensorwise", "fp8-rowwise", "fp8-blockwise", "mxfp8", "nvfp4", "mxfp4"):
+            compare(rank, f"moe {preset}", train(rank, preset, False, flavor="moe-debug", steps=4),
+                    train(rank, preset, True, flavor="moe-debug", steps=4), out)
+        experts = "layers.0.feed_forward.experts"
+        compare(rank, "moe promote", train(rank, "fp8-rowwise", False, flavor="moe-debug", steps=7, promote_at=3,
+                                           revert_at=5, promoted=experts),
+                train(rank, "fp8-rowwise", True, flavor="moe-debug", steps=7, promote_at=3, revert_at=5,
+                      promoted=experts), out)
+        compare(rank, "moe fp8-rowwise compiled", train(rank, "fp8-rowwise", True, flavor="moe-debug", steps=4),
+                train(rank, "fp8-rowwise", True, flavor="moe-debug", steps=4, compile=True), out)
         out["audit ok"] = audited(rank, "fp8-rowwise", own_fully_shard=False)
         out["audit silent"] = audited(rank, "fp8-rowwise", own_fully_shard=True)
         if rank == 0:

@@ -17,7 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 from mixprec.dtypes import dtype_name
-from mixprec.narrow import all_gather
+from mixprec.narrow import all_gather, experts_gather
+from mixprec.narrow.hf_experts import runs_narrow
 from mixprec.narrow.linear import FP8Linear
 from mixprec.models.ties import tied_modules
 from mixprec.precision import Policy
@@ -83,14 +84,16 @@ def _narrow_gathers(model: nn.Module, blocks: list[nn.Module], world: int, resha
     """Low-precision all-gathers for the FP8 and microscaled Linear layers, or the line that says they gather
     in param_dtype. Returns what the startup line says of them."""
     narrow = [fqn for fqn, m in model.named_modules() if isinstance(m, FP8Linear)]
-    if not narrow:
+    experts = [fqn for fqn, m in model.named_modules() if runs_narrow(m)]
+    if not narrow and not experts:
         return ""
     base = param_dtype or next(model.parameters()).dtype
     if not enabled:
         for fqn in narrow:
             model.get_submodule(fqn).gather_why = "parallelism.lowp_all_gather = false"
-        logger.info("fsdp: parallelism.lowp_all_gather = false: the %d FP8/microscaled Linear layers all-gather their "
-                    "weights in %s and quantise them after the gather", len(narrow), dtype_name(base))
+        logger.info("fsdp: parallelism.lowp_all_gather = false: the %d FP8/microscaled Linear layers and %d experts "
+                    "modules all-gather their weights in %s and quantise them after the gather", len(narrow),
+                    len(experts), dtype_name(base))
         return f"the {len(narrow)} low-precision Linear weights too: parallelism.lowp_all_gather = false"
     names = {m: fqn for fqn, m in model.named_modules()}
     in_block = {f"{names[b]}.": b for b in blocks}
@@ -106,11 +109,15 @@ def _narrow_gathers(model: nn.Module, blocks: list[nn.Module], world: int, resha
 
     decided = all_gather.shard_narrow(model, world, reshards=reshards, recomputes=recomputes)
     all_gather.log_decisions(model, decided, base)
+    experts_decided = experts_gather.shard(model, world, reshards=reshards, recomputes=recomputes)
+    experts_gather.log_decisions(model, experts_decided, base)
     formats = sorted({dtype_name(all_gather.element_format(model.get_submodule(f).plan.recipe))
                       for f, why in decided.items() if why is None})
     wide = sum(why is not None for why in decided.values())
+    gathered = sum(why is None for why in experts_decided.values())
     return (f"{len(decided) - wide} low-precision Linear weights in {', '.join(formats) or '-'} with their scales"
-            + (f", {wide} in {dtype_name(base)} (logged why)" if wide else ""))
+            + (f", {wide} in {dtype_name(base)} (logged why)" if wide else "")
+            + (f"; {gathered} of {len(experts_decided)} experts projections narrow" if experts_decided else ""))
 
 
 def unsharded_bytes(model: nn.Module) -> int:

@@ -102,8 +102,8 @@ def _scale_slots(rows: int, cols: int) -> int:
 def why_not(recipe: FP8Recipe, shape: tuple[int, int], world: int, *, recomputes: bool, reshards: bool) -> str | None:
     """Why a weight of `shape` in `recipe` is gathered in bfloat16 over `world` shards, or None."""
     rows, cols = shape
-    if world == 1:  # torch 2.13's FSDP2 copies the first all-gather input alone on one rank
-        return "one rank: FSDP2 copies the shard instead of all-gathering it, so nothing crosses a wire"
+    if world == 1:
+        return passes_why_not(recipe, world, recomputes, reshards)
     if rows % world:
         return f"its {rows} rows do not split evenly over {world} ranks (FSDP2 pads the last shard)"
     b = block_rows(recipe)
@@ -112,6 +112,14 @@ def why_not(recipe: FP8Recipe, shape: tuple[int, int], world: int, *, recomputes
                 f"two ranks")
     if kind(recipe) == "mx" and cols % recipe.block:
         return f"its {cols} columns are not whole {recipe.block}-element blocks"
+    return passes_why_not(recipe, world, recomputes, reshards)
+
+
+def passes_why_not(recipe: FP8Recipe, world: int, recomputes: bool, reshards: bool) -> str | None:
+    """What a Linear's and an experts projection's gathers share: one rank, and a recipe that needs a copy per
+    pass where one gather has to serve both."""
+    if world == 1:  # torch 2.13's FSDP2 copies the first all-gather input alone on one rank
+        return "one rank: FSDP2 copies the shard instead of all-gathering it, so nothing crosses a wire"
     if per_pass(recipe) and (recomputes or not reshards):
         where = "its block recomputes its forward in backward" if recomputes else "its unit is not resharded after forward"
         return (f"{where}, so one gather would have to carry the forward's and the input gradient's copies: as many "
@@ -160,11 +168,13 @@ class NarrowShard(torch.Tensor):
         return f"NarrowShard({self._tensor!r})"
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        return module.narrow_gather.pre(self._tensor.to(mp_policy.param_dtype or self.dtype), mesh)
+        # a Linear's gather, or one of an experts module's two (by the weight's shape: mixprec.narrow.experts_gather)
+        gather = getattr(module, "narrow_gather", None) or module.experts_gathers[tuple(outer_size)]
+        return gather.pre(self._tensor.to(mp_policy.param_dtype or self.dtype), mesh)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
-        gather, which, meta = metadata
-        return gather.post(outputs, which, meta, param_dtype, out)
+        gather, which, *meta = metadata
+        return gather.post(outputs, which, *meta, param_dtype, out)
 
 
 class NarrowGather:
@@ -301,8 +311,10 @@ def attach_units(model: nn.Module) -> None:
     gathers)."""
     for _, group, fsdp_param in fsdp_params(model):
         info = fsdp_param._module_info
-        gather = getattr(info.module, "narrow_gather", None)
-        if gather is not None and info.param_name == "weight":
+        gather = getattr(info.module, "narrow_gather", None) if info.param_name == "weight" else None
+        gather = gather or next((g for g in getattr(info.module, "experts_gathers", {}).values()
+                                 if g.name == info.param_name), None)
+        if gather is not None:
             gather.group, gather.fsdp_param = group, fsdp_param
 
 
