@@ -88,3 +88,15 @@ def test_the_moe_flavor_trains_compiled_as_it_does_eagerly(tmp_path, text_file, 
         assert c["router_load"] == pytest.approx(e["router_load"], rel=0.1), (e, c)
         assert (c["expert_bias_min"], c["expert_bias_max"]) == pytest.approx((e["expert_bias_min"],
                                                                               e["expert_bias_max"]), abs=2e-3)
+
+
+@pytest.mark.slow
+def test_the_moe_flavors_auxiliary_loss_trains_compiled_as_it_does_eagerly(tmp_path, text_file, capsys):
+    # model.balance aux: each router's loss term kept on the module in forward and summed by the model, no break
+    flags = ["--model.flavor", "moe-debug", "--model.balance", "aux", "--precision.preset", "fp8-rowwise",
+             "--precision.emulate_matmul", "false", "--training.steps", "3", "--training.eval_interval", "0",
+             "--stability.enable", "false", "--training.seq_len", "25", "--metrics.log_freq", "1"]
+    eager, compiled = eager_and_compiled(tmp_path, text_file, flags, capsys)
+    for e, c in zip(eager, compiled):
+        assert abs(c["loss"] - e["loss"]) / e["loss"] < tolerance("fp8-rowwise"), (e["loss"], c["loss"])
+        assert c["expert_bias_max"] == e["expert_bias_max"] == 0.0  # no bias balancing under aux

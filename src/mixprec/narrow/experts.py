@@ -294,8 +294,8 @@ class ExpertsLayer:
     fqn: str
     up: int | None  # the operator key of gate_up_proj (or up_proj); None: the base mode
     down: int | None
-    dtype: torch.dtype | None  # the base mode's compute dtype (the recipe's GEMMs write it too); None: autocast's
-    # or else the weights'
+    # the base mode's compute dtype (the recipe's GEMMs write it too); None: autocast's, else the weights'
+    dtype: torch.dtype | None
 
     @property
     def gemms(self) -> tuple[ExpertsGemm, ExpertsGemm]:
