@@ -233,3 +233,15 @@ def test_moe_experts_in_each_recipe_on_cuda_track_the_cpu(preset):
         results.append([t.detach().float().cpu() for t in (out, x.grad, block.experts.gate_up_proj.grad)])
     for cpu, cuda in zip(*results):
         assert float((cpu - cuda).norm() / cpu.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp32", "fp8-rowwise", "fp8-blockwise", "mxfp8", "nvfp4"])
+def test_the_moe_flavor_trains_on_cuda_eager_and_compiled(tmp_path, text_file, preset):
+    # CPU twins: tests/models/test_moe.py (every preset) and tests/train/test_compiled_presets.py (compiled)
+    flags = (*CUDA, "--model.flavor", "moe-debug", "--precision.preset", preset, "--training.steps", "3",
+             "--metrics.log_freq", "1", "--training.eval_interval", "0", "--stability.enable", "false")
+    eager = run_train(tmp_path / "eager", text_file, *flags)
+    compiled = run_train(tmp_path / "compiled", text_file, *flags, "--compile.enable")
+    for e, c in zip(eager, compiled):
+        assert math.isfinite(e["loss"]) and e["router_load"] >= 1.0
+        assert abs(c["loss"] - e["loss"]) / e["loss"] < 1e-2

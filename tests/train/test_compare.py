@@ -68,3 +68,14 @@ def test_a_preset_that_gave_up_as_unstable_fails():
     row = report["presets"][1]
     assert not report["passed"] and row["failures"] == ["unstable: gave up after 2 rewinds at step 40"]
     assert "| 3 (2) | FAIL: unstable" in to_markdown(report)
+
+
+def test_an_moe_flavor_compares_with_its_experts_flops_counted(tmp_path, text_file):
+    assert compare(tmp_path, text_file, "bf16-mixed,fp8-rowwise", "--model.flavor", "moe-debug",
+                   "--metrics.plot", "true") == 0
+    report = json.loads((tmp_path / "compare.json").read_text())
+    fp8 = report["presets"][1]
+    assert fp8["passed"] and abs(fp8["loss_diff"]) < 0.01
+    # the experts' GEMMs (a token's top-2 of 8) are counted in the recipe's share, not the base's
+    assert fp8["gemm_flops_by_format"]["fp8-rowwise"] > 0.75
+    assert (tmp_path / "loss_curves.png").stat().st_size > 5_000
