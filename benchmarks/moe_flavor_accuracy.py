@@ -5,7 +5,8 @@ judged against bf16-mixed seed by seed:
 - the final validation loss (mean and range over the seeds of each preset's gap to bf16-mixed);
 - routing: on the first validation windows, the share of each token's top-k experts, per MoE
   block, that the preset's trained model picks as bf16-mixed's trained model of the same seed
-  does (1.0: the same experts everywhere);
+  does (1.0: the same experts everywhere; chance: k / E), and the same share for bf16-mixed's
+  trained weights computing in the preset (the recipe's own effect on the router's choices);
 - load balance: max / mean rows per expert on those windows (the worst block; 1.0: even), and
   the last training step's router_load.
 
@@ -19,6 +20,7 @@ table and a plot (moe_flavor_accuracy.png) follow.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -42,16 +44,21 @@ def train(run: Path, flavor: str, preset: str, seed: str, steps: int) -> None:
                     str(steps // 4), "--job.dump_folder", str(run)], check=True)
 
 
-def routing(run: Path, tokens: torch.Tensor) -> list[torch.Tensor]:
-    """Each MoE block's top-k expert ids (N, k) for `tokens`, by the run's trained model (FP32)."""
+def routing(run: Path, tokens: torch.Tensor, preset: str | None = None) -> list[torch.Tensor]:
+    """Each MoE block's top-k expert ids (N, k) for `tokens`, by the run's trained model: in FP32, or
+    computing in `preset` (its layout applied to the loaded weights, under its autocast)."""
     from mixprec.models.moe import Router
+    from mixprec.precision import Policy
     from mixprec.runs.generate import load_model
 
     model, _ = load_model(str(run), torch.device("cpu"))
+    policy = Policy.from_preset(preset) if preset else None
+    if policy is not None:
+        policy.prepare_model(model, "cpu")
     chosen = []
     hooks = [m.register_forward_hook(lambda m, a, out: chosen.append(out[1])) for m in model.modules()
              if isinstance(m, Router)]
-    with torch.no_grad():
+    with torch.no_grad(), policy.autocast() if policy is not None else contextlib.nullcontext():
         model(tokens)
     for h in hooks:
         h.remove()
@@ -100,9 +107,10 @@ def main() -> None:
         train(out / f"seed{seed}" / preset, args.flavor, preset, seed, args.steps)
     val = ByteTokenizer().encode(load_corpus("stdlib", 0.05).val)
     tokens = val[: args.windows * 64].view(args.windows, 64)
-    rows = {p: {"gap": [], "overlap": [], "balance": [], "router_load": []} for p in presets}
+    rows = {p: {"gap": [], "overlap": [], "same_weights": [], "balance": [], "router_load": []} for p in presets}
     for seed in seeds:
         ref = routing(out / f"seed{seed}" / "bf16-mixed", tokens)
+        ref_mixed = routing(out / f"seed{seed}" / "bf16-mixed", tokens, "bf16-mixed")
         base = json.loads((out / f"seed{seed}" / "bf16-mixed" / "summary.json").read_text())["final_val_loss"]
         for p in presets:
             run = out / f"seed{seed}" / p
@@ -111,30 +119,35 @@ def main() -> None:
             chosen = routing(run, tokens)
             rows[p]["gap"].append(100 * (summary["final_val_loss"] / base - 1))
             rows[p]["overlap"].append(overlap(chosen, ref))
+            # bf16-mixed's trained weights computing in this preset: the recipe's own effect on the choices
+            rows[p]["same_weights"].append(overlap(routing(out / f"seed{seed}" / "bf16-mixed", tokens, p), ref_mixed))
             rows[p]["balance"].append(balance(chosen))
             rows[p]["router_load"].append(records[-1]["router_load"])
     cap = torch.backends.cpu.get_cpu_capability()
     print(f"\n{args.flavor}, {args.steps} steps of 8 x 64 byte tokens, seeds {','.join(seeds)}, CPU {cap}; each figure "
           "the mean over the seeds (range in brackets)")
-    print("| preset | val loss vs bf16-mixed | same top-k experts as bf16-mixed | load max/mean (validation) | "
-          "router_load (last step) |")
-    print("|---|---:|---:|---:|---:|")
+    print("| preset | val loss vs bf16-mixed | same top-k as bf16-mixed: trained apart | same weights | "
+          "load max/mean (validation) | router_load (last step) |")
+    print("|---|---:|---:|---:|---:|---:|")
     for p in presets:
         r = rows[p]
         fmt = lambda v, f: f"{statistics.mean(v):{f}} ({min(v):{f}} .. {max(v):{f}})"  # noqa: E731
-        print(f"| {p} | {fmt(r['gap'], '+.2f')}% | {fmt(r['overlap'], '.3f')} | {fmt(r['balance'], '.2f')} | "
-              f"{fmt(r['router_load'], '.2f')} |")
+        print(f"| {p} | {fmt(r['gap'], '+.2f')}% | {fmt(r['overlap'], '.3f')} | {fmt(r['same_weights'], '.3f')} | "
+              f"{fmt(r['balance'], '.2f')} | {fmt(r['router_load'], '.2f')} |")
     (out / "moe_flavor_accuracy.json").write_text(json.dumps(rows, indent=1))
     from mixprec.reporting import pyplot
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for ax, key, label in zip(axes, ("gap", "overlap", "balance"), ("val loss vs bf16-mixed (%)",
-                                                                    "same top-k experts as bf16-mixed",
+                                                                    "same top-k as bf16-mixed: trained apart (dots), "
+                                                                    "same weights (squares)",
                                                                     "load max/mean (validation)")):
         for i, p in enumerate(presets):
             ax.plot([i] * len(seeds), rows[p][key], "o", color=f"C{i}")
             ax.plot([i - 0.2, i + 0.2], [statistics.mean(rows[p][key])] * 2, "-", color=f"C{i}")
+            if key == "overlap":  # bf16-mixed's weights computing in the preset: hollow squares
+                ax.plot([i + 0.15] * len(seeds), rows[p]["same_weights"], "s", mfc="none", color=f"C{i}")
         ax.set_xticks(range(len(presets)), presets, rotation=45, ha="right", fontsize=8)
         ax.set_title(label, fontsize=9)
     fig.suptitle(f"{args.flavor}: {args.steps} steps, seeds {','.join(seeds)} (dots), means (bars); CPU {cap}")
