@@ -4,6 +4,7 @@ metrics.jsonl (loss, grad norm, loss scale, skipped) and the final checkpoint's 
 
     python benchmarks/same_numbers.py REF                  # every preset, one process each
     python benchmarks/same_numbers.py REF --fsdp bf16-mixed,fp16-mixed   # also two gloo ranks
+    python benchmarks/same_numbers.py REF --extra "--model.hf_config runs/moe/config --data.tokenizer byte"
 
 Prints one line per run: "bit-identical", or the first field that differs with the largest
 relative difference. Exit code 1 when anything differs. The trees run one after the other
@@ -16,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -33,38 +35,39 @@ def export(ref: str, into: Path) -> Path:
     return into
 
 
-def train_args(tree: Path, folder: Path, preset: str, steps: int) -> list[str]:
-    return ["train", "--config", str(tree / "configs" / "debug.toml"), "--precision.preset", preset,
+def train_args(tree: Path, folder: Path, preset: str, steps: int, extra=()) -> list[str]:
+    return ["train", "--config", str(tree / "configs" / "debug.toml"), *extra, "--precision.preset", preset,
             "--training.steps", str(steps), "--training.device", "cpu", "--training.eval_interval", "0",
             "--training.warmup_steps", "2", "--training.eps", "1e-4" if preset == "fp16-true" else "1e-8",
             "--checkpoint.interval", str(steps), "--job.dump_folder", str(folder), "--metrics.plot", "false",
             "--metrics.progress_bar", "false", "--stability.enable", "false"]
 
 
-def run_tree(tree: Path, out: Path, presets: list[str], fsdp: list[str], steps: int) -> None:
+def run_tree(tree: Path, out: Path, presets: list[str], fsdp: list[str], steps: int, extra=()) -> None:
     """Every preset of `presets` in one process (this script's --worker mode, importing the
     tree's own mixprec), then each of `fsdp` under torchrun on two gloo ranks."""
     env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
            "PYTHONPATH": str(tree / "src")}
     if presets:
-        subprocess.run([sys.executable, __file__, "--worker", str(tree), str(out), str(steps), *presets],
+        subprocess.run([sys.executable, __file__, "--worker", str(tree), str(out), str(steps), json.dumps(extra),
+                        *presets],
                        check=True, env=env, cwd=tree)
     for preset in fsdp:
-        args = train_args(tree, out / f"fsdp-{preset}", preset, steps)
+        args = train_args(tree, out / f"fsdp-{preset}", preset, steps, extra)
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "-m", "mixprec", *args, "--training.local_batch_size", "4",
                         "--parallelism.data_parallel_shard_degree", "2"],
                        check=True, env=env, cwd=tree, capture_output=True)
 
 
-def worker(tree: str, out: str, steps: str, presets: list[str]) -> None:
+def worker(tree: str, out: str, steps: str, extra: str, presets: list[str]) -> None:
     import logging
 
     from mixprec.cli import main
 
     logging.disable(logging.WARNING)
     for preset in presets:
-        code = main(train_args(Path(tree), Path(out) / preset, preset, int(steps)))
+        code = main(train_args(Path(tree), Path(out) / preset, preset, int(steps), json.loads(extra)))
         print(f"  {Path(tree).name}: {preset} exit {code}", flush=True)
 
 
@@ -137,13 +140,14 @@ def compare(old: Path, new: Path) -> str:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(*sys.argv[2:5], sys.argv[5:])
+        worker(*sys.argv[2:6], sys.argv[6:])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("ref", help="the commit to compare the working tree against")
     parser.add_argument("--presets", default="", help="comma-separated presets (default: every preset)")
     parser.add_argument("--fsdp", default="", help="comma-separated presets to run on two gloo ranks too")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--extra", default="", help='more train arguments, e.g. "--model.flavor moe-debug"')
     args = parser.parse_args()
     sys.path.insert(0, str(HERE / "src"))
     from mixprec.precision.presets import PRESETS
@@ -155,7 +159,7 @@ def main() -> int:
         old_tree = export(args.ref, tmp / "old")
         for name, tree in (("old", old_tree), ("new", HERE)):
             print(f"{name}: {tree}", flush=True)
-            run_tree(tree, tmp / f"{name}-runs", presets, fsdp, args.steps)
+            run_tree(tree, tmp / f"{name}-runs", presets, fsdp, args.steps, shlex.split(args.extra))
         different = 0
         for run in presets + [f"fsdp-{p}" for p in fsdp]:
             if not (tmp / "old-runs" / run / "metrics.jsonl").is_file():  # a preset REF does not have
