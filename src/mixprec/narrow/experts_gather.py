@@ -23,6 +23,7 @@ import logging
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from mixprec.dtypes import dtype_name
 from mixprec.narrow import experts
@@ -83,9 +84,14 @@ class GatheredExperts(torch.Tensor):
             return torch.zeros(w.shape, dtype=w.dtype, device=w.device)
         if func is torch.ops.mixprec.experts_mm.default:
             x, _, offs, key = args
-            return experts.forward(x, w, offs, experts.gemm_of(key))
+            g = experts.gemm_of(key)
+            if is_fake(x):  # the memory planner's step: the sizes only (the group sizes have no value to read)
+                return x.new_empty(x.shape[0], w.shape[1], dtype=g.plan.compute_dtype)
+            return experts.forward(x, w, offs, g)
         if func is torch.ops.mixprec.experts_mm_backward.default:
             x, _, offs, dy, key = args
+            if is_fake(x):
+                return torch.empty_like(x), x.new_empty(w.shape, dtype=w.dtype)
             return experts.backward(x, w, offs, dy, experts.gemm_of(key))
         raise RuntimeError(f"{func} on expert weights all-gathered in their narrow format: only mixprec's experts "
                            "operators read them (set parallelism.lowp_all_gather = false to gather in bfloat16)")
