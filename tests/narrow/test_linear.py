@@ -1,3 +1,4 @@
+import contextlib
 import copy
 
 import pytest
@@ -100,8 +101,22 @@ def test_delayed_scaling_saturates_on_an_amax_jump_and_recovers_the_next_step():
     assert sqnr(exact[0], y[0]) > 18
 
 
+def _backward_autocast(mode: str):
+    """torch's compiled-backward autocast setting for a test (a torch without the setting: nothing)."""
+    config = torch._functorch.config
+    has = "backward_pass_autocast" in config.get_config_copy()
+    return config.patch(backward_pass_autocast=mode) if has else contextlib.nullcontext()
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_compiled_fp8_linear_matches_eager(recipe):
+    # torch's default for the compiled backward under autocast, whatever a compiled run earlier in this process
+    # set (mixprec.train.parallelize sets "off"; see the xfail test below)
+    with _backward_autocast("same_as_forward"):
+        _compiled_matches_eager(recipe)
+
+
+def _compiled_matches_eager(recipe):
     _, eager = pair(recipe, K=256, N=256)
     compiled = copy.deepcopy(eager)
     compiled[0].forward = torch.compile(compiled[0].forward)
@@ -113,6 +128,21 @@ def test_compiled_fp8_linear_matches_eager(recipe):
         assert sqnr(e, c) > 40
     if RECIPES[recipe].delayed:  # the amaxes recorded in the compiled forward and backward
         torch.testing.assert_close(compiled[0].amax_pending, eager[0].amax_pending)
+
+
+@pytest.mark.skipif(not torch.__version__.startswith("2.13"), reason="found and measured on torch 2.13 only")
+@pytest.mark.xfail(strict=True, raises=torch._inductor.exc.InductorError,
+                   reason="torch 2.13's Inductor CPU codegen fails an assertion ({y0: 128, y1: 2, y2: 128}, {y0: 256, "
+                          "y1: 1, y2: 128}) compiling a block-wise FP8 Linear's backward outside autocast at 128 tokens "
+                          "x 256 outputs (256 x 512 x 384 compiles); found 2026-11-27, not fixed yet")
+def test_compiled_blockwise_backward_outside_autocast():
+    # what mixprec's compiled training sets (mixprec.train.parallelize: the compiled backward outside autocast, as
+    # eager's): a known failure recorded here so that it is seen, and the day it passes, seen too
+    torch._dynamo.reset()
+    _, eager = pair("blockwise", K=256, N=256)
+    eager[0].forward = torch.compile(eager[0].forward)
+    with _backward_autocast("off"):
+        run(eager, torch.randn(128, 256), torch.randn(128, 256), autocast=True)
 
 
 def test_the_conversion_names_each_gemms_kernel():
