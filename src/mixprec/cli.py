@@ -359,7 +359,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
         return _memory_fake(args, lambda: construct(shape, storage), f"{args.flavor} (a mixture of experts, its step "
                             "run on fake tensors)", f"--flavor {args.flavor}")
 
-    setup = Setup(model_args(args.flavor, args.vocab_size), resolve_preset_name(args.preset, "--preset"),
+    setup = Setup(shape, resolve_preset_name(args.preset, "--preset"),
                   overrides=tuple(r for r in args.override.split(",") if r.strip()), batch=args.batch, seq_len=args.seq_len, optimizer=args.optimizer, checkpointing=args.checkpointing,
                   dp_shard=args.dp_shard, dp_replicate=args.dp_replicate, tp=args.tp,
                   reshard_after_forward=not args.no_reshard, lowp_all_gather=not args.no_lowp_all_gather,

@@ -12,13 +12,18 @@ from mixprec.runs.export import export
 from mixprec.runs.generate import generate, load_model
 
 
+def trained(tmp_path_factory, text_file, flavor: str, preset: str, steps: int):
+    """A run folder of `steps` steps with a checkpoint at the end."""
+    folder = tmp_path_factory.mktemp(f"export-{flavor}") / "run"
+    run_train(folder, text_file, "--precision.preset", preset, "--training.steps", str(steps),
+              "--checkpoint.interval", str(steps), "--model.flavor", flavor)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, text_file):
     """The debug flavor, 20 steps in fp32, a checkpoint at the end."""
-    folder = tmp_path_factory.mktemp("export") / "run"
-    run_train(folder, text_file, "--precision.preset", "fp32", "--training.steps", "20",
-              "--checkpoint.interval", "20", "--model.flavor", "debug")
-    return folder
+    return trained(tmp_path_factory, text_file, "debug", "fp32", 20)
 
 
 def _logits(model, x):
@@ -143,10 +148,7 @@ def test_bad_export_and_generate_input_is_one_line(tmp_path, run, capsys, args, 
 @pytest.fixture(scope="module")
 def moe_run(tmp_path_factory, text_file):
     """moe-debug, 12 steps in fp8-rowwise (the balancing bias moved off zero), a checkpoint at the end."""
-    folder = tmp_path_factory.mktemp("export-moe") / "run"
-    run_train(folder, text_file, "--precision.preset", "fp8-rowwise", "--training.steps", "12",
-              "--checkpoint.interval", "12", "--model.flavor", "moe-debug")
-    return folder
+    return trained(tmp_path_factory, text_file, "moe-debug", "fp8-rowwise", 12)
 
 
 def test_an_moe_exports_as_glm4_moe_with_the_runs_logits_and_generates_the_same(tmp_path, moe_run, capsys):

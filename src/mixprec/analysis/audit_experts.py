@@ -66,8 +66,8 @@ def hooks(tracker: FP8Tracker, model: torch.nn.Module) -> list:
     count the rows each expert receives (its inputs: tokens, the router's top-k ids, their weights)."""
     def enter(module, args, fqn):
         tracker.module = fqn
-        counts = torch.bincount(args[1].detach().flatten().cpu(), minlength=module.num_experts)
-        tracker.expert_tokens[fqn] = tracker.expert_tokens.get(fqn, 0) + counts
+        tracker.expert_tokens[fqn] = tracker.expert_tokens.get(fqn, 0) + experts.tokens_per_expert(args[1],
+                                                                                                module.num_experts)
 
     handles = []
     for fqn, module in model.named_modules():

@@ -105,32 +105,22 @@ class LlamaAdapter:
 
     def hf_config(self, dtype: str) -> dict:
         a = self.args
-        if a.n_experts:
-            return self._moe_config(dtype)
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": a.dim,
-                "intermediate_size": a.ffn_dim, "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
-                "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim, "vocab_size": a.vocab_size,
-                "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta, "rope_scaling": None,
-                "max_position_embeddings": a.max_seq_len, "tie_word_embeddings": a.tie_embeddings,
-                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "initializer_range": 0.02,
-                "torch_dtype": dtype}
-
-
-    def _moe_config(self, dtype: str) -> dict:
-        """transformers' Glm4Moe with what mixprec's MoE computes: full rotary, no q/k norm, no biases, one
-        expert group (plain top-k), the top-k weights normalised then scaled."""
-        a = self.args
-        return {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": a.dim,
-                "intermediate_size": a.ffn_dim, "moe_intermediate_size": a.moe_hidden_dim,
-                "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads,
-                "head_dim": a.head_dim, "vocab_size": a.vocab_size, "n_routed_experts": a.n_experts,
+        decoder = {"hidden_size": a.dim, "intermediate_size": a.ffn_dim, "num_hidden_layers": a.n_layers,
+                   "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
+                   "vocab_size": a.vocab_size, "rms_norm_eps": a.norm_eps, "max_position_embeddings": a.max_seq_len,
+                   "tie_word_embeddings": a.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
+                   "initializer_range": 0.02, "torch_dtype": dtype}
+        if not a.n_experts:
+            return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **decoder,
+                    "rope_theta": a.rope_theta, "rope_scaling": None, "mlp_bias": False}
+        # transformers' Glm4Moe computing what mixprec's MoE does: full rotary, no q/k norm, one expert group
+        # (plain top-k), the top-k weights normalised then scaled
+        return {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", **decoder,
+                "moe_intermediate_size": a.moe_hidden_dim, "n_routed_experts": a.n_experts,
                 "num_experts_per_tok": a.top_k, "n_shared_experts": a.n_shared_experts,
                 "first_k_dense_replace": a.n_dense_layers, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
                 "routed_scaling_factor": a.route_scale, "partial_rotary_factor": 1.0, "use_qk_norm": False,
-                "attention_bias": False, "rms_norm_eps": a.norm_eps,
-                "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta, "partial_rotary_factor": 1.0},
-                "max_position_embeddings": a.max_seq_len, "tie_word_embeddings": a.tie_embeddings,
-                "hidden_act": "silu", "initializer_range": 0.02, "torch_dtype": dtype}
+                "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta, "partial_rotary_factor": 1.0}}
 
 
 def llama_fields(config: dict, where: str) -> dict:

@@ -281,7 +281,8 @@ class Llama(nn.Module):
             h = layer(h, cos, sin, mask)
         loss = self.output(self.norm(h), targets)
         if targets is not None and self.args.balance == "aux" and torch.is_grad_enabled():
-            aux = aux_loss(self, self.args.aux_loss_coeff)  # the MoE blocks' balancing loss, training only
+            blocks = [layer.feed_forward for layer in self.layers if isinstance(layer.feed_forward, MoE)]
+            aux = aux_loss(blocks, self.args.aux_loss_coeff)  # the MoE blocks' balancing loss, training only
             loss = loss if aux is None else loss + aux
         return loss
 

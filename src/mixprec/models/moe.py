@@ -62,8 +62,8 @@ class Router(nn.Module):
         if torch.is_grad_enabled():
             # activation checkpointing recomputes the forward and counts it twice: the update
             # and the load figure depend on the counts' ratios only
-            counts = torch.zeros_like(self.tokens).scatter_add_(0, index.flatten(), torch.ones_like(index.flatten(),
-                                                                                                    dtype=torch.float32))
+            chosen = index.flatten()
+            counts = torch.zeros_like(self.tokens).index_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float32))
             with torch.no_grad():
                 self.tokens.add_(counts)
             if self.balance == "aux":
@@ -130,21 +130,19 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def aux_loss(model: nn.Module, coeff: float) -> torch.Tensor | None:
+def aux_loss(layers: list[MoE], coeff: float) -> torch.Tensor | None:
     """The auxiliary balancing loss of the last training pass, summed over the MoE layers (None: none)."""
-    losses = [m.router.aux_loss for m in moe_layers(model) if m.router.aux_loss is not None]
-    for m in moe_layers(model):
-        m.router.aux_loss = None
+    losses = [m.router.aux_loss for m in layers if m.router.aux_loss is not None]
+    clear_counts(layers, counts=False)
     return coeff * torch.stack(losses).sum() if losses else None
 
 
 @torch.no_grad()
-def update_balance(model: nn.Module) -> torch.Tensor | None:
+def update_balance(layers: list[MoE]) -> torch.Tensor | None:
     """After an optimizer step: move each router's bias towards its under-loaded experts (DeepSeek-V3:
     bias_e += rate * sign(mean load - load_e), centred to keep the scores' level), the loads summed over
     every rank's tokens so that ranks keep equal biases; clear the counts. Returns, on the device,
     (the worst layer's max / mean rows per expert, the biases' min, their max); None for a dense model."""
-    layers = moe_layers(model)
     if not layers:
         return None
     tokens = torch.stack([m.router.tokens for m in layers])  # (L, E)
@@ -161,8 +159,10 @@ def update_balance(model: nn.Module) -> torch.Tensor | None:
     return torch.stack([load, biases.min(), biases.max()])
 
 
-def clear_counts(model: nn.Module) -> None:
-    """Forget the rows routed since the last update (passes that were not a training step's)."""
-    for m in moe_layers(model):
-        m.router.tokens.zero_()
+def clear_counts(layers: list[MoE], counts: bool = True) -> None:
+    """Forget the rows routed since the last update (passes that were not a training step's), and the last
+    pass's auxiliary losses (counts False: those only)."""
+    for m in layers:
+        if counts:
+            m.router.tokens.zero_()
         m.router.aux_loss = None

@@ -370,6 +370,12 @@ def _loop_backward(ctx, dy):
 _loop_mm.register_autograd(_loop_backward, setup_context=_loop_setup)
 
 
+def tokens_per_expert(top_k_index: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Rows each expert received from a router's choices (tokens, top_k), on the host (the audit's and
+    the planner's figure, never the step's)."""
+    return torch.bincount(top_k_index.detach().flatten().cpu(), minlength=n_experts)
+
+
 def dispatch(top_k_index: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A router's choices (tokens, top_k) -> (perm, the sorted expert ids, offs): row r of the
     grouped input is token perm[r] // top_k, each expert's rows ending at offs (int32)."""

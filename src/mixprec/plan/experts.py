@@ -29,6 +29,7 @@ from mixprec.narrow import hf_experts
 from mixprec.narrow.linear import Plan
 from mixprec.narrow.mx import kept_blocks
 from mixprec.plan.measure import figures, operand_shares
+from mixprec.precision.layout import decoder_blocks
 
 FP32 = torch.float32
 SERIES_DB = 10 * math.log10(2)  # two GEMMs' noise powers summed: the module's floors sit this far below a GEMM's
@@ -89,10 +90,6 @@ def measure_experts(module: nn.Module, x, index, weights, dy, fmt, compute_dtype
     return figures(want, got, shares)
 
 
-def tokens_per_expert(index: torch.Tensor, n_experts: int) -> list[int]:
-    return torch.bincount(index.flatten().cpu(), minlength=n_experts).tolist()
-
-
 def few_tokens(counts: list[int], minimum: int) -> str | None:
     """Why an experts module stays in the base mode for its token counts, or None."""
     median = statistics.median(counts)
@@ -104,24 +101,14 @@ def few_tokens(counts: list[int], minimum: int) -> str | None:
 
 def kept_by(candidates: dict, model: nn.Module, fqn: str) -> dict[str, str]:
     """The candidates that keep `fqn`'s decoder block in the base mode (keep_last_blocks): name -> why."""
-    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList)]
-    if not lists:
+    found = decoder_blocks(model)
+    if found is None or not fqn.startswith(f"{found[0]}."):
         return {}
-    name, blocks = max(lists, key=lambda t: len(t[1]))
-    if not fqn.startswith(f"{name}."):
-        return {}
+    name, n = found
     block = int(fqn.removeprefix(f"{name}.").split(".")[0])
     out = {}
     for cand, recipe in candidates.items():
-        k = kept_blocks(len(blocks), getattr(recipe, "keep_last_blocks", 0.0))
-        if block >= len(blocks) - k:
-            out[cand] = f"{cand} keeps the last {k} of {len(blocks)} decoder blocks in the base mode"
+        k = kept_blocks(n, getattr(recipe, "keep_last_blocks", 0.0))
+        if block >= n - k:
+            out[cand] = f"{cand} keeps the last {k} of {n} decoder blocks in the base mode"
     return out
-
-
-def active_features(module: nn.Module) -> int:
-    """A token's share of the module's expert weights (top-k of them): its GEMM FLOPs per token, halved."""
-    weights = hf_experts.expert_weights(module)
-    n = next(iter(weights.values())).shape[0]
-    top_k = getattr(module, "top_k", None) or getattr(getattr(module, "config", None), "num_experts_per_tok", n)
-    return sum(w.numel() for w in weights.values()) * min(top_k, n) // n

@@ -1,6 +1,7 @@
 """`mixprec plan`: run a few real training steps, measure every Linear layer FP8 can take in
 every candidate format on the last of them (mixprec.plan.measure; a mixture of experts' experts
-modules whole, mixprec.plan.experts), choose a format per layer (mixprec.plan.choose) and write the plan file (mixprec.plan.file) that
+modules whole, mixprec.plan.experts), choose a format per layer (mixprec.plan.choose) and
+write the plan file (mixprec.plan.file) that
 `precision.plan` takes. The command gives it the trainer's step (`for_planning` says how
 the config is run); a library user gives `plan_precision` a model, a policy and batches.
 
@@ -27,7 +28,8 @@ from mixprec.narrow.hf_experts import find_experts
 from mixprec.narrow.recipe import FP8Recipe
 from mixprec.plan.choose import choose, floors, margin, modeled_speedups
 from mixprec.plan.config import PlanConfig
-from mixprec.plan.experts import SERIES_DB, ExpertsCapture, active_features, few_tokens, kept_by, measure_experts, tokens_per_expert
+from mixprec.narrow.experts import tokens_per_expert
+from mixprec.plan.experts import SERIES_DB, ExpertsCapture, few_tokens, kept_by, measure_experts
 from mixprec.plan.file import write_plan
 from mixprec.plan.measure import GEMMS, Capture, gemm_times, measure
 from mixprec.precision.spec import FP32, format_name, parse_format
@@ -138,7 +140,7 @@ def plan_layers(model: nn.Module, policy, step, pcfg: PlanConfig, device: torch.
         t1 = time.perf_counter()
         for fqn, module in experts.items():
             x, index, weights = routed.inputs[fqn]
-            counts = tokens_per_expert(index, module.num_experts)
+            counts = tokens_per_expert(index, module.num_experts).tolist()
             if fqn not in tokens or statistics.median(counts) < statistics.median(tokens[fqn]):
                 tokens[fqn] = counts  # the measured step whose experts got the fewest rows
             for name, fmt in candidates.items():
@@ -171,7 +173,7 @@ def plan_layers(model: nn.Module, policy, step, pcfg: PlanConfig, device: torch.
         chosen[fqn] = layer_rows[fqn]["format"]
     feats = {fqn: m.in_features * m.out_features for fqn, m in model.named_modules()
              if isinstance(m, nn.Linear) and fqn not in outputs}
-    feats |= {fqn: active_features(m) for fqn, m in experts.items()}
+    feats |= {fqn: policy.layout.modules[fqn].features for fqn in experts}  # a token's share of the experts
     fp8_share = sum(feats[f] for f, fmt in chosen.items() if fmt != base) / max(1, sum(feats.values()))
     header = {"base": policy.requested, "objective": pcfg.objective, "target": pcfg.target or "this device",
               "floors_db": floor, "candidates": list(candidates), "steps": pcfg.steps,

@@ -42,8 +42,8 @@ class ModuleFormats:
     def __init__(self, layout: Layout, emulate_fp8: bool | None = None):
         self.layout, self.emulate_fp8 = layout, emulate_fp8
         self.conversions: list[Conversion] = []
-        self._taken_out: dict[str, Conversion] = {}  # promoted FP8 layers' conversions, for a revert
-        self._experts_out: dict[str, ExpertsLayer] = {}  # promoted experts modules' narrow projections
+        # promoted layers' conversions (and an experts module's narrow projections), for a revert
+        self._taken_out: dict[str, tuple[Conversion, ExpertsLayer | None]] = {}
 
     def apply(self, model: nn.Module, device_type: str) -> None:
         spec = self.layout.spec
@@ -101,15 +101,13 @@ class ModuleFormats:
         module = model.get_submodule(fqn)
         if hf_experts.runs_narrow(module):  # an experts module: its projections back on the base mode's GEMM
             conversion = next(c for c in self.conversions if c.experts.get(fqn) is module.mixprec_experts)
-            del conversion.experts[fqn]
-            self._taken_out[fqn] = conversion
-            self._experts_out[fqn] = module.mixprec_experts
+            self._taken_out[fqn] = conversion, conversion.experts.pop(fqn)
             hf_experts.in_base_mode(model, [fqn], self.layout.spec.param_dtype)
         elif runs_fp8(module):
             conversion = next(c for c in self.conversions if c.modules.get(fqn) is module)
             module.fp8_enabled = False
             del conversion.modules[fqn]
-            self._taken_out[fqn] = conversion
+            self._taken_out[fqn] = conversion, None
         else:
             raise ValueError(f"{fqn} does not compute in a narrow format")
         old = self.layout.modules[fqn]
@@ -118,9 +116,9 @@ class ModuleFormats:
 
     def revert(self, model: nn.Module, fqn: str, compute: Format, why: str) -> None:
         """Undo `promote`: the FP8 layer goes back in."""
-        module, conversion = model.get_submodule(fqn), self._taken_out.pop(fqn)
-        if fqn in self._experts_out:
-            module.mixprec_experts = conversion.experts[fqn] = self._experts_out.pop(fqn)
+        module, (conversion, experts) = model.get_submodule(fqn), self._taken_out.pop(fqn)
+        if experts is not None:
+            module.mixprec_experts = conversion.experts[fqn] = experts
         else:
             module.fp8_enabled = True
             conversion.modules[fqn] = module

@@ -188,16 +188,21 @@ def _experts_row(spec: PrecisionSpec, fqn: str, module: nn.Module, storage: torc
     return ModulePrecision("experts", storage, spec.param_dtype, reason, params)
 
 
+def decoder_blocks(model: nn.Module) -> tuple[str, int] | None:
+    """(FQN, length) of the model's decoder layers: its longest nn.ModuleList (as models.hf.decoder_layers)."""
+    lists = [(fqn, len(m)) for fqn, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    return max(lists, key=lambda t: t[1]) if lists else None
+
+
 def _kept_blocks(spec: PrecisionSpec, model: nn.Module) -> dict[str, str]:
     """The decoder blocks a recipe's keep_last_blocks keeps in the base mode: FQN prefix -> why."""
     share = getattr(spec.fp8, "keep_last_blocks", 0.0)
     if not share:
         return {}
-    lists = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.ModuleList)]
-    if not lists:
+    found = decoder_blocks(model)
+    if found is None:
         return {}
-    name, blocks = max(lists, key=lambda t: len(t[1]))  # the decoder layers (as models.hf.decoder_layers)
-    n = len(blocks)
+    name, n = found
     k = kept_blocks(n, share)
     why = (f"{spec.fp8.preset} keeps the last {share:.0%} of the decoder blocks ({k} of {n}: {name}.{n - k}"
            f"{f'-{n - 1}' if k > 1 else ''}) in {dtype_name(spec.param_dtype)} (fp8.keep_last_blocks)")

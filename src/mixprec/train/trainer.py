@@ -71,6 +71,7 @@ class Trainer:
         self.config = config
         self.parts = build(config, accum=accum)
         self.metrics, self._batches = None, []
+        self._moe_layers = moe.moe_layers(self.raw_model)  # an MoE's blocks, found once (none: a dense model)
         self.policy.reads = ReadSchedule(config.metrics.log_freq, also=self._reads_also)
         t0 = time.perf_counter()
         resumed = self.state.resume(config.checkpoint.load_step)
@@ -145,7 +146,7 @@ class Trainer:
             # ---- the read: the one place the loop waits for the device (the policy has read what
             # the steps did at the end of this one: counts, loss-scale log, fallback) ----
             losses = torch.stack([p.loss for p in pending]).tolist()
-            routing = [p.routing.tolist() if p.routing is not None else None for p in pending]
+            routing = torch.stack([p.routing for p in pending]).tolist() if self._moe_layers else [None] * len(pending)
             now = time.perf_counter()
             speed = tokens_per_step * len(pending) / (now - since)  # over the steps read: each step's own is not seen
             steps, pending, since = pending, [], now
@@ -279,7 +280,7 @@ class Trainer:
         called after each micro-batch's backward."""
         accum = self.accum
         loss_sum = torch.zeros((), device=self.device)
-        moe.clear_counts(self.raw_model)  # an MoE's routers count this step's training passes only
+        moe.clear_counts(self._moe_layers)  # an MoE's routers count this step's training passes only
         self._batches = []  # this rank's micro-batches, for the locator should this step go non-finite
         for micro in range(accum):
             x, y = self.loader.next_batch()  # this rank's rows
@@ -296,7 +297,7 @@ class Trainer:
             torch.distributed.all_reduce(loss_sum)
             loss_sum /= self.dims.world_size
         result = self.policy.step(self.optimizer, self.config.training.max_norm, step=step)
-        self._routing = moe.update_balance(self.raw_model)  # outside the gradient, every rank's tokens counted
+        self._routing = moe.update_balance(self._moe_layers)  # outside the gradient, every rank's tokens counted
         # torch.amp's convention: the schedule advances every iteration, a skipped step's too
         # (deciding otherwise would read the skip on the host)
         self.scheduler.step()
