@@ -15,7 +15,7 @@
 #   moe     one MoE layer (Qwen3-30B-A3B's shape: H 2048, I 768, 128 experts, top-8, 16384 tokens) forward and
 #           backward per recipe against bf16-mixed, eager then compiled (benchmarks/moe_layer.py; ~3 minutes)
 #   accuracy  the small flavor, ACC_STEPS (300) steps, seeds SEEDS (0 1 2 3 4): mixprec plan once (seed 0),
-#           then mixprec compare per seed; the seed_spread table and plot after each seed
+#           then mixprec compare per seed; the seed_spread table and plot after each seed (ACC_PLAN=0: no plan)
 # Logs and JSON go to $RES (./gpu-out); where the device tool's $OUT is set, the whole of $RES is packed into
 # $OUT/<name of $RES>.tgz after each run (every 20 s during the accuracy phase) (what comes back is at most 8 files, 2 folders deep, also from a command cut at its
 # limit). Run from the repository root: PYTHONPATH=src, no install.
@@ -92,7 +92,7 @@ for phase in "$@"; do
       cat "$acc/spread.txt" 2>/dev/null; pack
     }
     (while sleep 20; do pack; done) & packer=$!; runs_=()
-    if [ ! -f "$plan" ]; then
+    if [ "${ACC_PLAN:-1}" = 1 ] && [ ! -f "$plan" ]; then
       (timeout ${PLAN_TIMEOUT:-180} $py -m mixprec plan $cfg --training.seed 0 --job.dump_folder "$acc/plan-run" \
         --plan.out "$plan" > "$acc/plan.log" 2>&1; echo "plan: exit $?") & runs_=($!)
     fi
@@ -102,7 +102,7 @@ for phase in "$@"; do
        echo "seed $seed: exit $? (1: a preset past compare's thresholds)") & runs_+=($!)
     done
     wait "${runs_[@]}"; spread
-    if [ -f "$plan" ]; then
+    if [ "${ACC_PLAN:-1}" = 1 ] && [ -f "$plan" ]; then
       cp "$plan" "$acc/plan.toml"
       runs_=()
       for seed in ${SEEDS:-0 1 2 3 4}; do
