@@ -36,8 +36,9 @@ for phase in "$@"; do
   echo "=== $phase"
   case $phase in
   gpu)
-    timeout ${GPU_TIMEOUT:-200} $py -m pytest -q -m gpu -n 8 -p no:cacheprovider --timeout 180 -rfE tests 2>&1 \
-      | tee "$OUT/gpu_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" ;;
+    # -v: each failure named as it happens (a run cut at its limit printed no summary, 2026-11-27)
+    timeout ${GPU_TIMEOUT:-200} $py -m pytest -v -m gpu -n 8 -p no:cacheprovider --timeout 180 -rfE tests 2>&1 \
+      | tee "$OUT/gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed" ;;
   suite)
     timeout ${SUITE_TIMEOUT:-540} $py -m pytest -v -m "not gpu" -n 14 -p no:cacheprovider --timeout 300 -rfE \
       --junitxml "$OUT/suite.xml" tests 2>&1 \
