@@ -88,10 +88,8 @@ def _measured_step(build, preset, batch, mesh=None):
         from mixprec.analysis.plan_model import _shard
 
         _shard(model, policy, mesh)
-    moments = policy.optimizer_moments_dtype  # fp8-blockwise: bfloat16 moments, as plan_memory's default
-    optimizer = (mixprec.optim.AdamW(model.parameters(), lr=1e-3, moments_dtype=moments) if moments != torch.float32
-                 else torch.optim.AdamW(model.parameters(), lr=1e-3, fused=mesh is None))
-    model, optimizer = policy.setup(model, optimizer)
+    # setup puts mixprec's AdamW in place where the mode keeps other moments (fp8-blockwise: bfloat16)
+    model, optimizer = policy.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=mesh is None))
 
     def step():
         with policy.autocast():

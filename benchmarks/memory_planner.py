@@ -18,7 +18,6 @@ import torch
 from mixprec import Policy, build_model, model_args
 from mixprec.analysis.memory import Setup, plan
 from mixprec.models.loss import loss_chunk
-from mixprec.optim import AdamW
 from mixprec.train.parallelize import apply_activation_checkpointing
 
 
@@ -35,10 +34,8 @@ def measured_peak(flavor: str, preset: str, batch: int, seq_len: int, attention:
     policy = Policy.from_preset(preset, overrides=overrides)
     model = build_model(args, device=device, storage_dtype=policy.storage_dtype, seed=0)
     apply_activation_checkpointing(model, checkpointing)
-    moments = policy.optimizer_moments_dtype
-    opt = (torch.optim.AdamW(model.parameters(), lr=1e-4) if moments == torch.float32
-           else AdamW(model.parameters(), lr=1e-4, moments_dtype=moments))
-    policy.setup(model, opt)
+    # setup puts mixprec's AdamW in place where the mode keeps other moments (bfloat16, 8-bit)
+    _, opt = policy.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     x = torch.randint(0, args.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0)).to(device)
 
     def step():

@@ -23,7 +23,9 @@ SURFACE = """
 --training.early_stopping_patience --training.dtype --training.mixed_precision_param
 --training.mixed_precision_reduce
 --precision.preset --precision.param_dtype --precision.reduce_dtype --precision.storage_dtype
---precision.emulate_matmul --precision.override --precision.plan --precision.tf32
+--precision.emulate_matmul --precision.override --precision.plan --precision.optimizer_states
+--precision.optimizer_state_block --precision.optimizer_state_min_size --precision.optimizer_state_embeddings
+--precision.tf32
 --fp8.recipe --fp8.filter_fqns --fp8.amax_history_len --fp8.amax_compute_algo --fp8.margin --fp8.emulate
 --fp8.grad_format --fp8.scale_rounding --fp8.weight_2d --fp8.stochastic_gradients --fp8.hadamard --fp8.four_over_six
 --fp8.keep_last_blocks
@@ -35,7 +37,7 @@ SURFACE = """
 --parallelism.enable_cpu_offload --parallelism.lowp_all_gather --parallelism.timeout_s
 --activation_checkpoint.mode
 --compile.enable --compile.components
---checkpoint.enable --checkpoint.folder --checkpoint.interval --checkpoint.keep_latest_k --checkpoint.load_step
+--checkpoint.enable --checkpoint.folder --checkpoint.convert_optimizer_states --checkpoint.interval --checkpoint.keep_latest_k --checkpoint.load_step
 --checkpoint.initial_load
 --metrics.log_freq --metrics.enable_tensorboard --metrics.plot --metrics.progress_bar
 --stability.enable --stability.window --stability.threshold --stability.snapshot_interval --stability.max_rewinds

@@ -155,12 +155,37 @@ class Precision:
     """Per-module compute, ordered rules PATTERN=FORMAT (fnmatch on module names; the first match decides): FORMAT float32 or bfloat16 (bf16 modes: "keep this layer in high precision") or an FP8 recipe (fp8-rowwise, ...). In TOML also [[precision.override]] tables with modules and compute keys."""
     plan: str = ""
     """A plan file written by `mixprec plan`: each layer it names computes in the format it chose (rules after precision.override's, so the user's own rules win). Empty: none."""
+    optimizer_states: str = ""
+    """AdamW's moments: fp32, bf16, fp16, fp8 (e4m3 with an FP32 scale per block) or 8bit (block-wise dynamic code, as bitsandbytes'); empty: the preset's (bf16-mixed: fp32; fp8-blockwise: bf16; bf16-mixed-8bit: 8bit)."""
+    optimizer_state_block: int = 0
+    """Elements per block scale of fp8/8bit moments, along a tensor's last dimension; 0: 256."""
+    optimizer_state_min_size: int = -1
+    """Tensors with fewer elements keep float32 moments under fp8/8bit; -1: 4096."""
+    optimizer_state_embeddings: bool = False
+    """Embeddings' moments in fp8/8bit too (default: float32, as bitsandbytes advises)."""
     tf32: bool = False
     """float32 matmuls on CUDA as TF32 (10-bit mantissa inputs, float32 accumulation; torch.set_float32_matmul_precision("high")). Off: true float32, as in Lightning's 32-true."""
 
     def __post_init__(self):
         _check(self.emulate_matmul in ("auto", "true", "false"), "precision.emulate_matmul", self.emulate_matmul,
                "auto, true, false")
+        _check(self.optimizer_state_block >= 0, "precision.optimizer_state_block", self.optimizer_state_block,
+               "a positive integer (0: 256)")
+        _check(self.optimizer_state_min_size >= -1, "precision.optimizer_state_min_size",
+               self.optimizer_state_min_size, "an integer >= 0 (-1: 4096)")
+
+    def states(self, preset_states=None):
+        """The StateFormat the optimizer_state keys ask for on top of the preset's (`preset_states`), or
+        None where no key is set."""
+        from mixprec.optim.state_formats import StateFormat
+
+        if not (self.optimizer_states or self.optimizer_state_block or self.optimizer_state_min_size >= 0
+                or self.optimizer_state_embeddings):
+            return None
+        base = preset_states or StateFormat("fp32")
+        return StateFormat(self.optimizer_states or base.name, self.optimizer_state_block or base.block_size,
+                           base.min_size if self.optimizer_state_min_size < 0 else self.optimizer_state_min_size,
+                           self.optimizer_state_embeddings or base.embeddings)
 
     @property
     def emulate(self) -> bool | None:
@@ -173,6 +198,8 @@ class Checkpoint:
     """Write checkpoints, and resume from the run folder's latest one when it has one."""
     folder: str = "checkpoint"
     """Checkpoint folder inside the run folder."""
+    convert_optimizer_states: bool = False
+    """Resuming a checkpoint whose AdamW moments are in another format (precision.optimizer_states): convert them (dequantize, store in this run's format) instead of refusing."""
     interval: int = 100
     """Save every this many steps (and at the end)."""
     keep_latest_k: int = 2
@@ -413,6 +440,12 @@ def build_policy(precision: Precision, training: Training,
         overrides += plan.overrides()
     fp8_args = dict(fp8_recipe=fp8.recipe, fp8_options=fp8.options, fp8_exclude=fp8.filter_fqns,
                     fp8_emulate=fp8.emulate, overrides=overrides)
+    from mixprec.precision.presets import PRESETS, resolve_preset_name
+
+    preset_states = PRESETS[resolve_preset_name(precision.preset)].optimizer_states if precision.preset else None
+    states = precision.states(preset_states)
+    if states is not None:
+        fp8_args["optimizer_states"] = states
     if precision.preset:
         return Policy.from_preset(precision.preset, labels=labels, emulate_matmul=precision.emulate,
                                   loss_scale=loss_scale, tf32=precision.tf32, update_seed=training.seed, **fp8_args,
@@ -425,7 +458,8 @@ def build_policy(precision: Precision, training: Training,
     reduce = given.get("reduce_dtype", "float32")
     name = preset_for(storage, param)
     if name is None:  # no mode stores in one dtype and computes in a wider one: Policy says why
-        return Policy(param_dtype=param, storage_dtype=storage, reduce_dtype=reduce, tf32=precision.tf32)
+        return Policy(param_dtype=param, storage_dtype=storage, reduce_dtype=reduce, tf32=precision.tf32,
+                      **({"optimizer_states": states} if states is not None else {}))
     return Policy.from_preset(name, emulate_matmul=precision.emulate, loss_scale=loss_scale, tf32=precision.tf32,
                               reduce_dtype=reduce, **fp8_args)
 

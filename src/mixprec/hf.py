@@ -92,8 +92,8 @@ class Trainer(transformers.Trainer):
         optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
         if isinstance(optimizer, PolicyOptimizer):
             return optimizer
-        if self.policy.model is None:
-            self.policy.setup(self.model, optimizer)
+        if self.policy.model is None:  # mixprec's AdamW in place of torch's where the mode keeps other moments
+            _, optimizer = self.policy.setup(self.model, optimizer)
         if self._resume_from is not None:
             path = os.path.join(self._resume_from, STATE_FILE)
             if os.path.exists(path):

@@ -163,7 +163,10 @@ class TrainerPrecision(_PolicyPlugin, _TrainerPrecision):
             if len(optimizers) != 1:
                 raise UserError(f"mixprec.lightning.TrainerPrecision({self.policy.name!r}) with {len(optimizers)} "
                                 "optimizers: its master weights or update rule follow one optimizer; accepted: one")
-            self.policy.setup(_unwrap(model), optimizers[0])
+            _, optimizer = self.policy.setup(_unwrap(model), optimizers[0])
+            optimizers = [optimizer]  # mixprec's AdamW where the mode keeps other moments (the same group dicts)
+        elif self.policy.optimizer_states is not None and len(optimizers) == 1:
+            optimizers = [self.policy.adopt(_unwrap(model), optimizers[0])]
         return model, optimizers, lr_schedulers
 
     def pre_backward(self, tensor: torch.Tensor, module):

@@ -11,7 +11,6 @@ from torch import nn
 from torch.nn import functional as F
 
 import mixprec
-from mixprec.optim import AdamW as mixprec_adamw
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 from any_model import measured_peak  # noqa: E402
@@ -267,10 +266,8 @@ def test_every_preset_passes_the_audit_on_every_architecture(arch):
         torch.manual_seed(0)
         policy = mixprec.Policy.from_preset(preset)
         model = ARCHITECTURES[arch]()
-        moments = policy.optimizer_moments_dtype  # fp8-blockwise's bfloat16 moments need mixprec's AdamW
-        optimizer = (mixprec_adamw(model.parameters(), lr=1e-3, moments_dtype=moments) if moments != torch.float32
-                     else torch.optim.AdamW(model.parameters(), lr=1e-3))
-        model, optimizer = policy.setup(model, optimizer)
+        # setup puts mixprec's AdamW in place where the mode keeps other moments (fp8-blockwise's bfloat16)
+        model, optimizer = policy.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
         data = batches() if arch == "own" else [{"input_ids": x, "labels": x} for x, _ in batches()]
         report = mixprec.audit(model, policy, optimizer, data)
         bad = {r["stage"] for r in report["stages"] if not r["ok"]}

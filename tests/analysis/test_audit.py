@@ -35,8 +35,8 @@ def test_every_mode_keeps_its_promise(tmp_path, text_file, capsys, preset):
 def test_a_module_cast_behind_the_policys_back_fails(tmp_path, text_file, capsys, monkeypatch):
     setup = Policy.setup
 
-    def sneaky(self, model, optimizer=None):
-        out = setup(self, model, optimizer)
+    def sneaky(self, model, optimizer=None, **settings):
+        out = setup(self, model, optimizer, **settings)
         model.layers[0].feed_forward.to(torch.bfloat16)  # not through the policy
         return out
 
@@ -115,8 +115,8 @@ def test_a_microscaled_layer_whose_recipe_is_swapped_behind_the_plans_back_fails
 
     setup = Policy.setup
 
-    def swaps(self, model, optimizer=None):
-        out = setup(self, model, optimizer)
+    def swaps(self, model, optimizer=None, **settings):
+        out = setup(self, model, optimizer, **settings)
         layer = model.layers[0].attention.wq
         layer.plan = dataclasses.replace(layer.plan, recipe=MXRecipe.from_name("mxfp4"))  # not through the policy
         return out

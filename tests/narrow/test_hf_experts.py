@@ -205,7 +205,7 @@ def test_audit_passes_on_a_moe_model_in_every_preset(preset):
 
     model = tiny("gpt_oss")
     policy = Policy.from_preset(preset)
-    optimizer = AdamW(model.parameters(), lr=1e-3, moments_dtype=policy.spec.moments_dtype)
+    optimizer = AdamW(model.parameters(), lr=1e-3, states=policy.spec.moments)
     policy.setup(model, optimizer)
     report = audit(model, policy, optimizer, [batch(0), batch(1)])
     assert report["ok"], [r for r in report["stages"] if not r["ok"]]

@@ -85,6 +85,34 @@ class _Observer(EmulatedMatmul):
         return out
 
 
+def state_format_row(model, optimizer, moments) -> tuple[dict, list[str]]:
+    """Each parameter's AdamW moments as stored (their codes' dtype, the block scales' shape, the
+    block size recorded) against the spec's format: quantized, or FP32 where the format leaves
+    the tensor out (small tensors, embeddings)."""
+    from mixprec.optim.adamw import saved_format
+    from mixprec.optim.state_formats import SCALE, scale_shape
+    from mixprec.precision.optimizer_states import embeddings_of
+
+    embeddings = {id(p) for p in embeddings_of(model)}
+    names = {id(p): n for n, p in model.named_parameters()}
+    promised, observed, notes = {}, {}, []
+    for p, state in optimizer.state.items():
+        if "exp_avg" not in state:
+            continue
+        want = "fp32" if moments.keeps_fp32(p.numel(), id(p) in embeddings) else moments.label
+        have = saved_format(state)
+        if "exp_avg" + SCALE in state and tuple(state["exp_avg" + SCALE].shape) != scale_shape(
+                p.shape, int(state.get("moments_block", 0)) or 1):
+            have += f" with scales {tuple(state['exp_avg' + SCALE].shape)} for {tuple(p.shape)}"
+        promised[want] = promised.get(want, 0) + 1
+        observed[have] = observed.get(have, 0) + 1
+        if have != want:
+            notes.append(f"parameter {names.get(id(p), tuple(p.shape))}: moments promised in {want}, stored in {have}")
+    count = lambda d: sorted(f"{k} x{v}" for k, v in d.items())
+    return ({"stage": "optimizer state formats (per tensor)", "promised": count(promised), "observed": count(observed),
+             "ok": not notes and bool(observed)}, notes[:10])
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -95,8 +123,11 @@ def promises(policy) -> dict[str, set[torch.dtype] | None]:
     storage, compute = policy.storage_dtype, policy.param_dtype
     stored = {m.storage for m in policy.layout.modules.values()} if policy.layout is not None else {storage}
     computes = {compute} | set(policy.layout.dtype_overrides().values()) if policy.layout is not None else {compute}
-    moments = {FP32 if policy.sharded and policy.master_weights else policy.spec.moments_dtype}
-    if policy.spec.moments_dtype == storage:  # moments kept as their parameters (torch.optim): routers' in FP32
+    spec_moments = policy.spec.moments
+    moments = {FP32 if policy.sharded and policy.master_weights else spec_moments.dtype}
+    if spec_moments.quantized:  # 1-byte codes, FP32 block scales, FP32 moments of the tensors left out
+        moments |= {FP32}
+    if spec_moments.dtype == storage:  # moments kept as their parameters (torch.optim): routers' in FP32
         moments |= stored
     return {
         "stored parameters": stored,
@@ -247,6 +278,10 @@ def observe_step(model: torch.nn.Module, policy, optimizer: torch.optim.Optimize
         fp8, fp8_notes = fp8_rows(tracker, policy, micro_batches=micro_batches)
         rows += fp8
         notes += fp8_notes
+    if policy.spec.moments.quantized:
+        state_row, state_notes = state_format_row(model, optimizer, policy.spec.moments)
+        rows.append(state_row)
+        notes += state_notes
     if policy.sharded and policy.layout.fp8():
         gather_row, gather_notes = all_gather_row(model, policy.param_dtype)
         rows.append(gather_row)

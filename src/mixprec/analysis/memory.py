@@ -11,7 +11,9 @@ Per parameter, mixed-precision AdamW keeps 4 (FP32 weight) + 4 (FP32 gradient) +
 (two FP32 moments) = 16 bytes of model state; master-weight modes keep a 2-byte model
 weight and gradient, a 4-byte master and its 4-byte gradient, and 8 bytes of moments:
 20 bytes, not the 16 some tables give. bf16-kahan keeps 2 + 2 + 4 (bfloat16 moments) +
-2 (the compensation) = 10 bytes and bf16-sr 8; with an optimizer other than AdamW, the
+2 (the compensation) = 10 bytes and bf16-sr 8; with 8-bit moments (precision.optimizer_states fp8
+or 8bit: 1 byte and a 4-byte scale per 256 elements each) bf16-mixed-8bit keeps 4 + 4 + 2.03
+and bf16-kahan-8bit 2 + 2 + 2 + 2.03, small tensors and embeddings at 8 bytes of moments; with an optimizer other than AdamW, the
 step also makes FP32 working copies of the parameters, their gradients and states, for at
 most CHUNK_NUMEL parameters at a time.
 """
@@ -140,7 +142,13 @@ def plan(s: Setup) -> dict:
             if master and dtype_bytes != 4:
                 masters += local * 4
                 grads += local * 4  # the masters' FP32 gradients
-            states += local * OPTIMIZER_STATES[s.optimizer] * (4 if p.master_weights else st)
+            moments = p.moments  # AdamW's: a dense dtype, or 8 bits with a block scale per block_size
+            if s.optimizer == "adamw" and moments.quantized:
+                per = 4 if moments.keeps_fp32(numel, isinstance(module, torch.nn.Embedding)) else \
+                    moments.bytes_per_element(w.shape)
+            else:
+                per = moments.dtype.itemsize if s.optimizer == "adamw" else (4 if p.master_weights else st)
+            states += local * OPTIMIZER_STATES[s.optimizer] * per
             if isinstance(module, torch.nn.Linear):
                 # autocast keeps one low-precision copy of each weight from forward to backward;
                 # an FP8 Linear keeps its 1-byte FP8 weight instead (with or without autocast), a microscaled one
@@ -149,8 +157,6 @@ def plan(s: Setup) -> dict:
                 copy = (compute.saved_weight_bytes if isinstance(compute, FP8Recipe)
                         else compute.itemsize if autocast and compute != FP32 else 0)
                 cast_cache += numel / split * copy
-    if p.fp8 is not None and p.storage_dtype == FP32:
-        states *= p.moments_dtype.itemsize / 4  # the recipe's moments (bfloat16 for blockwise)
     # each block's share of projections in FP8 and in float32 (per-module overrides)
     fp8_share, fp32_share = [], []
     for i, block in enumerate(model.layers):

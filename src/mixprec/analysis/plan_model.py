@@ -52,8 +52,8 @@ def plan_memory(build_model, policy, batch, *, optimizer=None, loss_fn=None, dp_
     elif policy.model is not None:
         raise UserError("plan_memory needs a policy that has not been set up yet (or a preset name): it sets one "
                         "up on the fake model")
-    moments = policy.optimizer_moments_dtype
-    optimizer = optimizer or (lambda params: AdamW(params, moments_dtype=moments) if moments != torch.float32
+    states = policy.optimizer_states
+    optimizer = optimizer or (lambda params: AdamW(params, states=states) if states is not None
                               else torch.optim.AdamW(params, fused=True))
     with _quiet():  # the fake model's setup lines (paths, conversions) are not this run's
         # no loss scaler: its scale is one number read on the host, which a fake tensor has not

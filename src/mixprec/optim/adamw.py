@@ -1,11 +1,16 @@
-"""AdamW with its two moments stored in a narrower dtype (DeepSeek-V3 keeps them in
-bfloat16 beside FP32 master weights: 4 bytes per parameter instead of 8).
+"""AdamW with its two moments stored narrower than FP32: in bfloat16 beside FP32 master
+weights (DeepSeek-V3: 4 bytes per parameter instead of 8), or in 8 bits (FP8 or the
+block-wise dynamic code, mixprec.optim.state_formats: about 2 bytes per parameter).
 
-Each step takes one parameter at a time: its moments are widened to FP32, updated with
-exactly torch.optim.AdamW's arithmetic (single-tensor path: decoupled weight decay, lerp,
-bias correction), and rounded back to nearest. With moments_dtype float32 the widening
-is a no-op and the parameters match torch.optim.AdamW(foreach=False) bit for bit
-(tests/optim/test_adamw.py); the FP32 temporaries never exceed one parameter's size.
+Each step takes one parameter at a time: its moments are widened to FP32 (dequantized),
+updated with exactly torch.optim.AdamW's arithmetic (single-tensor path: decoupled weight
+decay, lerp, bias correction), and rounded back to nearest (re-quantized once). With
+moments in float32 the widening is a no-op and the parameters match
+torch.optim.AdamW(foreach=False) bit for bit (tests/optim/test_adamw.py); the FP32
+temporaries never exceed one parameter's size. In 8 bits, tensors under the format's
+min_size and (by default) embeddings keep FP32 moments; `compensated` steps low-precision
+weights with a Kahan compensation (bf16-kahan's rule, mixprec.optim.updates) where the
+moments are quantized.
 """
 
 from __future__ import annotations
@@ -14,7 +19,14 @@ import functools
 
 import torch
 
+from mixprec.errors import UserError
 from mixprec.optim import fused_adamw
+from mixprec.optim.state_formats import SCALE, StateFormat, dequantize, quantize, scale_shape
+
+COMPENSATION = "kahan_compensation"  # as mixprec.optim.updates
+BLOCK = "moments_block"  # the state key of a quantized format's block size (an int)
+MOMENTS = {"exp_avg": True, "exp_avg_sq": False}  # key -> signed code
+FP32_MOMENTS = StateFormat("fp32")
 
 
 @functools.cache
@@ -23,28 +35,134 @@ def _moments_kernel():
     return torch.compile(fused_adamw.adamw_moments_, dynamic=True)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or the tensor itself."""
+    return t.to_local() if hasattr(t, "device_mesh") else t
+
+
+def _shaped_as(p: torch.Tensor, local: torch.Tensor, shape) -> torch.Tensor:
+    """`local` as p's shard of a tensor of global `shape` (a DTensor placed as p where p is one)."""
+    if not hasattr(p, "device_mesh"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),
+                              stride=stride)
+
+
+def saved_format(saved: dict) -> str:
+    """The moment format of one parameter's saved state: 8bit, fp8, or a dense dtype's name."""
+    m = saved.get("exp_avg")
+    if not torch.is_tensor(m):
+        return "none"
+    if "exp_avg" + SCALE in saved:
+        return f"{'8bit' if m.dtype == torch.uint8 else 'fp8'} (blocks of {saved.get(BLOCK)})"
+    return StateFormat.of(m.dtype).name if m.dtype in (torch.float32, torch.bfloat16, torch.float16) else str(m.dtype)
+
+
 class AdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW's update with narrower moments. moments_dtype: dense moments
+    (float32, bfloat16, float16); `states`, where given, a StateFormat (or its name) instead,
+    8-bit ones included. `embeddings`: parameters the format treats as embeddings (FP32
+    moments unless the format says otherwise). `compensated`: low-precision weights whose
+    moments are quantized step with a Kahan compensation. `convert`: a loaded state in
+    another format is converted (else refused)."""
+
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, moments_dtype: torch.dtype = torch.bfloat16):
+                 weight_decay: float = 1e-2, *, moments_dtype: torch.dtype = torch.bfloat16,
+                 states: StateFormat | str | None = None, embeddings=(), compensated: bool = False,
+                 convert: bool = False):
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
             raise ValueError(f"Invalid epsilon value: {eps}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"Invalid beta parameters: {betas}")
-        if moments_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if states is None and moments_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"moments_dtype {moments_dtype}: accepted float32, bfloat16, float16")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.moments_dtype = moments_dtype
+        self.states = StateFormat.of(states if states is not None else moments_dtype)
+        self.moments_dtype = self.states.dtype  # a quantized format's codes
+        self.compensated, self.convert = compensated, convert
+        self._embeddings = {id(p) for p in embeddings}
+        self.kept_fp32 = {}  # id(parameter) -> why its moments stay FP32 in a quantized format
+        if self.states.quantized:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    last_sharded = any(getattr(pl, "dim", None) == p.dim() - 1 for pl in getattr(p, "placements", ()))
+                    why = ("sharded along its last dimension (the blocks')" if last_sharded else
+                           self.states.keeps_fp32(p.numel(), id(p) in self._embeddings))
+                    if why:
+                        self.kept_fp32[id(p)] = why
+
+    def format_of(self, p: torch.Tensor) -> StateFormat:
+        """The format parameter p's moments are kept in."""
+        return FP32_MOMENTS if id(p) in self.kept_fp32 else self.states
+
+    def _init_state(self, p: torch.Tensor, state: dict, device) -> None:
+        fmt = self.format_of(p)
+        state["step"] = torch.tensor(0.0, device=device)
+        for key, signed in MOMENTS.items():
+            if fmt.quantized:
+                codes, scales = quantize(torch.zeros_like(_local(p), dtype=torch.float32), fmt.name, fmt.block_size,
+                                         signed)
+                state[key] = _shaped_as(p, codes, p.shape)
+                state[key + SCALE] = _shaped_as(p, scales, scale_shape(p.shape, fmt.block_size))
+                state[BLOCK] = fmt.block_size
+            else:
+                state[key] = torch.zeros_like(p, dtype=fmt.dtype)
+        if self.compensated and p.dtype != torch.float32:
+            state[COMPENSATION] = torch.zeros_like(p)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        # torch.optim.Optimizer casts floating state to each parameter's dtype (FP32 here);
-        # the saved moments were moments_dtype values, so casting back is exact.
-        super().load_state_dict(state_dict)
-        for state in self.state.values():
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in state:
-                    state[key] = state[key].to(self.moments_dtype)
+        """torch's, keeping each saved state tensor's own dtype (torch.optim.Optimizer casts
+        floating state to the parameter's dtype: a bfloat16 model's FP32 block scales would
+        round). A parameter saved in another moment format is refused in one line, or
+        converted (dequantized, then stored in this one) where `convert` is set."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved = {k: dict(v) for k, v in state_dict["state"].items()}
+        for index, entry in saved.items():
+            p = params[index] if isinstance(index, int) and index < len(params) else None
+            if p is None:
+                continue
+            have, want = saved_format(entry), self.format_of(p).label
+            if have in ("none", want):
+                continue
+            if not self.convert:
+                raise UserError(f"optimizer state: saved with {have} moments, this run keeps {want} moments "
+                                f"(precision.optimizer_states); accepted: the saved format, or "
+                                "checkpoint.convert_optimizer_states true to convert")
+            saved[index] = self._converted(p, entry)
+        super().load_state_dict({**state_dict, "state": saved})
+        for index, entry in saved.items():
+            p = params[index] if isinstance(index, int) and index < len(params) else None
+            if p is None:
+                continue
+            state = self.state[p]
+            for key, value in entry.items():
+                if torch.is_tensor(value) and key != "step" and state[key].dtype != value.dtype:
+                    state[key] = value.to(device=state[key].device)
+
+    def _converted(self, p: torch.Tensor, entry: dict) -> dict:
+        """`entry`'s moments dequantized to FP32 and stored in p's format here."""
+        out = dict(entry)
+        fmt = self.format_of(p)
+        for key, signed in MOMENTS.items():
+            value = entry[key]
+            if key + SCALE in entry:
+                value = dequantize(_local(value), _local(entry[key + SCALE]), int(entry[BLOCK]), signed)
+                out.pop(key + SCALE)
+            value = _local(value).float()
+            if fmt.quantized:
+                codes, scales = quantize(value, fmt.name, fmt.block_size, signed)
+                out[key], out[key + SCALE] = _shaped_as(p, codes, p.shape), _shaped_as(
+                    p, scales, scale_shape(p.shape, fmt.block_size))
+                out[BLOCK] = fmt.block_size
+            else:
+                out[key] = _shaped_as(p, value.to(fmt.dtype), p.shape)
+                out.pop(BLOCK, None)
+        return out
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -66,12 +184,14 @@ class AdamW(torch.optim.Optimizer):
                 if not state:
                     # on the CPU, as torch's: reading it costs no device sync (on the device
                     # where a skip is decided there: the count must see it)
-                    device = p.device if found_inf is not None else "cpu"
-                    state["step"] = torch.tensor(0.0, device=device)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=self.moments_dtype)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moments_dtype)
+                    device = p.device if found_inf is not None or self.states.quantized else "cpu"
+                    self._init_state(p, state, device)
             grads = [p.grad if inv_scale is None else p.grad * inv_scale.to(p.grad.device) for p in params]
-            if found_inf is None:
+            if self.states.quantized:  # one parameter at a time, the skip decided on the device
+                skip = found_inf if found_inf is not None else torch.zeros(())
+                for p, grad in zip(params, grads):
+                    self._update_quantized(p, grad, self.state[p], group, skip)
+            elif found_inf is None:
                 for p, grad in zip(params, grads):
                     self._update(p, grad, self.state[p], group)
             elif params:
@@ -132,5 +252,46 @@ class AdamW(torch.optim.Optimizer):
         p.copy_(torch.where(skip, p, w))
         state["exp_avg"].copy_(torch.where(skip, state["exp_avg"], exp_avg))  # rounds to nearest
         state["exp_avg_sq"].copy_(torch.where(skip, state["exp_avg_sq"], exp_avg_sq))
+
+    def _update_quantized(self, p, grad, state, group, found_inf: torch.Tensor) -> None:
+        """_update_unless's arithmetic on the moments dequantized to FP32 (a parameter whose
+        moments stay FP32 reads them as they are), re-quantized once after the update, for
+        p's local shard (a DTensor's blocks are its own rows). A low-precision weight takes
+        the FP32 result rounded to nearest, or, compensated, Kahan's rule."""
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        fmt = self.format_of(p)
+        skip = found_inf.to(p.device) != 0
+        state["step"] = state["step"].to(p.device)
+        state["step"] += 1 - skip.float()
+        step_size, bias_correction2_sqrt = fused_adamw.bias_corrections(group, state["step"])
+        step_size, bias_correction2_sqrt = _local(step_size), _local(bias_correction2_sqrt)
+        skip, weight, grad = _local(skip), _local(p), _local(grad).float()
+        compensation = _local(state[COMPENSATION]) if COMPENSATION in state else None
+        moments = {}
+        for key, signed in MOMENTS.items():
+            stored = _local(state[key])
+            moments[key] = (dequantize(stored, _local(state[key + SCALE]), fmt.block_size, signed) if fmt.quantized
+                            else stored.to(torch.float32, copy=True))
+        exp_avg, exp_avg_sq = moments["exp_avg"], moments["exp_avg_sq"]
+        w = weight.float() if compensation is None else weight.float() + compensation.float()
+        w = w.mul(1 - lr * wd)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        w.add_(exp_avg * -step_size / denom)
+        rounded = w.to(weight.dtype)  # to nearest; FP32 weights: w itself
+        if compensation is not None:
+            compensation.copy_(torch.where(skip, compensation, (w - rounded.float()).to(compensation.dtype)))
+        weight.copy_(torch.where(skip, weight, rounded))
+        for key, signed in MOMENTS.items():
+            stored = _local(state[key])
+            if not fmt.quantized:
+                stored.copy_(torch.where(skip, stored, moments[key]))
+                continue
+            codes, scales = quantize(moments[key], fmt.name, fmt.block_size, signed)
+            old_scales = _local(state[key + SCALE])
+            bits = stored.view(torch.uint8)
+            bits.copy_(torch.where(skip, bits, codes.view(torch.uint8)))
+            old_scales.copy_(torch.where(skip, old_scales, scales))
 
     _step_supports_amp_scaling = True  # takes found_inf and grad_scale, as torch's fused AdamW

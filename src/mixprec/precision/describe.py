@@ -33,8 +33,8 @@ def describe(policy) -> dict[str, str]:
                            "stochastic": f"stochastically rounded to {stored}"}.get(
             policy.update, "float32" if policy.storage_dtype == FP32 or policy.master_weights
             else f"rounded to nearest {stored}"),
-        "optimizer states": dtype_name(policy.optimizer_moments_dtype) + " moments" if
-        policy.optimizer_moments_dtype != FP32 else master,
+        "optimizer states": policy.optimizer_states.label + " moments" if policy.optimizer_states is not None
+        else master,
         "gradient reduction": dtype_name(policy.reduce_dtype),
         "loss scaling": "dynamic" if policy.loss_scale is not None else "none",
         **({"per-module overrides": "; ".join(map(str, policy.spec.overrides))} if policy.spec.overrides else {}),
@@ -79,11 +79,6 @@ def log_path(policy) -> None:
 
 def warn_optimizer(policy, optimizer) -> None:
     """What the optimizer does not do that the mode wants, or does that the mode cannot take."""
-    moments = policy.optimizer_moments_dtype
-    if moments != FP32 and optimizer is not None and getattr(optimizer, "moments_dtype", FP32) != moments:
-        logger.warning("%s keeps AdamW moments in %s (DeepSeek-V3's memory layout); this %s keeps its own: "
-                       "mixprec.optim.AdamW(..., moments_dtype=torch.%s) does it", policy.name, dtype_name(moments),
-                       type(optimizer).__name__, dtype_name(moments))
     tiny_eps = [g["eps"] for g in (optimizer.param_groups if optimizer is not None else []) if "eps" in g
                 and torch.tensor(g["eps"], dtype=FP16).item() == 0]
     if policy.storage_dtype == FP16 and not policy.master_weights and tiny_eps:

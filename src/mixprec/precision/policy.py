@@ -23,6 +23,7 @@ import torch
 from mixprec.dtypes import dtype_name
 from mixprec.optim.updates import BF16Updates
 from mixprec.precision import describe as _describe
+from mixprec.precision import optimizer_states
 from mixprec.precision.conversion import ModuleFormats
 from mixprec.precision.emulation import Emulation
 from mixprec.precision.grad_norm import grad_norm
@@ -98,9 +99,10 @@ class Policy:
     fp8 = property(lambda self: self.spec.fp8, doc="The base mode's FP8 recipe, or None.")
     update = property(lambda self: None if self.spec.update is Update.NEAREST else self.spec.update.value)
     emulate_matmul = property(lambda self: self.emulation.active)
-    optimizer_moments_dtype = property(
-        lambda self: self.spec.moments_dtype if self.spec.fp8 is not None else FP32,
-        doc="Moments narrower than the weights that the mode asks the optimizer for (fp8-blockwise: bfloat16).")
+    optimizer_states = property(
+        lambda self: optimizer_states.wanted(self.spec),
+        doc="The moments the mode asks of the optimizer where torch's AdamW keeps others (fp8-blockwise: bfloat16; "
+            "the 8-bit formats), or None.")
     fp8_conversion = property(lambda self: self.formats.main if self.formats is not None else None)
 
     @property
@@ -159,10 +161,14 @@ class Policy:
         """Whether setup on `device_type` emulates this policy's low-precision matmuls."""
         return self.emulation.will_emulate(device_type, self.spec.low_precision_dtypes)
 
-    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
+    def setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+              convert_states: bool = False):
         """Cast the parameters in place (the same Parameter objects, so an optimizer built
         before keeps working; buffers are left alone), swap in FP32 master weights where
-        the mode has them, and log which path handles mixed precision."""
+        the mode has them, put mixprec's AdamW in place of torch's where the mode promises
+        other moments (logged; use the optimizer returned), and log which path handles mixed
+        precision. convert_states: that AdamW converts a loaded state of another moment
+        format instead of refusing it."""
         if optimizer is not None and optimizer.state:
             raise ValueError("Policy.setup needs an optimizer that has not stepped yet")
         if self.needs_optimizer and optimizer is None:
@@ -173,13 +179,14 @@ class Policy:
             self.formats.probe(first.device.type)  # where the model computes now, outside any step
             if self.device_type == "meta":  # prepared on meta without a device_type: materialised since
                 self.device_type = first.device.type
+        optimizer = optimizer_states.put_in_place(self, model, optimizer, convert=convert_states)
         self.model, self.optimizer = model, optimizer
         _describe.warn_optimizer(self, optimizer)
         fp32_modules = {fqn for fqn, m in layout.modules.items() if m.storage == FP32}
         cast_parameters(model, self.storage_dtype, keep_fp32=lambda fqn, m: fqn in fp32_modules)
         if self.master_weights and not self.sharded:
             self.masters = MasterWeights(model, optimizer)
-        if self.update:
+        if self.update and not getattr(optimizer, "compensated", False):  # else that AdamW compensates itself
             self.updates = BF16Updates(optimizer, self.update, seed=self.update_seed)  # logs its path
         if self.loss_scale is not None:
             self.scaling = LossScaling(self.loss_scale, next(model.parameters()).device, fallback_target(self))
@@ -187,6 +194,12 @@ class Policy:
         set_tf32(self.device_type, self.tf32)
         self.emulation.choose(self.device_type, self.spec.low_precision_dtypes)
         return model, optimizer
+
+    def adopt(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """After setup(model) without one: the optimizer to step, mixprec's AdamW in place of
+        torch's where the mode keeps other moments (logged)."""
+        self.optimizer = optimizer_states.put_in_place(self, model, optimizer)
+        return self.optimizer
 
     def autocast(self, device_type: str | None = None):
         """Context for the forward pass and the loss."""
@@ -201,7 +214,7 @@ class Policy:
     def needs_optimizer(self) -> bool:
         """Whether setup needs the optimizer: master weights and bf16 update rules step other
         tensors than the model's (or the model's in their own way)."""
-        return bool(self.master_weights or self.update)
+        return bool(self.master_weights or self.update or self.spec.moments.quantized)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to backpropagate: times the loss scale where the mode scales."""

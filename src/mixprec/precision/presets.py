@@ -77,6 +77,12 @@ for _name, _spec in {
                                  summary="bfloat16 model with float32 norms, float32 master weights and optimizer "
                                          "states"),
     "fp16-true": PrecisionSpec(FP16, FP16, summary="everything in float16, no master weights, no loss scaling"),
+    "bf16-mixed-8bit": PrecisionSpec(FP32, BF16, optimizer_states="8bit",
+                                     summary="bf16-mixed with AdamW's moments in block-wise 8-bit codes (blocks of "
+                                             "256; small tensors and embeddings keep float32 moments)"),
+    "bf16-kahan-8bit": PrecisionSpec(BF16, BF16, update=Update.KAHAN, optimizer_states="8bit",
+                                     summary="bf16-kahan with AdamW's moments in block-wise 8-bit codes: 6 bytes a "
+                                             "parameter with its compensation"),
 }.items():
     register_preset(_name, _spec)
 
@@ -97,7 +103,7 @@ def resolve_preset_name(name: str, field: str = "precision.preset") -> str:
 def preset_for(storage_dtype: torch.dtype, param_dtype: torch.dtype) -> str | None:
     """The mode without master weights that stores and computes in these dtypes."""
     return next((name for name, p in PRESETS.items() if not p.fp8 and p.update is Update.NEAREST
-                 and (p.storage_dtype, p.param_dtype, p.master_weights) == (storage_dtype, param_dtype, False)), None)
+                 and p.optimizer_states is None and (p.storage_dtype, p.param_dtype, p.master_weights) == (storage_dtype, param_dtype, False)), None)
 
 
 def name_of(spec: PrecisionSpec) -> str:
@@ -136,6 +142,9 @@ def spec_of_preset(name: str, labels: dict[str, str], fp8_recipe: str, fp8_optio
                             f"{dtype_name(dtype)!r}: {preset_name} has {key} {dtype_name(getattr(spec, key))}; "
                             "drop one of the two")
         spec = replace(spec, **{key: dtype})
+    states = settings.pop("optimizer_states", None)
+    if states is not None:
+        spec = replace(spec, optimizer_states=states)
     if spec.fp8 and fp8_recipe and fp8_recipe != spec.fp8.name:
         raise UserError(f"{labels.get('preset', 'preset')} = {name!r} contradicts fp8.recipe = {fp8_recipe!r}: "
                         f"{preset_name} has the {spec.fp8.name} recipe; drop one of the two")

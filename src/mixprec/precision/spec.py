@@ -24,6 +24,7 @@ import torch
 from mixprec.dtypes import dtype_name, parse_dtype
 from mixprec.errors import UserError
 from mixprec.narrow.recipe import RECIPES, FP8Recipe
+from mixprec.optim.state_formats import StateFormat
 
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
 Format = torch.dtype | FP8Recipe  # a matmul's compute format
@@ -115,6 +116,8 @@ class PrecisionSpec:
     """An FP8 recipe for the Linear layers FP8 can take (not the output projection)."""
     overrides: tuple[Override, ...] = ()
     """Ordered per-module rules; the first that matches a module's FQN decides its compute format."""
+    optimizer_states: StateFormat | None = None
+    """AdamW's moments (fp32, bf16, fp16, fp8, 8bit); None: the mode's own (see `moments`)."""
     summary: str = field(default="", compare=False)
     """One line for logs and --help."""
 
@@ -127,6 +130,9 @@ class PrecisionSpec:
                 raise UserError(f"update {self.update!r}: accepted {', '.join(accepted)}")
             object.__setattr__(self, "update", Update(self.update))
         object.__setattr__(self, "overrides", tuple(Override.parse(r) for r in self.overrides))
+        if self.optimizer_states is not None:
+            object.__setattr__(self, "optimizer_states", StateFormat.of(self.optimizer_states))
+            self._check_states(self.optimizer_states)
         storage, param = self.storage_dtype, self.param_dtype
         if storage != FP32 and param != storage:
             raise UserError(f"param_dtype {dtype_name(param)} with storage_dtype {dtype_name(storage)}: a "
@@ -149,6 +155,20 @@ class PrecisionSpec:
                             "bf16-master, bf16-true")
         for rule in self.overrides:
             self._check_override(rule)
+
+    def _check_states(self, states: StateFormat) -> None:
+        """Which moments each way of updating the weights can keep."""
+        if self.update is Update.STOCHASTIC and states.name != "bf16":
+            raise UserError(f"precision.optimizer_states {states.name} with bf16-sr: its stochastically rounded "
+                            "updates keep bfloat16 moments; accepted: bf16 (or bf16-kahan for 8-bit moments)")
+        if self.update is Update.KAHAN and not (states.quantized or states.name == "bf16"):
+            raise UserError(f"precision.optimizer_states {states.name} with bf16-kahan: accepted: bf16, fp8, 8bit")
+        own = self.storage_dtype if not self.master_weights else FP32
+        if self.storage_dtype != FP32 and not self.master_weights and not states.quantized \
+                and states.dtype != self.storage_dtype:
+            raise UserError(f"precision.optimizer_states {states.name} with a {dtype_name(own)} model: its moments "
+                            f"follow its {dtype_name(own)} parameters or are quantized; accepted: "
+                            f"{'bf16' if own == BF16 else 'fp16'}, fp8, 8bit")
 
     def _check_override(self, rule: Override) -> None:
         fmt = rule.compute
@@ -176,12 +196,15 @@ class PrecisionSpec:
 
     # ---- what the spec says, role by role ------------------------------------------------
     @property
-    def moments_dtype(self) -> torch.dtype:
-        """The optimizer's moments: beside FP32 weights the recipe's (bfloat16 under
-        fp8-blockwise, as DeepSeek-V3), else the masters' FP32 or the storage dtype."""
+    def moments(self) -> StateFormat:
+        """AdamW's moments: optimizer_states where given; beside FP32 weights the recipe's
+        (bfloat16 under fp8-blockwise, as DeepSeek-V3); else the masters' FP32 or the
+        storage dtype."""
+        if self.optimizer_states is not None:
+            return self.optimizer_states
         if self.fp8 is not None and self.storage_dtype == FP32:
-            return self.fp8.moments_dtype
-        return FP32 if self.master_weights else self.storage_dtype
+            return StateFormat.of(self.fp8.moments_dtype)
+        return StateFormat.of(FP32 if self.master_weights else self.storage_dtype)
 
     @property
     def compute_formats(self) -> set[Format]:

@@ -36,7 +36,10 @@ from mixprec.interop.load import empty_parameters, load_weights, materialize, op
 from mixprec.models.llama import ModelArgs, build_model, model_args, resolve_attention
 from mixprec.models.loss import GPU_LOGITS_SHARE, loss_chunk
 from mixprec.optim import AdamW
+from mixprec.optim.state_formats import StateFormat
 from mixprec.precision import Policy
+from mixprec.precision.optimizer_states import embeddings_of
+from mixprec.precision.spec import Update
 from mixprec.rng import seed_all
 from mixprec.plan.live import Replanner
 from mixprec.stability.guard import StabilityGuard
@@ -71,16 +74,18 @@ class Parts:
 
 
 def build_optimizer(model: torch.nn.Module, cfg, fused: bool = True, foreach: bool | None = None,
-                    moments_dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not on norm weights); with moments in a
-    narrower dtype than FP32, mixprec's AdamW (same update, narrower state)."""
+                    states: StateFormat | None = None, compensated: bool = False,
+                    convert: bool = False) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not on norm weights); with moments other than
+    its parameters' dtype (`states`: the policy's optimizer_states), mixprec's AdamW (same
+    update, narrower state; `compensated`: bf16-kahan's weights)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if moments_dtype != torch.float32:
-        logger.info("optimizer: AdamW with %s moments (one parameter at a time, FP32 arithmetic)",
-                    dtype_name(moments_dtype))
-        return AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, moments_dtype=moments_dtype)
+    if states is not None:
+        logger.info("optimizer: AdamW with %s moments (one parameter at a time, FP32 arithmetic)", states.label)
+        return AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, states=states,
+                     embeddings=embeddings_of(model), compensated=compensated, convert=convert)
     # The fused kernel updates all tensors in one pass on CPU and CUDA.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None,
                              foreach=foreach)
@@ -285,8 +290,9 @@ def build(config: Config, *, accum: int | None = None) -> Parts:
     # shards included; under tensor parallel the parameters mix DTensors of two meshes (or
     # with plain tensors), which one fused or foreach call cannot take.
     optimizer = build_optimizer(model, tcfg, fused=not dims.tp_enabled, foreach=False if dims.tp_enabled else None,
-                                moments_dtype=policy.optimizer_moments_dtype)
-    model, optimizer = policy.setup(model, optimizer)
+                                states=policy.optimizer_states, compensated=policy.spec.update is Update.KAHAN,
+                                convert=config.checkpoint.convert_optimizer_states)
+    model, optimizer = policy.setup(model, optimizer, convert_states=config.checkpoint.convert_optimizer_states)
     if initial:
         load_initial(initial, raw_model, policy)
     if dims.ddp_enabled:

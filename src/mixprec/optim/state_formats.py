@@ -1,0 +1,169 @@
+"""Optimizer moments stored in 8 bits: an FP8 code and a block-wise dynamic 8-bit code.
+
+A moment tensor of shape (..., n) is cut into blocks of `block_size` consecutive elements
+along its last dimension (the last block of a row may be shorter); each block keeps its
+absolute maximum as an FP32 scale, shape (..., ceil(n / block_size)). Blocks never span
+rows, so a tensor split by rows (FSDP2 shards dimension 0) holds the same blocks on every
+rank as in one process: the state's bits do not depend on the number of ranks.
+
+- "fp8": e4m3 elements of x / s with s = absmax / 448 (the largest e4m3 value), rounded to
+  nearest even by torch's cast; an element dequantizes to code * s.
+- "8bit": the dynamic code of Dettmers et al. (8-bit optimizers via block-wise quantization,
+  2022): 256 values in [-1, 1] (signed, the first moment) or [0, 1] (unsigned, the second),
+  dense near zero; an element stores the index of the code value nearest to x / absmax
+  (ties to the larger value) and dequantizes to code[index] * absmax.
+
+Explicit edge cases: a block of zeros keeps the scale 0 and dequantizes to zeros; a block
+holding an inf or NaN stores the scale NaN, so it dequantizes to NaN (never silently to a
+finite value); the FP8 quotient is clamped to +-448 so a subnormal scale cannot overflow
+the code.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from mixprec.errors import UserError
+
+FP32, E4M3 = torch.float32, torch.float8_e4m3fn
+E4M3_MAX = 448.0
+DENSE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+QUANTIZED = ("fp8", "8bit")
+NAMES = (*DENSE, *QUANTIZED)
+SCALE = "_absmax"  # the state key of a moment's block scales: exp_avg -> exp_avg_absmax
+
+
+@functools.cache
+def dynamic_code(signed: bool) -> torch.Tensor:
+    """The 256 sorted values of the dynamic 8-bit code, FP32 on the CPU. For each decade
+    e = 0..6 below 1 (scale 10^(e-6)), the midpoints of k equal steps from 0.1 to 1, with
+    k = 2^e (signed: with both signs) or 2^(e+1) (unsigned), then 0 and 1: 2 x 127 + 2 =
+    256 values either way. Computed in FP32 (linspace, the midpoints, the decade's
+    product), the values bitsandbytes and torchao use (tests/optim/test_state_formats.py)."""
+    values = [0.0, 1.0]
+    for e in range(7):
+        steps = 2**e if signed else 2 ** (e + 1)
+        edges = torch.linspace(0.1, 1, steps + 1)
+        mids = ((edges[:-1] + edges[1:]) / 2.0) * (10.0 ** (e - 6))
+        values += mids.tolist() + ((-mids).tolist() if signed else [])
+    return torch.tensor(sorted(values), dtype=FP32)
+
+
+def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """x as (rows, blocks, block_size), its last dimension zero-padded to whole blocks."""
+    n = x.shape[-1] if x.dim() else 1
+    rows = x.reshape(-1, n)
+    pad = -n % block_size
+    if pad:
+        rows = torch.nn.functional.pad(rows, (0, pad))
+    return rows.view(rows.shape[0], -1, block_size)
+
+
+def scale_shape(shape: torch.Size | tuple, block_size: int) -> tuple[int, ...]:
+    """The block scales' shape for a moment of `shape`: (..., ceil(n / block_size))."""
+    shape = tuple(shape) or (1,)
+    return (*shape[:-1], math.ceil(shape[-1] / block_size))
+
+
+def quantize(x: torch.Tensor, fmt: str, block_size: int, signed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of FP32 `x`: codes shaped as x (uint8 for "8bit", float8_e4m3fn for
+    "fp8"), scales FP32 of scale_shape(x.shape)."""
+    blocks = _blocks(x.float(), block_size)  # (rows, nb, block)
+    absmax = blocks.abs().amax(-1, keepdim=True)  # (rows, nb, 1); NaN where the block holds one
+    absmax = torch.where(torch.isfinite(absmax), absmax, torch.full_like(absmax, math.nan))
+    zero = absmax == 0
+    if fmt == "fp8":
+        s = absmax / E4M3_MAX
+        q = torch.where(zero, 0.0, blocks / torch.where(zero, 1.0, s)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    elif fmt == "8bit":
+        code = dynamic_code(signed).to(x.device)
+        n = torch.where(zero, 0.0, blocks / torch.where(zero, 1.0, absmax))
+        # the largest code value <= n, then one up where n is at least half way to the next
+        low = (torch.searchsorted(code, n.contiguous(), right=True) - 1).clamp(0, 254)
+        down, up = code[low], code[low + 1]
+        q = (low + (n - down >= (up - down) * 0.5)).clamp(0, 255).to(torch.uint8)
+        s = absmax
+    else:
+        raise ValueError(f"state format {fmt!r}: accepted {', '.join(QUANTIZED)}")
+    n = x.shape[-1] if x.dim() else 1
+    codes = q.reshape(q.shape[0], -1)[:, :n].reshape(x.shape)
+    return codes, s.reshape(scale_shape(x.shape, block_size))
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, block_size: int, signed: bool = True) -> torch.Tensor:
+    """The FP32 values of (codes, scales)."""
+    values = dynamic_code(signed).to(codes.device)[codes.long()] if codes.dtype == torch.uint8 else codes.float()
+    blocks = _blocks(values, block_size) * scales.reshape(-1, scales.shape[-1] if scales.dim() else 1, 1)
+    n = codes.shape[-1] if codes.dim() else 1
+    return blocks.reshape(blocks.shape[0], -1)[:, :n].reshape(codes.shape)
+
+
+@dataclass(frozen=True)
+class StateFormat:
+    """How AdamW's two moments are stored: `name` one of fp32, bf16, fp16 (a dtype) or fp8,
+    8bit (block-quantized, `block_size` elements per FP32 scale). Tensors with fewer than
+    `min_size` elements, and embeddings unless `embeddings` is true, keep FP32 moments (as
+    bitsandbytes advises: their moments are few and their updates sparse)."""
+    name: str = "fp32"
+    block_size: int = 256
+    """Elements per block scale, along a tensor's last dimension."""
+    min_size: int = 4096
+    """Tensors with fewer elements keep FP32 moments."""
+    embeddings: bool = False
+    """Embeddings' moments in this format too (default: FP32)."""
+
+    def __post_init__(self):
+        name = str(self.name).strip().lower()
+        name = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float8": "fp8", "int8": "8bit"}.get(name,
+                                                                                                             name)
+        if name not in NAMES:
+            raise UserError(f"precision.optimizer_states: unknown format {self.name!r}; accepted: {', '.join(NAMES)}")
+        object.__setattr__(self, "name", name)
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise UserError(f"precision.optimizer_state_block: {self.block_size!r}; accepted: a positive integer "
+                            "(256: bitsandbytes' and torchao's)")
+        if not isinstance(self.min_size, int) or self.min_size < 0:
+            raise UserError(f"precision.optimizer_state_min_size: {self.min_size!r}; accepted: an integer >= 0")
+
+    @classmethod
+    def of(cls, value) -> StateFormat:
+        """From a StateFormat, a name, or a dtype."""
+        if isinstance(value, StateFormat):
+            return value
+        if isinstance(value, torch.dtype):
+            value = {v: k for k, v in DENSE.items()}.get(value, str(value))
+        return cls(str(value))
+
+    @property
+    def quantized(self) -> bool:
+        return self.name in QUANTIZED
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dense moments' dtype; a quantized format's codes: uint8 or float8_e4m3fn."""
+        return DENSE.get(self.name) or (E4M3 if self.name == "fp8" else torch.uint8)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} (blocks of {self.block_size})" if self.quantized else self.name
+
+    def keeps_fp32(self, numel: int, embedding: bool) -> str | None:
+        """Why a tensor of `numel` elements keeps FP32 moments in this format, or None."""
+        if not self.quantized:
+            return None
+        if numel < self.min_size:
+            return f"fewer than {self.min_size} elements"
+        if embedding and not self.embeddings:
+            return "an embedding"
+        return None
+
+    def bytes_per_element(self, shape) -> float:
+        """Bytes one moment takes per element of a tensor of `shape` in this format (scales included)."""
+        if not self.quantized:
+            return self.dtype.itemsize
+        numel = math.prod(shape) or 1
+        return 1 + 4 * math.prod(scale_shape(shape, self.block_size)) / numel
