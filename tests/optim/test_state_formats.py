@@ -14,10 +14,9 @@ FORMATS = ("8bit", "fp8")
 
 
 def nearest_code(n: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-    """The definition by brute force: the index of the code value nearest to each n, ties to the larger."""
-    d = (n.reshape(-1, 1) - code.reshape(1, -1)).abs()
-    best = d.min(1, keepdim=True).values
-    return (d == best).int().cumsum(1).argmax(1).reshape(n.shape)  # the last (largest) of the nearest
+    """The definition by brute force: how many FP32 midpoints of neighbouring code values n reaches."""
+    mids = (code[:-1] + code[1:]) / 2
+    return (n.unsqueeze(-1) >= mids).sum(-1)
 
 
 def test_the_dynamic_code_is_its_definition():
@@ -60,10 +59,11 @@ def test_8bit_codes_are_the_nearest_code_values_of_each_block(signed):
     absmax = torch.stack([x[:, i:i + 256].abs().amax(1) for i in (0, 256, 512)], 1)
     assert torch.equal(scales, absmax)
     n = x / absmax.repeat_interleave(256, 1)[:, :700]
-    expect = nearest_code(n, code)
-    # the definition decides "nearest" by the residual against half the gap, in FP32, as torchao does:
-    # where two code values are equally near in exact arithmetic the larger wins
-    assert torch.equal(codes.long(), expect) or (codes.long() != expect).sum() <= 2
+    assert torch.equal(codes.long(), nearest_code(n, code))
+    # that is the nearest code value (to the midpoints' rounding), a tie going to the larger
+    apart = (code[codes.long()] - n).abs()
+    assert torch.all(apart <= (code.reshape(1, 1, -1) - n.unsqueeze(-1)).abs().amin(-1) + 2**-23 * n.abs() + 1e-30)
+    assert torch.equal(codes[0, 1:41].long(), torch.arange(101, 141) if signed else codes[0, 1:41].long())
     assert torch.equal(dequantize(codes, scales, 256, signed), code[codes.long()] * absmax.repeat_interleave(256, 1)[:, :700])
 
 
@@ -142,10 +142,10 @@ def test_same_bytes_as_torchao_and_the_differences_from_bitsandbytes():
         assert torch.all(ours <= theirs) and (theirs > ours).any()  # where they differ, bitsandbytes' is farther
 
 
-def adamw_pair(fmt, steps=3, shape=(64, 512)):
+def adamw_pair(fmt, steps=3, shape=(64, 512), compile=False):
     torch.manual_seed(0)
     p = torch.randn(shape, requires_grad=True)
-    opt = AdamW([p], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, states=fmt)
+    opt = AdamW([p], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, states=fmt, compile=compile)
     for _ in range(steps):
         p.grad = torch.randn_like(p)
         opt.step()
@@ -170,6 +170,21 @@ def test_a_step_equals_torchs_adamw_on_the_dequantized_moments(fmt):
         codes, scales = quantize(torch_opt.state[ref][key], fmt, 256, signed)  # re-quantized once
         assert torch.equal(codes.view(torch.uint8), state[key].view(torch.uint8))
         assert torch.equal(scales, state[key + "_absmax"])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(64, 512), (33, 300)])  # whole blocks, and rows that end in a short block
+def test_the_compiled_kernel_is_the_eager_reference_but_for_the_arithmetics_last_bits(fmt, shape):
+    """One compiled kernel a parameter (the trainer's path; Inductor's C++ here, Triton on a GPU)
+    against the eager path that equals torch.optim.AdamW: its multiply-adds and the order of the
+    moment update move the last bits, so a moment lying on a rounding boundary may take the next
+    code. Measured (AVX512 CPU) after 5 steps: weights within 1e-6, codes equal but for a few."""
+    eager, eager_opt = adamw_pair(fmt, steps=5, shape=shape)
+    compiled, compiled_opt = adamw_pair(fmt, steps=5, shape=shape, compile=True)
+    assert (eager - compiled).abs().max() < 1e-5
+    for key in ("exp_avg", "exp_avg_sq"):
+        a, b = (o.state[p][key].view(torch.uint8) for o, p in ((eager_opt, eager), (compiled_opt, compiled)))
+        assert (a != b).float().mean() < 1e-3, key
 
 
 def regression(make, steps=200, seed=0):

@@ -16,12 +16,17 @@ moments are quantized.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from mixprec.errors import UserError
 from mixprec.optim import fused_adamw
-from mixprec.optim.state_formats import SCALE, StateFormat, dequantize, quantize, scale_shape
+from mixprec.optim.state_formats import (SCALE, StateFormat, code_on, dequantize, lookup_on, quantize,
+                                         scale_shape)
+from mixprec.rounding import compile_options
+
+logger = logging.getLogger(__name__)
 
 COMPENSATION = "kahan_compensation"  # as mixprec.optim.updates
 BLOCK = "moments_block"  # the state key of a quantized format's block size (an int)
@@ -67,12 +72,14 @@ class AdamW(torch.optim.Optimizer):
     8-bit ones included. `embeddings`: parameters the format treats as embeddings (FP32
     moments unless the format says otherwise). `compensated`: low-precision weights whose
     moments are quantized step with a Kahan compensation. `convert`: a loaded state in
-    another format is converted (else refused)."""
+    another format is converted (else refused). `compile`: with quantized moments, each
+    parameter's step is one compiled kernel (fused_adamw; None: where it compiles, else eagerly,
+    logged; False: the eager reference, torch.optim.AdamW's arithmetic to the bit)."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, moments_dtype: torch.dtype = torch.bfloat16,
                  states: StateFormat | str | None = None, embeddings=(), compensated: bool = False,
-                 convert: bool = False):
+                 convert: bool = False, compile: bool | None = None):
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -84,7 +91,8 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.states = StateFormat.of(states if states is not None else moments_dtype)
         self.moments_dtype = self.states.dtype  # a quantized format's codes
-        self.compensated, self.convert = compensated, convert
+        self.compensated, self.convert, self.compile = compensated, convert, compile
+        self._kernels = {}
         self._embeddings = {id(p) for p in embeddings}
         self.kept_fp32 = {}  # id(parameter) -> why its moments stay FP32 in a quantized format
         if self.states.quantized:
@@ -189,8 +197,11 @@ class AdamW(torch.optim.Optimizer):
             grads = [p.grad if inv_scale is None else p.grad * inv_scale.to(p.grad.device) for p in params]
             if self.states.quantized:  # one parameter at a time, the skip decided on the device
                 skip = found_inf if found_inf is not None else torch.zeros(())
-                for p, grad in zip(params, grads):
-                    self._update_quantized(p, grad, self.state[p], group, skip)
+                if self.compile is False:
+                    for p, grad in zip(params, grads):
+                        self._update_quantized(p, grad, self.state[p], group, skip)
+                elif params:
+                    self._quantized_kernels(group, params, grads, skip)
             elif found_inf is None:
                 for p, grad in zip(params, grads):
                     self._update(p, grad, self.state[p], group)
@@ -253,6 +264,45 @@ class AdamW(torch.optim.Optimizer):
         state["exp_avg"].copy_(torch.where(skip, state["exp_avg"], exp_avg))  # rounds to nearest
         state["exp_avg_sq"].copy_(torch.where(skip, state["exp_avg_sq"], exp_avg_sq))
 
+    def _quantized_kernels(self, group, params, grads, found_inf: torch.Tensor) -> None:
+        """Each parameter's step as one compiled kernel (fused_adamw): adamw_quantized_ where its
+        moments are quantized, else adamw_moments_ (FP32 moments) or adamw_kahan_ (a compensated
+        low-precision weight); the step counts and scalars on the device, no host read."""
+        states = [self.state[p] for p in params]
+        skip = found_inf.to(_local(params[0]).device)
+        for p, grad, state, scalars in zip(params, grads, states,
+                                           fused_adamw.device_steps(group, states, [p.device for p in params], skip)):
+            scalars = [_local(x) for x in scalars]
+            weight, g = _local(p).detach(), _local(grad)  # not a Parameter: torch.compile keeps those static
+            c = _local(state[COMPENSATION]) if COMPENSATION in state else None
+            m, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            fmt = self.format_of(p)
+            if fmt.quantized:
+                scales = _local(state["exp_avg" + SCALE]), _local(state["exp_avg_sq" + SCALE])
+                tables = [f(signed, weight.device) for f in (code_on, lookup_on) for signed in (True, False)]
+                for cols, scale_cols, block in _row_parts(weight.shape[-1] if weight.dim() else 1, fmt.block_size):
+                    cut = lambda t: t if t is None or t.dim() == 0 else t[..., cols]
+                    kernel = self._kernel(fused_adamw.adamw_quantized_, weight.dtype, fmt=fmt.name, block=block,
+                                          trailing=tuple(cut(weight).shape[1:]))
+                    kernel(cut(weight), cut(c), cut(g), cut(m), scales[0][..., scale_cols], cut(v),
+                           scales[1][..., scale_cols], *tables, skip, *scalars)
+            elif c is not None:
+                self._kernel(fused_adamw.adamw_kahan_, weight.dtype)(weight, c, g, m, v, skip, *scalars)
+            else:
+                self._kernel(fused_adamw.adamw_moments_, weight.dtype)(weight, g, m, v, skip, *scalars)
+
+    def _kernel(self, fn, dtype: torch.dtype, **static):
+        """fn with `static` keywords (`trailing`: a key only), compiled once per (function, keywords, weight dtype) with
+        dynamic shapes (with keywords, the quantized kernel: dynamic rows only, so its blocks'
+        indexing is static: dynamic widths cost a scalar loop over divided indices, 3x slower);
+        where compiling fails (and `compile` is None), the same function eagerly, logged once."""
+        key = (fn, dtype, tuple(sorted(static.items())))
+        if key not in self._kernels:
+            static.pop("trailing", None)  # a key only: one compiled kernel per trailing shape
+            self._kernels[key] = _Compiled(_with_constants(fn, **static), fn.__name__, dtype, self.compile,
+                                           rows_only=bool(static))
+        return self._kernels[key]
+
     def _update_quantized(self, p, grad, state, group, found_inf: torch.Tensor) -> None:
         """_update_unless's arithmetic on the moments dequantized to FP32 (a parameter whose
         moments stay FP32 reads them as they are), re-quantized once after the update, for
@@ -295,3 +345,57 @@ class AdamW(torch.optim.Optimizer):
             old_scales.copy_(torch.where(skip, old_scales, scales))
 
     _step_supports_amp_scaling = True  # takes found_inf and grad_scale, as torch's fused AdamW
+
+
+def _with_constants(fn, **static):
+    """fn with `static` bound as constants of a closure: torch.compile(dynamic=True) treats an
+    argument int as a symbol, and a block size the kernel divides by at run time costs an integer
+    division per element; a closure's int is specialised."""
+    if not static:
+        return fn
+
+    def kernel(*args):
+        return fn(*args, **static)
+
+    # its own code object: Dynamo keeps compiled variants (and counts them against its recompile
+    # limit) per code object, so each kernel's shapes are its own
+    kernel.__code__ = kernel.__code__.replace(co_name=f"{fn.__name__}_{'_'.join(map(str, static.values()))}")
+    return kernel
+
+
+def _row_parts(n: int, block: int) -> list[tuple[slice, slice, int]]:
+    """A row of n elements as (its columns, their scales' columns, block size): the whole blocks,
+    then the short last one as a block of its own size (each a kernel with static blocks)."""
+    whole = n - n % block
+    parts = [(slice(0, whole), slice(0, whole // block), block)] if whole else []
+    if n % block:
+        parts.append((slice(whole, n), slice(whole // block, whole // block + 1), n - whole))
+    return parts
+
+
+class _Compiled:
+    """A kernel compiled at its first call (torch.compile, dynamic shapes, the rounding's
+    options for the weight dtype), or run eagerly where that fails and compiling was not
+    demanded (logged once)."""
+
+    def __init__(self, fn, name: str, dtype: torch.dtype, demand: bool | None, rows_only: bool = False):
+        self.fn, self.name, self.demand, self.rows_only = fn, name, demand, rows_only
+        self.compiled = torch.compile(fn, dynamic=not rows_only, options=compile_options(dtype))
+        self.failed = False
+
+    def __call__(self, *args):
+        if self.failed:
+            return self.fn(*args)
+        if self.rows_only:  # a kernel per last dimension, any number of rows: its blocks are static
+            for t in args:
+                if torch.is_tensor(t) and t.dim() >= 2 and t.shape[0] >= 2:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)  # not an error where a size specialises
+        try:
+            return self.compiled(*args)
+        except Exception as e:  # no C++ compiler or Triton, an unsupported platform, ...
+            if self.demand:
+                raise
+            self.failed = True
+            logger.warning("optimizer: %s runs eagerly (the same arithmetic, slower): torch.compile failed: %s",
+                           self.name, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return self.fn(*args)

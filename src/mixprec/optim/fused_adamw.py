@@ -62,6 +62,46 @@ def adamw_moments_(p, g, m, v, skip, *scalars) -> None:
     v.copy_(torch.where(keep, v.float(), v32))
 
 
+def adamw_quantized_(p, c, g, m, m_scales, v, v_scales, m_code, v_code, m_table, v_table, skip, *scalars, fmt: str,
+                     block: int) -> None:
+    """One AdamW step of weight p (+ Kahan compensation c where not None) whose moments are
+    block-quantized (mixprec.optim.state_formats: codes m, v and their FP32 block scales; the
+    dynamic code's values and lookup tables, unused for fp8), in place, unless `skip` is
+    nonzero: dequantized to FP32, the update in registers, re-quantized once. Every row holds
+    whole blocks (a caller passes a row's short last block apart, as its own block size); every
+    tensor is read and written as a (rows, blocks, block) view, so a compiled loop's inner
+    dimension is a block (a view back to p's shape before the writes made Inductor recompute the
+    update in a second, scalar loop)."""
+    from mixprec.optim import state_formats as sf
+
+    blocked = lambda t: t.reshape(-1, t.shape[-1] if t.dim() else 1).unflatten(-1, (-1, block))
+    p3, g3, m3, v3 = (blocked(t) for t in (p, g, m, v))
+    c3 = blocked(c) if c is not None else None
+    ms3, vs3 = m_scales.reshape(*m3.shape[:2], 1), v_scales.reshape(*v3.shape[:2], 1)
+    weight = p3.float() if c3 is None else p3.float() + c3.float()
+    m32, v32 = sf.dequantize_blocks(m3, ms3, m_code), sf.dequantize_blocks(v3, vs3, v_code)
+    w, m32, v32 = _adamw(weight, g3, m32, v32, *scalars)
+    new = [sf.quantize_blocks(m32, fmt, True, m_table), sf.quantize_blocks(v32, fmt, False, v_table)]
+    _store(p3, c3, m3, ms3, v3, vs3, w, new, skip)
+
+
+def _store(p, c, m, m_scales, v, v_scales, w, new, skip) -> None:
+    """The new weight (rounded to p's dtype, the rest into c) and moments, where skip is 0."""
+    keep = skip != 0
+    if p.dtype != torch.float32:
+        rounded = round_trip(w, p.dtype)  # compiled with rounding.compile_options(p.dtype)
+        if c is not None:
+            c.copy_(torch.where(keep, c.float(), w - rounded))  # exact in FP32: what the rounding dropped
+        w = rounded
+    p.copy_(torch.where(keep, p.float(), w))
+    for codes, scales, (new_codes, new_scales) in ((m, m_scales, new[0]), (v, v_scales, new[1])):
+        # no bit view (Inductor's C++ kernels run those scalar) and no FP8 where (no type promotion for FP8):
+        # FP8 codes chosen in FP32, which holds them exactly, and stored
+        wide = torch.float32 if codes.dtype != torch.uint8 else codes.dtype
+        codes.copy_(torch.where(keep, codes.to(wide), new_codes.to(wide)))
+        scales.copy_(torch.where(keep, scales, new_scales))
+
+
 def unsupported(optimizer: torch.optim.Optimizer) -> str | None:
     """Why these kernels cannot stand in for `optimizer`'s step, or None when they can."""
     if type(optimizer) is not torch.optim.AdamW:

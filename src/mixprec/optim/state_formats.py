@@ -37,6 +37,16 @@ NAMES = (*DENSE, *QUANTIZED)
 SCALE = "_absmax"  # the state key of a moment's block scales: exp_avg -> exp_avg_absmax
 
 
+def code_on(signed: bool, device) -> torch.Tensor:
+    """dynamic_code(signed) on `device` (kept: a compiled kernel takes it as an argument)."""
+    return _code_on(signed, torch.device(device))
+
+
+@functools.cache
+def _code_on(signed: bool, device: torch.device) -> torch.Tensor:
+    return dynamic_code(signed).to(device)
+
+
 @functools.cache
 def dynamic_code(signed: bool) -> torch.Tensor:
     """The 256 sorted values of the dynamic 8-bit code, FP32 on the CPU. For each decade
@@ -53,6 +63,48 @@ def dynamic_code(signed: bool) -> torch.Tensor:
     return torch.tensor(sorted(values), dtype=FP32)
 
 
+_STEPS: dict[bool, int] = {}  # per code: the most midpoints inside one bucket (set with its table)
+
+
+def midpoints(signed: bool) -> torch.Tensor:
+    """The 255 FP32 midpoints (code[i] + code[i + 1]) / 2: a value's code index is the number of
+    midpoints it reaches (n >= midpoint: a tie goes to the larger code value)."""
+    code = dynamic_code(signed)
+    return (code[:-1] + code[1:]) / 2
+
+
+@functools.cache
+def _lookup(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A table from the upper 16 bits of an FP32 value (sign, exponent, 7 mantissa bits) to the
+    number of midpoints at or below the smallest value those bits begin, and the midpoints: the
+    index in a table read and a step or two up (_STEPS: the most midpoints inside one bucket),
+    not a search."""
+    mids = midpoints(signed).double()
+    buckets = torch.arange(65536, dtype=torch.int64)
+    neg = buckets >= 0x8000
+    starts, ends = buckets << 16, (buckets << 16) | 0xFFFF
+
+    def values(bits):  # FP32 values of these bit patterns, as float64; NaN and inf outside [-1, 1] anyway
+        as_int32 = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+        return torch.nan_to_num(as_int32.view(torch.float32).double(), nan=0.0, posinf=1.0, neginf=-1.0).clamp(-1, 1)
+
+    lo = values(torch.where(neg, ends, starts))  # the smallest value of each bucket (negative: the last bits)
+    hi = values(torch.where(neg, starts, ends))
+    table = torch.searchsorted(mids, lo, right=True)
+    _STEPS[signed] = int((torch.searchsorted(mids, hi, right=True) - table).max())
+    return table.to(torch.int32), mids.float()
+
+
+def lookup_on(signed: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """_lookup(signed)'s table and midpoints on `device` (a compiled kernel takes them as arguments)."""
+    return _lookup_on(signed, torch.device(device))
+
+
+@functools.cache
+def _lookup_on(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(t.to(device) for t in _lookup(signed))
+
+
 def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """x as (rows, blocks, block_size), its last dimension zero-padded to whole blocks."""
     n = x.shape[-1] if x.dim() else 1
@@ -63,41 +115,66 @@ def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return rows.view(rows.shape[0], -1, block_size)
 
 
+def aligned(x: torch.Tensor, block_size: int) -> bool:
+    """Whether x's rows are whole blocks: then its blocks are a view (no padding)."""
+    return x.dim() > 0 and x.shape[-1] % block_size == 0
+
+
 def scale_shape(shape: torch.Size | tuple, block_size: int) -> tuple[int, ...]:
     """The block scales' shape for a moment of `shape`: (..., ceil(n / block_size))."""
     shape = tuple(shape) or (1,)
     return (*shape[:-1], math.ceil(shape[-1] / block_size))
 
 
-def quantize(x: torch.Tensor, fmt: str, block_size: int, signed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, scales) of FP32 `x`: codes shaped as x (uint8 for "8bit", float8_e4m3fn for
-    "fp8"), scales FP32 of scale_shape(x.shape)."""
-    blocks = _blocks(x.float(), block_size)  # (rows, nb, block)
-    absmax = blocks.abs().amax(-1, keepdim=True)  # (rows, nb, 1); NaN where the block holds one
+def quantize_blocks(blocks: torch.Tensor, fmt: str, signed: bool, table: tuple | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of FP32 blocks (rows, nb, block): codes alike, scales (rows, nb, 1).
+    `table`: lookup_on(signed) (8bit only)."""
+    absmax = blocks.abs().amax(-1, keepdim=True)  # NaN where the block holds one
     absmax = torch.where(torch.isfinite(absmax), absmax, torch.full_like(absmax, math.nan))
     zero = absmax == 0
     if fmt == "fp8":
         s = absmax / E4M3_MAX
-        q = torch.where(zero, 0.0, blocks / torch.where(zero, 1.0, s)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    elif fmt == "8bit":
-        code = dynamic_code(signed).to(x.device)
-        n = torch.where(zero, 0.0, blocks / torch.where(zero, 1.0, absmax))
-        # the largest code value <= n, then one up where n is at least half way to the next
-        low = (torch.searchsorted(code, n.contiguous(), right=True) - 1).clamp(0, 254)
-        down, up = code[low], code[low + 1]
-        q = (low + (n - down >= (up - down) * 0.5)).clamp(0, 255).to(torch.uint8)
-        s = absmax
-    else:
+        return torch.where(zero, 0.0, blocks / torch.where(zero, 1.0, s)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), s
+    if fmt != "8bit":
         raise ValueError(f"state format {fmt!r}: accepted {', '.join(QUANTIZED)}")
+    n = torch.where(zero, 0.0, blocks / torch.where(zero, 1.0, absmax))
+    # the number of midpoints n reaches: the table's count for n's upper bits, then the steps inside its bucket
+    table, mids = table
+    index = table[(n.view(torch.int32) >> 16) & 0xFFFF].long()
+    for _ in range(_STEPS[signed]):  # set with the table (lookup_on), a constant to a compiled caller
+        index = index + (mids[index.clamp(max=254)] <= n).long() * (index < 255).long()
+    return index.to(torch.uint8), absmax
+
+
+def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """FP32 blocks of codes (rows, nb, block) and scales (rows, nb, 1)."""
+    values = code[codes.long()] if codes.dtype == torch.uint8 else codes.float()
+    return values * scales
+
+
+def quantize(x: torch.Tensor, fmt: str, block_size: int, signed: bool = True,
+             table: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of FP32 `x`: codes shaped as x (uint8 for "8bit", float8_e4m3fn for
+    "fp8"), scales FP32 of scale_shape(x.shape). `table`: lookup_on(signed) on x's device, for
+    compiled callers."""
+    table = lookup_on(signed, x.device) if table is None and fmt == "8bit" else table
+    q, s = quantize_blocks(_blocks(x.float(), block_size), fmt, signed, table)
     n = x.shape[-1] if x.dim() else 1
     codes = q.reshape(q.shape[0], -1)[:, :n].reshape(x.shape)
     return codes, s.reshape(scale_shape(x.shape, block_size))
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, block_size: int, signed: bool = True) -> torch.Tensor:
-    """The FP32 values of (codes, scales)."""
-    values = dynamic_code(signed).to(codes.device)[codes.long()] if codes.dtype == torch.uint8 else codes.float()
-    blocks = _blocks(values, block_size) * scales.reshape(-1, scales.shape[-1] if scales.dim() else 1, 1)
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, block_size: int, signed: bool = True,
+               code: torch.Tensor | None = None) -> torch.Tensor:
+    """The FP32 values of (codes, scales); `code` as quantize's."""
+    code = code_on(signed, codes.device) if code is None else code
+    wide = codes if aligned(codes, block_size) else codes.view(torch.uint8).long()  # padding needs a wider dtype
+    blocks = _blocks(wide, block_size)
+    if wide is not codes:
+        blocks = blocks.to(torch.uint8).view(codes.dtype)
+    blocks = dequantize_blocks(blocks, scales.reshape(-1, scales.shape[-1] if scales.dim() else 1,
+                                                                          1), code)
     n = codes.shape[-1] if codes.dim() else 1
     return blocks.reshape(blocks.shape[0], -1)[:, :n].reshape(codes.shape)
 
