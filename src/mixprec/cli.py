@@ -374,7 +374,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
           f"dp_replicate {args.dp_replicate} x tp {args.tp}; per device:")
     for name, value in result["bytes"].items():
         print(f"  {name.replace('_', ' '):<24} {value / 2**30:10.3f} GiB")
-    print(f"  model state per parameter {result['model_state_bytes_per_parameter']:.1f} bytes")
+    print(f"  model state per parameter {result['model_state_bytes_per_parameter']:.1f} bytes (optimizer states "
+          f"{result['optimizer_state_bytes_per_parameter']:.2f})")
     comm = result["communication_bytes"]
     print("communication per step: " + ", ".join(f"{k.replace('_', '-')} {v / 2**30:.3f} GiB" for k, v in comm.items())
           + f"; {result['communication_seconds'] * 1e3:.1f} ms at {args.bandwidth_gbps:g} GB/s")

@@ -33,6 +33,29 @@ def test_model_state_bytes_per_parameter():
     assert plan(Setup(args, "bf16-kahan", optimizer="sgd"))["bytes"]["update_working_copies"] == 2**26 * 12
 
 
+def test_8bit_moments_planned_as_the_optimizer_holds_them():
+    """Per tensor: 1-byte codes and a 4-byte scale per 256 elements of a row each moment, FP32
+    moments for the embeddings and tensors under 4096 elements: the planner's bytes are the bytes
+    the optimizer holds, exactly (debug flavor: 64-wide rows, a block each)."""
+    from mixprec import Policy, build_model
+
+    for preset in ("bf16-mixed-8bit", "bf16-kahan-8bit"):
+        policy = Policy.from_preset(preset)
+        model = build_model(model_args("debug", 256), device="cpu", storage_dtype=policy.storage_dtype, seed=0)
+        _, opt = policy.setup(model, torch.optim.AdamW(model.parameters()))
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        held = sum(t.nbytes for s in opt.state.values() for k, t in s.items()
+                   if torch.is_tensor(t) and k not in ("step", "kahan_compensation"))
+        assert plan(Setup(model_args("debug", 256), preset))["bytes"]["optimizer_states"] == held
+    # the 8B flavor: the matrices at 2 x (1 + 4 / 256) bytes a parameter, its 525M-parameter embedding and the
+    # norms at FP32's 8: 2.42 bytes a parameter of moments (bf16-mixed: 8)
+    eight = plan(Setup(model_args("8B", 128256), "bf16-mixed-8bit"))
+    assert 2.4 < eight["optimizer_state_bytes_per_parameter"] < 2.45
+    assert 10.4 < eight["model_state_bytes_per_parameter"] < 10.45
+
+
 def test_fp8_saves_one_byte_per_projection_input():
     args = model_args("small", 256)
     bf16, fp8 = (plan(Setup(args, preset))["bytes"] for preset in ("bf16-mixed", "fp8-tensorwise"))
@@ -66,7 +89,8 @@ def test_checkpointing_shrinks_activations():
     ("fp32", "eager", "selective"), ("bf16-mixed", "eager", "selective"), ("bf16-mixed", "eager", "full"),
     ("bf16-true", "eager", "full"), ("fp8-tensorwise", "eager", "none"), ("fp8-rowwise", "eager", "full"),
     ("fp8-blockwise", "eager", "selective"), ("bf16-kahan", "eager", "none"), ("bf16-sr", "eager", "none"),
-    ("mxfp8", "eager", "none"), ("nvfp4", "eager", "none"), ("mxfp4", "eager", "selective")])
+    ("mxfp8", "eager", "none"), ("nvfp4", "eager", "none"), ("mxfp4", "eager", "selective"),
+    ("bf16-mixed-8bit", "eager", "none"), ("bf16-kahan-8bit", "eager", "none")])
 def test_planned_peak_within_15_percent_of_measured(preset, attention, checkpointing):
     # the trainer's own activation checkpointing, measured by MemTracker
     measured = measured_peak("debug", preset, batch=8, seq_len=64, attention=attention, checkpointing=checkpointing)

@@ -76,7 +76,7 @@ def test_a_skipped_nonfinite_step_with_a_finite_state_costs_only_its_batch():
     assert loop.policy.summary()["nonfinite_steps"] == 1
 
 
-@pytest.mark.parametrize("preset", ["bf16-mixed", "fp16-mixed"])
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp16-mixed", "bf16-mixed-8bit"])
 def test_a_repeated_nonfinite_step_rewinds_to_the_snapshot_and_backs_off(preset):
     loop = Loop(preset, snapshot_interval=5, backoff_steps=3)
     scale_before = loop.policy.summary()["loss_scale"]
@@ -89,12 +89,18 @@ def test_a_repeated_nonfinite_step_rewinds_to_the_snapshot_and_backs_off(preset)
     # the weights went back to the step-5 snapshot exactly; the steps after it differ (other data, lower lr)
     assert all(torch.equal(a, b) for a, b in zip(loop.first[5], loop.last[5]))
     assert not all(torch.equal(a, b) for a, b in zip(loop.first[6], loop.last[6]))
+    if preset.endswith("8bit"):  # the snapshot's quantized moments came back as they were: 1-byte codes, FP32 scales
+        assert {s["exp_avg"].dtype for s in loop.opt.state.values()} == {torch.uint8, torch.float32}
     # the lrs the optimizer used: steps 1-5 (6 and 7 were skipped: NaN), then 6, 7, 8 backed off
     # x0.5 and back up linearly over 3 steps, then the schedule
     schedule = [1.0e-3 / (1 + s) for s in range(13)]
-    assert loop.lrs[:5] == pytest.approx(schedule[:5])
-    assert loop.lrs[5:8] == pytest.approx([f * lr for f, lr in zip((1 / 2, 2 / 3, 5 / 6), schedule[5:8])])
-    assert loop.lrs[8:] == pytest.approx(schedule[8:12])
+    lrs = loop.lrs
+    if preset.endswith("8bit"):  # mixprec's AdamW skips on the device: steps 6 and 7 called it (and changed nothing)
+        assert lrs[5:7] == pytest.approx(schedule[5:6] * 2)
+        lrs = lrs[:5] + lrs[7:]  # torch's foreach AdamW was not called at all (its skip is read on the host)
+    assert lrs[:5] == pytest.approx(schedule[:5])
+    assert lrs[5:8] == pytest.approx([f * lr for f, lr in zip((1 / 2, 2 / 3, 5 / 6), schedule[5:8])])
+    assert lrs[8:] == pytest.approx(schedule[8:12])
     assert loop.opt.param_groups[0]["lr"] == pytest.approx(schedule[12])  # the back-off never sticks
     # the rewind put the snapshot's counters back, but the two non-finite steps happened: they stay counted
     summary = loop.policy.summary()

@@ -263,6 +263,7 @@ def plan(s: Setup) -> dict:
                   "autocast_weight_copies": cast_cache, "unsharded_parameters": unsharded,
                   "activations": activations, "peak": peak},
         "model_state_bytes_per_parameter": (params + grads + states + masters + compensation) * s.dp_shard * s.tp / n_params,
+        "optimizer_state_bytes_per_parameter": states * s.dp_shard * s.tp / n_params,
         "communication_bytes": {**comm, "total": total},
         "communication_seconds": total / (s.bandwidth_gbps * 1e9),
     }
