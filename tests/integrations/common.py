@@ -47,8 +47,8 @@ def own_loop(preset: str, data: list[dict], state: dict | None = None,
     model = tiny_model(state)
     policy = Policy.from_preset(preset, **settings(preset))
     policy.prepare_model(model, "cpu")
-    opt = optimizer(model.parameters())
-    policy.setup(model, opt)
+    # setup puts mixprec's AdamW in place where the preset keeps other moments (8-bit)
+    _, opt = policy.setup(model, optimizer(model.parameters()))
     losses = []
     for batch in data:
         with policy.autocast("cpu"):

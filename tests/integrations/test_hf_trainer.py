@@ -126,13 +126,16 @@ def test_the_audit_on_the_trainers_own_batches(data, tmp_path):
     assert rows["narrow layers (forward GEMMs in float8 or e2m1)"]["observed"] == ["14 ran"]
 
 
-@pytest.mark.parametrize("preset", ["bf16-master", "bf16-kahan"])
+@pytest.mark.parametrize("preset", ["bf16-master", "bf16-kahan", "bf16-mixed-8bit", "bf16-kahan-8bit"])
 def test_presets_that_follow_the_optimizer(preset, data, tmp_path):
     ref_losses, ref_weights = own_loop(preset, data[:6])
     trainer = hf_trainer(preset, data[:6], tmp_path, steps=6)
     trainer.train()
     assert trainer.losses == ref_losses
     assert same_weights(ref_weights, trainer.model.state_dict())
+    if preset.endswith("8bit"):  # the Trainer steps mixprec's AdamW: its moments in 1-byte codes
+        assert trainer.policy.optimizer.states.name == "8bit"
+        assert torch.uint8 in {s["exp_avg"].dtype for s in trainer.policy.optimizer.state.values()}
 
 
 def test_without_transformers_the_import_names_the_extra(monkeypatch):

@@ -175,13 +175,16 @@ def test_a_resumed_trainer_continues_bit_for_bit(preset, drill, data, tmp_path):
     assert list(plugin.policy.promoted) == list(whole_plugin.policy.promoted) and (not drill or plugin.policy.promoted)
 
 
-@pytest.mark.parametrize("preset", ["bf16-master", "bf16-kahan"])
+@pytest.mark.parametrize("preset", ["bf16-master", "bf16-kahan", "bf16-mixed-8bit", "bf16-kahan-8bit"])
 def test_presets_that_follow_the_optimizer_through_the_trainer(preset, data):
     # master weights and bf16 update rules are set up in connect(), where the Trainer hands the optimizer over
     ref_losses, ref_weights = own_loop(preset, data[:6])
-    losses, weights, _ = trainer_loop(preset, data[:6])
+    losses, weights, plugin = trainer_loop(preset, data[:6])
     assert losses == ref_losses
     assert same_weights(ref_weights, weights)
+    if preset.endswith("8bit"):  # connect() handed the Trainer mixprec's AdamW: its moments in 1-byte codes
+        assert plugin.policy.optimizer.states.name == "8bit"
+        assert torch.uint8 in {s["exp_avg"].dtype for s in plugin.policy.optimizer.state.values()}
 
 
 def test_refusals_are_one_line(data):

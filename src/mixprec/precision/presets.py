@@ -108,12 +108,14 @@ def preset_for(storage_dtype: torch.dtype, param_dtype: torch.dtype) -> str | No
 
 def name_of(spec: PrecisionSpec) -> str:
     """The preset a spec is (reduction dtype and overrides aside), "base+fp8-recipe" for an FP8
-    recipe on another base, or "custom"."""
+    recipe on another base, "+FORMAT-moments" for optimizer states a preset does not have, or "custom"."""
     from dataclasses import replace
 
     exact = next((name for name, p in PRESETS.items() if p == replace(spec, reduce_dtype=FP32)), None)
     if exact is not None:
         return exact
+    if spec.optimizer_states is not None:  # a mode's own moments in another format: "fp8-rowwise+8bit-moments"
+        return f"{name_of(replace(spec, optimizer_states=None))}+{spec.optimizer_states.name}-moments"
     plain = replace(spec, reduce_dtype=FP32, overrides=(), fp8=None)
     base = next((name for name, p in PRESETS.items() if p == plain), "custom")
     if spec.fp8 is None:
