@@ -142,7 +142,7 @@ class Training:
 @dataclass(frozen=True)
 class Precision:
     preset: str = ""
-    """fp32, bf16-mixed, bf16-true, bf16-kahan, bf16-sr, fp16-mixed, fp16-master, bf16-master, fp16-true, fp8-tensorwise, fp8-delayed, fp8-rowwise, fp8-blockwise, mxfp8, nvfp4, mxfp4, or an alias (32-true, no, bf16, 16-mixed, fp16, 16-true, O0-O3). Empty: built from the dtype keys, which default to bf16-mixed."""
+    """fp32, bf16-mixed, bf16-true, bf16-kahan, bf16-sr, bf16-mixed-8bit, bf16-kahan-8bit, fp16-mixed, fp16-master, bf16-master, fp16-true, fp8-tensorwise, fp8-delayed, fp8-rowwise, fp8-blockwise, mxfp8, nvfp4, mxfp4, or an alias (32-true, no, bf16, 16-mixed, fp16, 16-true, O0-O3). Empty: built from the dtype keys, which default to bf16-mixed."""
     param_dtype: str = ""
     """Compute dtype (float32, bfloat16 or float16); empty: the preset's."""
     reduce_dtype: str = ""

@@ -97,7 +97,8 @@ class FabricPrecision(_PolicyPlugin, _FabricPrecision):
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         if self.policy.needs_optimizer:
             raise UserError(f"mixprec.lightning.FabricPrecision({self.policy.name!r}): this preset keeps master "
-                            "weights or its own update rule, which follow the optimizer, and Fabric gives a precision "
+                            "weights, its own update rule or its own optimizer states, which follow the optimizer, and "
+                            "Fabric gives a precision "
                             "plugin no optimizer before the first step; accepted: L.Trainer with TrainerPrecision, "
                             "or mixprec's Policy in your own loop")
         self._prepare(module)

@@ -13,9 +13,10 @@ def compare(folder, text_file, presets, *extra) -> int:
 
 
 def test_two_presets_write_every_file_with_sane_values(tmp_path, text_file):
-    assert compare(tmp_path, text_file, "fp32,bf16-mixed", "--metrics.plot", "true") == 0
+    assert compare(tmp_path, text_file, "fp32,bf16-mixed,bf16-kahan-8bit", "--metrics.plot", "true") == 0
     report = json.loads((tmp_path / "compare.json").read_text())
-    base, bf16 = report["presets"]
+    base, bf16, eight = report["presets"]
+    assert eight["preset"] == "bf16-kahan-8bit" and eight["passed"] and abs(eight["loss_diff"]) < 0.01
     assert report["baseline"] == "fp32" and base["loss_diff"] == 0 and base["speedup"] == 1
     assert abs(bf16["loss_diff"]) < 0.01 and bf16["passed"] and bf16["tokens_per_sec"] > 0
     assert bf16["memory_ratio"] > 0 and bf16["overflow_rate"] == 0

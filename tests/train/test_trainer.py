@@ -126,8 +126,7 @@ def assert_same(a, b, where="checkpoint"):
 
 
 @pytest.mark.parametrize("preset", ["bf16-mixed", "fp16-mixed", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise",
-                                    "fp8-blockwise", "bf16-kahan", "bf16-sr", "nvfp4", "bf16-mixed-8bit",
-                                    "bf16-kahan-8bit"])
+                                    "fp8-blockwise", "bf16-kahan", "bf16-sr", "nvfp4", "bf16-mixed-8bit"])
 def test_a_resumed_run_writes_the_uninterrupted_runs_checkpoint_bit_for_bit(tmp_path, text_file, preset):
     # the whole checkpoint: weights, optimizer, scheduler, data order, loss scale, every random
     # stream, and for fp8-delayed the amax histories and scales; nvfp4's stochastic rounding draws
@@ -153,11 +152,11 @@ def test_a_resumed_run_writes_the_uninterrupted_runs_checkpoint_bit_for_bit(tmp_
         assert {t.dtype for s in states for k, t in s.items() if k != "step"} == {torch.bfloat16}
         assert all(("kahan_compensation" in s) == (preset == "bf16-kahan") for s in states)
         assert full["policy"]["updates"]["steps"] == 6
-    if preset.endswith("8bit"):  # the quantized state saved as it is: 1-byte codes, FP32 block scales and FP32 moments
-        states = full["optimizer"]["state"].values()  # of the tensors left out, a Kahan compensation per bf16 weight
+    if preset.endswith("8bit"):  # saved as held: 1-byte codes and FP32 block scales, FP32 moments where left out
+        states = full["optimizer"]["state"].values()
         assert {t.dtype for s in states for k, t in s.items() if k.endswith("_absmax")} == {torch.float32}
         assert {s["exp_avg"].dtype for s in states} == {torch.uint8, torch.float32}
-        assert all(("kahan_compensation" in s) == (preset == "bf16-kahan-8bit") for s in states)
+        # (bf16-kahan-8bit: killed with SIGKILL and resumed, tests/train/test_optimizer_states.py)
 
 
 def test_a_run_resumed_in_a_new_process_holds_the_same_random_streams(tmp_path, text_file):

@@ -70,8 +70,8 @@ class AdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's update with narrower moments. moments_dtype: dense moments
     (float32, bfloat16, float16); `states`, where given, a StateFormat (or its name) instead,
     8-bit ones included. `embeddings`: parameters the format treats as embeddings (FP32
-    moments unless the format says otherwise). `compensated`: low-precision weights whose
-    moments are quantized step with a Kahan compensation. `convert`: a loaded state in
+    moments unless the format says otherwise). `compensated`: with quantized moments, every
+    low-precision weight steps with a Kahan compensation (bf16-kahan-8bit). `convert`: a loaded state in
     another format is converted (else refused). `compile`: with quantized moments, each
     parameter's step is one compiled kernel (fused_adamw; None: where it compiles, else eagerly,
     logged; False: the eager reference, torch.optim.AdamW's arithmetic to the bit)."""
@@ -90,6 +90,9 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"moments_dtype {moments_dtype}: accepted float32, bfloat16, float16")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.states = StateFormat.of(states if states is not None else moments_dtype)
+        if compensated and not self.states.quantized:
+            raise ValueError("compensated updates with dense moments: mixprec.BF16Updates(optimizer, 'kahan') does "
+                             "those; accepted here: fp8 or 8bit moments")
         self.moments_dtype = self.states.dtype  # a quantized format's codes
         self.compensated, self.convert, self.compile = compensated, convert, compile
         self._kernels = {}
