@@ -63,9 +63,6 @@ def dynamic_code(signed: bool) -> torch.Tensor:
     return torch.tensor(sorted(values), dtype=FP32)
 
 
-_STEPS: dict[bool, int] = {}  # per code: the most midpoints inside one bucket (set with its table)
-
-
 def midpoints(signed: bool) -> torch.Tensor:
     """The 255 FP32 midpoints (code[i] + code[i + 1]) / 2: a value's code index is the number of
     midpoints it reaches (n >= midpoint: a tie goes to the larger code value)."""
@@ -75,10 +72,11 @@ def midpoints(signed: bool) -> torch.Tensor:
 
 @functools.cache
 def _lookup(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A table from the upper 16 bits of an FP32 value (sign, exponent, 7 mantissa bits) to the
-    number of midpoints at or below the smallest value those bits begin, and the midpoints: the
-    index in a table read and a step or two up (_STEPS: the most midpoints inside one bucket),
-    not a search."""
+    """Two tables on the upper 16 bits of an FP32 value (sign, exponent, 7 mantissa bits): how
+    many midpoints lie at or below the smallest value those bits begin, and the next midpoint
+    (inf where none). No bucket holds two midpoints, so a value's index is the first table's
+    count, plus one where it reaches the second's midpoint: two independent table reads, not a
+    search."""
     mids = midpoints(signed).double()
     buckets = torch.arange(65536, dtype=torch.int64)
     neg = buckets >= 0x8000
@@ -90,13 +88,15 @@ def _lookup(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
     lo = values(torch.where(neg, ends, starts))  # the smallest value of each bucket (negative: the last bits)
     hi = values(torch.where(neg, starts, ends))
-    table = torch.searchsorted(mids, lo, right=True)
-    _STEPS[signed] = int((torch.searchsorted(mids, hi, right=True) - table).max())
-    return table.to(torch.int32), mids.float()
+    count = torch.searchsorted(mids, lo, right=True)
+    inside = torch.searchsorted(mids, hi, right=True) - count
+    assert int(inside.max()) <= 1, "a bucket holds two midpoints: the lookup needs a step more"
+    nxt = torch.cat([mids, torch.tensor([math.inf], dtype=torch.float64)])[count]
+    return count.to(torch.int32), nxt.float()
 
 
 def lookup_on(signed: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """_lookup(signed)'s table and midpoints on `device` (a compiled kernel takes them as arguments)."""
+    """_lookup(signed)'s two tables on `device` (a compiled kernel takes them as arguments)."""
     return _lookup_on(signed, torch.device(device))
 
 
@@ -139,12 +139,10 @@ def quantize_blocks(blocks: torch.Tensor, fmt: str, signed: bool, table: tuple |
     if fmt != "8bit":
         raise ValueError(f"state format {fmt!r}: accepted {', '.join(QUANTIZED)}")
     n = torch.where(zero, 0.0, blocks / torch.where(zero, 1.0, absmax))
-    # the number of midpoints n reaches: the table's count for n's upper bits, then the steps inside its bucket
-    table, mids = table
-    index = table[(n.view(torch.int32) >> 16) & 0xFFFF].long()
-    for _ in range(_STEPS[signed]):  # set with the table (lookup_on), a constant to a compiled caller
-        index = index + (mids[index.clamp(max=254)] <= n).long() * (index < 255).long()
-    return index.to(torch.uint8), absmax
+    # the number of midpoints n reaches: the count for n's upper bits, plus one where n reaches the bucket's next
+    count, nxt = table
+    bucket = (n.view(torch.int32) >> 16) & 0xFFFF
+    return (count[bucket] + (n >= nxt[bucket]).int()).to(torch.uint8), absmax
 
 
 def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
