@@ -77,7 +77,7 @@ def test_every_fp8_recipe_runs_its_planned_layers_in_fp8_and_nothing_else(tmp_pa
 
 AUDITED = ["fp32", "bf16-mixed", "bf16-true", "fp16-mixed", "fp16-master", "bf16-master", "fp16-true",
            "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "fp8-blockwise", "bf16-kahan", "bf16-sr", "mxfp8", "nvfp4",
-           "mxfp4"]
+           "mxfp4", "bf16-mixed-8bit", "bf16-kahan-8bit"]
 
 
 def test_every_preset_the_help_lists_is_audited(capsys):
@@ -91,12 +91,19 @@ def test_every_preset_the_help_lists_is_audited(capsys):
 
 
 @pytest.mark.parametrize("preset, narrow", [("bf16-kahan", None), ("bf16-sr", None), ("mxfp8", "14 float8 1x32 tiles"),
-                                            ("nvfp4", "7 e2m1 1x16 tiles"), ("mxfp4", "14 e2m1 1x32 tiles")])
+                                            ("nvfp4", "7 e2m1 1x16 tiles"), ("mxfp4", "14 e2m1 1x32 tiles"),
+                                            ("bf16-mixed-8bit", None), ("bf16-kahan-8bit", None)])
 def test_the_update_and_microscaled_presets_keep_their_promise(tmp_path, text_file, capsys, preset, narrow):
     assert audit(tmp_path, text_file, "--precision.preset", preset) == 0
     report = json.loads(capsys.readouterr().out)
     stages = {r["stage"]: r for r in report["stages"]}
     assert report["ok"] and report["precision"] == preset
+    if preset.endswith("8bit"):  # each state tensor's format and block size, observed against the spec
+        states = stages["optimizer state formats (per tensor)"]
+        assert states["ok"] and states["observed"] == ["8bit (blocks of 256) x11", "fp32 x10"]
+        assert stages["optimizer states"]["observed"] == ["float32", "uint8"]
+        assert stages["stored parameters"]["observed"] == (["bfloat16"] if "kahan" in preset else ["float32"])
+        return
     if narrow is None:
         assert stages["stored parameters"]["observed"] == ["bfloat16"]
         return
@@ -105,6 +112,22 @@ def test_the_update_and_microscaled_presets_keep_their_promise(tmp_path, text_fi
     assert stages["Linear layers by compute (per module)"]["ok"]
     fp4 = "float4_e2m1fn_x2" if preset != "mxfp8" else "float8_e4m3fn"
     assert stages["FP8 forward operands"]["observed"] == [fp4]
+
+
+def test_moments_stored_in_another_format_than_the_spec_says_fail(tmp_path, text_file, capsys, monkeypatch):
+    setup = Policy.setup
+
+    def everything_quantized(self, model, optimizer=None, **settings):
+        model, optimizer = setup(self, model, optimizer, **settings)
+        optimizer.kept_fp32.clear()  # behind the spec's back: the norms and the embedding in 8 bits too
+        return model, optimizer
+
+    monkeypatch.setattr(Policy, "setup", everything_quantized)
+    assert audit(tmp_path, text_file, "--precision.preset", "bf16-mixed-8bit") == 1
+    report = json.loads(capsys.readouterr().out)
+    row = {r["stage"]: r for r in report["stages"]}["optimizer state formats (per tensor)"]
+    assert not row["ok"] and row["observed"] == ["8bit (blocks of 256) x21"]
+    assert any("tok_embeddings.weight: moments promised in fp32, stored in 8bit" in n for n in report["notes"])
 
 
 def test_a_microscaled_layer_whose_recipe_is_swapped_behind_the_plans_back_fails(tmp_path, text_file, capsys,

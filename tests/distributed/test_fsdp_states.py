@@ -2,7 +2,6 @@
 against one process: the same bits, since a block never spans rows; and a DCP round trip of
 the sharded state."""
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -11,6 +10,7 @@ from mixprec.distributed.parallel import end_spawned_worker
 from mixprec.optim import AdamW
 
 WORLD = 2
+FORMATS = ("8bit", "fp8")
 SHAPES = [(33, 300), (64, 512), (6, 4096)]  # uneven rows (17 + 16), whole blocks, a short last block
 
 
@@ -41,13 +41,21 @@ def gather_rows(t):
     return torch.cat(parts).view(local.dtype)
 
 
-def _worker(rank: int, store: str, fmt: str, compile: bool, out: str, folder: str) -> None:
-    import torch.distributed.checkpoint as dcp
+def _worker(rank: int, store: str, compile: bool, out: str, folder: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
 
     join(rank, store, WORLD)
     mesh = init_device_mesh("cpu", (WORLD,))
+    results = {fmt: _formats_run(rank, mesh, fmt, compile, f"{folder}-{fmt}") for fmt in FORMATS}
+    if rank == 0:
+        torch.save(results, out)
+    end_spawned_worker()
+
+
+def _formats_run(rank: int, mesh, fmt: str, compile: bool, folder: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     shard = lambda t: distribute_tensor(t, mesh, [Shard(0)])
     params = [torch.nn.Parameter(shard(t)) for t in tensors(0)]
     opt = train(params, fmt, compile, lambda step: [shard(g) for g in tensors(step)])
@@ -64,24 +72,21 @@ def _worker(rank: int, store: str, fmt: str, compile: bool, out: str, folder: st
     fresh.load_state_dict(loaded["optimizer"])
     same = all(torch.equal(gather_rows(fresh.state[p][k]).view(torch.uint8), gather_rows(opt.state[p][k]).view(torch.uint8))
                for p in params for k in opt.state[p] if torch.is_tensor(opt.state[p][k]) and k != "step")
-    if rank == 0:
-        torch.save({"states": full, "weights": weights, "dcp_same": same,
-                    "placements": str(opt.state[params[0]]["exp_avg_absmax"].placements)}, out)
-    end_spawned_worker()
+    return {"states": full, "weights": weights, "dcp_same": same,
+            "placements": str(opt.state[params[0]]["exp_avg_absmax"].placements)}
 
 
-@pytest.mark.parametrize("fmt", ["8bit", "fp8"])
-def test_two_ranks_hold_the_bits_one_process_holds(tmp_path, fmt):
-    params = [torch.nn.Parameter(t) for t in tensors(0)]
-    one = train(params, fmt, True, tensors)
+def test_two_ranks_hold_the_bits_one_process_holds(tmp_path):
     out = tmp_path / "out.pt"
-    mp.spawn(_worker, args=(str(tmp_path / "store"), fmt, True, str(out), str(tmp_path / "dcp")), nprocs=WORLD,
-             join=True)
-    two = torch.load(out, weights_only=False)
-    assert two["placements"] == "(Shard(dim=0),)"  # the block scales are sharded as their rows
-    for p, state, weight in zip(params, two["states"], two["weights"]):
-        assert torch.equal(weight, p.detach())
-        for key, value in one.state[p].items():
-            if torch.is_tensor(value) and key != "step":
-                assert torch.equal(state[key].view(torch.uint8), value.view(torch.uint8)), key
-    assert two["dcp_same"]
+    mp.spawn(_worker, args=(str(tmp_path / "store"), True, str(out), str(tmp_path / "dcp")), nprocs=WORLD, join=True)
+    results = torch.load(out, weights_only=False)
+    for fmt in FORMATS:
+        params = [torch.nn.Parameter(t) for t in tensors(0)]
+        one, two = train(params, fmt, True, tensors), results[fmt]
+        assert two["placements"] == "(Shard(dim=0),)"  # the block scales are sharded as their rows
+        for p, state, weight in zip(params, two["states"], two["weights"]):
+            assert torch.equal(weight, p.detach())
+            for key, value in one.state[p].items():
+                if torch.is_tensor(value) and key != "step":
+                    assert torch.equal(state[key].view(torch.uint8), value.view(torch.uint8)), (fmt, key)
+        assert two["dcp_same"], fmt

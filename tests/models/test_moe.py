@@ -99,7 +99,8 @@ def test_the_auxiliary_loss_is_the_switch_loss_and_only_trains():
     assert model.layers[0].feed_forward.router.weight.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("preset", sorted(PRESETS))
+# bf16-kahan-8bit steps the experts' (E, 2I, D) moments in 8 bits; bf16-mixed-8bit would add nothing more here
+@pytest.mark.parametrize("preset", sorted(p for p in PRESETS if p != "bf16-mixed-8bit"))
 def test_moe_debug_trains_in_every_preset(tmp_path, text_file, preset, capsys):
     records = run_train(tmp_path, text_file, *MOE, "--precision.preset", preset, "--training.steps", "3",
                         "--metrics.log_freq", "1", "--training.eval_interval", "3")

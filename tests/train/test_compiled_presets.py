@@ -48,7 +48,7 @@ def eager_and_compiled(tmp_path, text_file, flags, capsys) -> tuple[list[dict], 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", [pytest.param(p, marks=OLD_FP16_COMPILE) if p == "fp16-mixed" else p
-                                    for p in PRESETS])
+                                    for p in PRESETS if p != "bf16-mixed-8bit"])  # its model compiles as bf16-mixed's
 def test_every_preset_trains_compiled_as_it_does_eagerly(tmp_path, text_file, preset, capsys):
     # native 16-bit kernels (no emulation) so that compile applies on every CPU; no stability
     # guard, so that a non-finite step shows here instead of being rewound
