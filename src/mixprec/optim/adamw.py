@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 COMPENSATION = "kahan_compensation"  # as mixprec.optim.updates
 BLOCK = "moments_block"  # the state key of a quantized format's block size (an int)
+COMPILE_MIN_NUMEL = 2**16  # CPU tensors smaller than this step eagerly by default (AdamW._compiles)
 MOMENTS = {"exp_avg": True, "exp_avg_sq": False}  # key -> signed code
 FP32_MOMENTS = StateFormat("fp32")
 
@@ -73,8 +74,9 @@ class AdamW(torch.optim.Optimizer):
     moments unless the format says otherwise). `compensated`: with quantized moments, every
     low-precision weight steps with a Kahan compensation (bf16-kahan-8bit). `convert`: a loaded state in
     another format is converted (else refused). `compile`: with quantized moments, each
-    parameter's step is one compiled kernel (fused_adamw; None: where it compiles, else eagerly,
-    logged; False: the eager reference, torch.optim.AdamW's arithmetic to the bit)."""
+    parameter's step is one compiled kernel (fused_adamw; None: but for small CPU tensors, and
+    where it compiles, else eagerly, logged; False: the eager reference, torch.optim.AdamW's
+    arithmetic to the bit)."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, moments_dtype: torch.dtype = torch.bfloat16,
@@ -95,7 +97,7 @@ class AdamW(torch.optim.Optimizer):
                              "those; accepted here: fp8 or 8bit moments")
         self.moments_dtype = self.states.dtype  # a quantized format's codes
         self.compensated, self.convert, self.compile = compensated, convert, compile
-        self._kernels = {}
+        self._kernels, self._said_eager = {}, False
         self._embeddings = {id(p) for p in embeddings}
         self.kept_fp32 = {}  # id(parameter) -> why its moments stay FP32 in a quantized format
         if self.states.quantized:
@@ -200,11 +202,13 @@ class AdamW(torch.optim.Optimizer):
             grads = [p.grad if inv_scale is None else p.grad * inv_scale.to(p.grad.device) for p in params]
             if self.states.quantized:  # one parameter at a time, the skip decided on the device
                 skip = found_inf if found_inf is not None else torch.zeros(())
-                if self.compile is False:
-                    for p, grad in zip(params, grads):
+                compiled = [self._compiles(p) for p in params]
+                for p, grad, kernel in zip(params, grads, compiled):
+                    if not kernel:
                         self._update_quantized(p, grad, self.state[p], group, skip)
-                elif params:
-                    self._quantized_kernels(group, params, grads, skip)
+                if any(compiled):
+                    self._quantized_kernels(group, *zip(*[(p, g) for p, g, k in zip(params, grads, compiled) if k]),
+                                            skip)
             elif found_inf is None:
                 for p, grad in zip(params, grads):
                     self._update(p, grad, self.state[p], group)
@@ -266,6 +270,20 @@ class AdamW(torch.optim.Optimizer):
         p.copy_(torch.where(skip, p, w))
         state["exp_avg"].copy_(torch.where(skip, state["exp_avg"], exp_avg))  # rounds to nearest
         state["exp_avg_sq"].copy_(torch.where(skip, state["exp_avg_sq"], exp_avg_sq))
+
+    def _compiles(self, p: torch.Tensor) -> bool:
+        """Whether p steps by its compiled kernel: always where `compile` is true, never where false;
+        by default everywhere but a CPU tensor under COMPILE_MIN_NUMEL elements, whose eager step
+        costs less than compiling a kernel for its shape (seconds on a CPU), logged once."""
+        if self.compile is not None:
+            return self.compile
+        small = p.device.type == "cpu" and _local(p).numel() < COMPILE_MIN_NUMEL
+        if small and not self._said_eager:
+            self._said_eager = True
+            logger.info("optimizer: tensors under %d elements on the CPU step their quantized moments eagerly (the "
+                        "same update: a kernel compiled per shape costs seconds, more than it saves them)",
+                        COMPILE_MIN_NUMEL)
+        return not small
 
     def _quantized_kernels(self, group, params, grads, found_inf: torch.Tensor) -> None:
         """Each parameter's step as one compiled kernel (fused_adamw): adamw_quantized_ where its

@@ -7,7 +7,8 @@ per parameter than bf16-true's step, which on a memory-bound CPU costs 7% of a s
 flavor step. For torch.optim.AdamW these functions compute the same arithmetic (the
 single-tensor path: decoupled weight decay, lerp, bias correction; FMA and order may
 differ in the last bit) reading 10 bytes and writing 8 per parameter, compiled into one
-kernel per parameter.
+kernel per parameter. adamw_quantized_ does the same for moments held in 8 bits
+(mixprec.optim.state_formats): dequantized, updated and re-quantized inside the kernel.
 """
 
 from __future__ import annotations
