@@ -2,6 +2,7 @@
 torch's AdamW keeps: mixprec's AdamW in its place (logged), or one line for another class."""
 
 import logging
+import warnings
 
 import pytest
 import torch
@@ -33,7 +34,12 @@ def test_torchs_adamw_is_replaced_with_the_same_groups_and_a_line(preset, states
     assert new.defaults["betas"] == (0.8, 0.9) and new.defaults["eps"] == 1e-6
     assert [g["lr"] for g in new.param_groups] == [1.5e-4, 5e-5] and [g["weight_decay"] for g in new.param_groups] \
         == [0.05, 0.0]
-    scheduler.step()  # drives the new optimizer's groups
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p)
+    new.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not "lr_scheduler.step() before optimizer.step()": the new one stepped
+        scheduler.step()  # drives the new optimizer's groups
     assert [g["lr"] for g in new.param_groups] == [1.5e-4, 5e-5]
     line = next(r.getMessage() for r in caplog.records if "replaced by mixprec.optim.AdamW" in r.getMessage())
     assert f"{preset} keeps AdamW's moments in {states}" in line and "same 2 parameter groups" in line

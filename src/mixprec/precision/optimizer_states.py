@@ -72,6 +72,9 @@ def put_in_place(policy, model: torch.nn.Module, optimizer: torch.optim.Optimize
                 "parameter groups (lr, betas, eps, weight_decay as given; the same group dicts, so a scheduler "
                 "built on the old one still sets them)%s", policy.name, states.label, type(optimizer).__name__,
                 len(new.param_groups), ", weights Kahan-compensated" if compensated else "")
+    # an LR scheduler built on the old optimizer checks that the old one stepped (torch marks it in
+    # its step's wrapper): the new one's steps are the old one's now
+    new.register_step_post_hook(lambda *_: setattr(optimizer, "_opt_called", True))
     log_formats(new, model)
     return new
 
