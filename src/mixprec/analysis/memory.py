@@ -34,6 +34,7 @@ from mixprec.models.llama import Llama, ModelArgs
 from mixprec.models.loss import chunk_tokens
 from mixprec.optim.updates import CHUNK_NUMEL
 from mixprec.precision.layout import resolve
+from mixprec.precision.optimizer_states import embeddings_of
 from mixprec.precision.presets import FP32, PRESETS, resolve_preset_name
 from mixprec.precision.spec import Override, PrecisionSpec, Update
 from mixprec.train.parallelize import AC_MODES, checkpointed_blocks
@@ -125,6 +126,7 @@ def plan(s: Setup) -> dict:
     c, st = p.param_dtype.itemsize, storage.itemsize
 
     params = grads = masters = states = cast_cache = 0
+    embeddings = {id(w) for w in embeddings_of(model)}  # the optimizer's rule for which moments stay FP32
     n_params = 0
     seen = set()
     for fqn, module in model.named_modules():
@@ -144,7 +146,7 @@ def plan(s: Setup) -> dict:
                 grads += local * 4  # the masters' FP32 gradients
             moments = p.moments  # AdamW's: a dense dtype, or 8 bits with a block scale per block_size
             if s.optimizer == "adamw" and moments.quantized:
-                per = 4 if moments.keeps_fp32(numel, isinstance(module, torch.nn.Embedding)) else \
+                per = 4 if moments.keeps_fp32(numel, id(w) in embeddings) else \
                     moments.bytes_per_element(w.shape)
             else:
                 per = moments.dtype.itemsize if s.optimizer == "adamw" else (4 if p.master_weights else st)

@@ -24,7 +24,7 @@ from mixprec.errors import UserError
 from mixprec.optim import fused_adamw
 from mixprec.optim.state_formats import (SCALE, StateFormat, code_on, dequantize, lookup_on, quantize,
                                          scale_shape)
-from mixprec.rounding import compile_options
+from mixprec.rounding import compile_options, compiled_nearest_unsafe
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,8 @@ class AdamW(torch.optim.Optimizer):
                     self._init_state(p, state, device)
             grads = [p.grad if inv_scale is None else p.grad * inv_scale.to(p.grad.device) for p in params]
             if self.states.quantized:  # one parameter at a time, the skip decided on the device
-                skip = found_inf if found_inf is not None else torch.zeros(())
+                skip = found_inf if found_inf is not None else torch.zeros((), device=_local(params[0]).device) \
+                    if params else None
                 compiled = [self._compiles(p) for p in params]
                 for p, grad, kernel in zip(params, grads, compiled):
                     if not kernel:
@@ -290,7 +291,9 @@ class AdamW(torch.optim.Optimizer):
         moments are quantized, else adamw_moments_ (FP32 moments) or adamw_kahan_ (a compensated
         low-precision weight); the step counts and scalars on the device, no host read."""
         states = [self.state[p] for p in params]
-        skip = found_inf.to(_local(params[0]).device)
+        device = _local(params[0]).device
+        skip = found_inf.to(device)
+        tables = [f(signed, device) for f in (code_on, lookup_on) for signed in (True, False)]
         for p, grad, state, scalars in zip(params, grads, states,
                                            fused_adamw.device_steps(group, states, [p.device for p in params], skip)):
             scalars = [_local(x) for x in scalars]
@@ -300,7 +303,6 @@ class AdamW(torch.optim.Optimizer):
             fmt = self.format_of(p)
             if fmt.quantized:
                 scales = _local(state["exp_avg" + SCALE]), _local(state["exp_avg_sq" + SCALE])
-                tables = [f(signed, weight.device) for f in (code_on, lookup_on) for signed in (True, False)]
                 for cols, scale_cols, block in _row_parts(weight.shape[-1] if weight.dim() else 1, fmt.block_size):
                     cut = lambda t: t if t is None or t.dim() == 0 else t[..., cols]
                     kernel = self._kernel(fused_adamw.adamw_quantized_, weight.dtype, fmt=fmt.name, block=block,
@@ -400,11 +402,21 @@ class _Compiled:
     demanded (logged once)."""
 
     def __init__(self, fn, name: str, dtype: torch.dtype, demand: bool | None, rows_only: bool = False):
-        self.fn, self.name, self.demand, self.rows_only = fn, name, demand, rows_only
+        self.fn, self.name, self.dtype, self.demand, self.rows_only = fn, name, dtype, demand, rows_only
         self.compiled = torch.compile(fn, dynamic=not rows_only, options=compile_options(dtype))
-        self.failed = False
+        self.failed, self.checked = False, False
 
     def __call__(self, *args):
+        if not self.checked:  # bfloat16 weights round by Veltkamp's split: as BF16Updates, eager where unsafe
+            self.checked = True
+            device = next(t.device for t in args if torch.is_tensor(t))
+            unsafe = compiled_nearest_unsafe(device) if self.dtype == torch.bfloat16 else None
+            if unsafe and self.demand:
+                raise RuntimeError(f"{self.name} cannot be compiled exactly here: {unsafe}")
+            if unsafe:
+                self.failed = True
+                logger.warning("optimizer: %s on %s runs eagerly (the same arithmetic, slower): %s", self.name,
+                               device.type, unsafe)
         if self.failed:
             return self.fn(*args)
         if self.rows_only:  # a kernel per last dimension, any number of rows: its blocks are static

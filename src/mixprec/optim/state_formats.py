@@ -145,10 +145,14 @@ def quantize_blocks(blocks: torch.Tensor, fmt: str, signed: bool, table: tuple |
     return (count[bucket] + (n >= nxt[bucket]).int()).to(torch.uint8), absmax
 
 
+def _values(codes: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """The FP32 value each code stands for, before its block's scale."""
+    return code[codes.long()] if codes.dtype == torch.uint8 else codes.float()
+
+
 def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     """FP32 blocks of codes (rows, nb, block) and scales (rows, nb, 1)."""
-    values = code[codes.long()] if codes.dtype == torch.uint8 else codes.float()
-    return values * scales
+    return _values(codes, code) * scales
 
 
 def quantize(x: torch.Tensor, fmt: str, block_size: int, signed: bool = True,
@@ -167,12 +171,8 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, block_size: int, signe
                code: torch.Tensor | None = None) -> torch.Tensor:
     """The FP32 values of (codes, scales); `code` as quantize's."""
     code = code_on(signed, codes.device) if code is None else code
-    wide = codes if aligned(codes, block_size) else codes.view(torch.uint8).long()  # padding needs a wider dtype
-    blocks = _blocks(wide, block_size)
-    if wide is not codes:
-        blocks = blocks.to(torch.uint8).view(codes.dtype)
-    blocks = dequantize_blocks(blocks, scales.reshape(-1, scales.shape[-1] if scales.dim() else 1,
-                                                                          1), code)
+    scales = scales.reshape(-1, scales.shape[-1] if scales.dim() else 1, 1)
+    blocks = _blocks(_values(codes, code), block_size) * scales  # padded as FP32 values, not as codes
     n = codes.shape[-1] if codes.dim() else 1
     return blocks.reshape(blocks.shape[0], -1)[:, :n].reshape(codes.shape)
 
