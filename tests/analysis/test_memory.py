@@ -145,3 +145,6 @@ def test_cli_plans_an_moe_on_fake_tensors(capsys):
     assert result["parameters"] == Llama(model_args("moe-debug", 256)).num_params() and result["peak_bytes"] > 0
     assert main(["memory", "--flavor", "moe-debug", "--tp", "2"]) == 2
     assert "--flavor moe-debug with --tp 2: not planned yet" in capsys.readouterr().err
+    # 8-bit moments on fake tensors: the code tables are real constants, made outside the fake step
+    assert main(["memory", "--flavor", "moe-debug", "--preset", "bf16-mixed-8bit", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["peak_bytes"] > 0

@@ -101,6 +101,10 @@ class AdamW(torch.optim.Optimizer):
         self._embeddings = {id(p) for p in embeddings}
         self.kept_fp32 = {}  # id(parameter) -> why its moments stay FP32 in a quantized format
         if self.states.quantized:
+            # the code tables, built and copied to each parameter's device here, at setup: not inside a step
+            for device in {_local(p).device for group in self.param_groups for p in group["params"]}:
+                for signed in (True, False):
+                    code_on(signed, device), lookup_on(signed, device)
             for group in self.param_groups:
                 for p in group["params"]:
                     last_sharded = any(getattr(pl, "dim", None) == p.dim() - 1 for pl in getattr(p, "placements", ()))

@@ -37,9 +37,18 @@ NAMES = (*DENSE, *QUANTIZED)
 SCALE = "_absmax"  # the state key of a moment's block scales: exp_avg -> exp_avg_absmax
 
 
+def _real(build):
+    """build(), real tensors even under a fake-tensor mode (the memory planner's step): the tables are
+    constants, cached for the process, and read on the host where they are made."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return build()
+
+
 def code_on(signed: bool, device) -> torch.Tensor:
     """dynamic_code(signed) on `device` (kept: a compiled kernel takes it as an argument)."""
-    return _code_on(signed, torch.device(device))
+    return _real(lambda: _code_on(signed, torch.device(device)))
 
 
 @functools.cache
@@ -54,13 +63,13 @@ def dynamic_code(signed: bool) -> torch.Tensor:
     k = 2^e (signed: with both signs) or 2^(e+1) (unsigned), then 0 and 1: 2 x 127 + 2 =
     256 values either way. Computed in FP32 (linspace, the midpoints, the decade's
     product), the values bitsandbytes and torchao use (tests/optim/test_state_formats.py)."""
-    values = [0.0, 1.0]
+    values = [torch.tensor([0.0, 1.0])]
     for e in range(7):
         steps = 2**e if signed else 2 ** (e + 1)
         edges = torch.linspace(0.1, 1, steps + 1)
         mids = ((edges[:-1] + edges[1:]) / 2.0) * (10.0 ** (e - 6))
-        values += mids.tolist() + ((-mids).tolist() if signed else [])
-    return torch.tensor(sorted(values), dtype=FP32)
+        values += [mids, -mids] if signed else [mids]
+    return torch.cat(values).sort().values  # tensors throughout: no host read where a first step builds it
 
 
 def midpoints(signed: bool) -> torch.Tensor:
@@ -97,7 +106,7 @@ def _lookup(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 def lookup_on(signed: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
     """_lookup(signed)'s two tables on `device` (a compiled kernel takes them as arguments)."""
-    return _lookup_on(signed, torch.device(device))
+    return _real(lambda: _lookup_on(signed, torch.device(device)))
 
 
 @functools.cache
