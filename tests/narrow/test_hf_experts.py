@@ -224,3 +224,122 @@ def test_another_experts_implementation_is_replaced_and_said(caplog):
         Policy.from_preset("mxfp8").setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     assert model.config._experts_implementation == "mixprec"
     assert any("experts_implementation 'batched_mm' replaced by 'mixprec'" in r.message for r in caplog.records)
+
+
+WRAPPED = {  # routers inside a wrapper module: found by their role, not by their name
+    "hunyuan_v1_moe": (dict(num_experts=8), "mlp.gate.wg"),
+    "afmoe": (dict(num_experts=8, num_dense_layers=0), "mlp.router.gate"),
+    "gemma4_text": (dict(num_experts=8, enable_moe_block=True, top_k_experts=2, expert_intermediate_size=32),
+                    "router.proj"),
+}
+
+
+@pytest.mark.parametrize("family", list(WRAPPED))
+def test_a_router_inside_a_wrapper_stays_out_of_the_recipe_in_fp32(family):
+    from mixprec.narrow.linear import FP8Linear
+
+    extra, suffix = WRAPPED[family]
+    if family not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    model = tiny(family, **extra)
+    policy = Policy.from_preset("fp8-rowwise")
+    policy.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    routers = policy.layout.routers()
+    assert sorted(routers) == [f"model.layers.{i}.{suffix}" for i in range(2)], sorted(routers)
+    assert all(r.storage == r.compute == torch.float32 for r in routers.values())
+    assert not any(isinstance(model.get_submodule(f), FP8Linear) for f in routers)
+    assert all(policy.layout.modules[f].compute.name == "rowwise" for f in experts_of(model))
+    logits = []
+    handles = [model.get_submodule(f).register_forward_hook(lambda m, a, out: logits.append(out)) for f in routers]
+    with policy.autocast():
+        model(**batch())
+    for h in handles:
+        h.remove()
+    assert len(logits) == 2 and all(t.dtype == torch.float32 for t in logits)
+
+
+def _as_release(model, missing):
+    """Each experts module as an older transformers release builds it: without the flags it set later."""
+    for m in experts_of(model).values():
+        for name in missing:
+            m.__dict__.pop(name, None)
+    return model
+
+
+@pytest.mark.parametrize("release,missing", [  # the flags transformers' decorator sets, release by release
+    ("5.0-5.2", ("has_gate", "is_concatenated", "_is_expert_parallel", "has_post_expert_norm")),
+    ("5.8-5.17", ("_is_expert_parallel", "has_post_expert_norm")),
+    ("5.18-5.19", ("has_post_expert_norm",))])
+def test_experts_of_every_release_run_in_the_base_mode_and_the_recipe(release, missing):
+    """bf16-mixed: the experts on torch's grouped GEMM in bfloat16, as on the newest release, and
+    fp8-rowwise in the recipe, whatever layout flags the release's decorator set."""
+    outputs = {}
+    for preset in ("bf16-mixed", "fp8-rowwise"):
+        for old in (False, True):
+            model = tiny("qwen3_moe")
+            if old:
+                _as_release(model, missing)
+            assert len(experts_of(model)) == 2
+            policy = Policy.from_preset(preset)
+            policy.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+            rows = [r for r in policy.layout.modules.values() if r.kind == "experts"]
+            assert len(rows) == 2 and all(hf_experts.runs_narrow(m) == (preset != "bf16-mixed")
+                                          for m in experts_of(model).values())
+            with policy.autocast():
+                out = model(**batch())
+            policy.backward(out.loss)
+            outputs[preset, old] = out.logits, [p.grad for p in model.parameters()]
+        (new_logits, new_grads), (old_logits, old_grads) = outputs[preset, False], outputs[preset, True]
+        assert torch.equal(new_logits, old_logits)
+        assert all(torch.equal(a, b) for a, b in zip(new_grads, old_grads))
+
+
+def test_experts_weights_of_every_token_and_expert_are_read_as_top_k():
+    """transformers before 5.2 hands DeepSeek-V2-style routers' weights as (tokens, experts): the same
+    output as their top-k columns."""
+    model = tiny("qwen3_moe")
+    hf_experts.in_base_mode(model, list(experts_of(model)), torch.float32)
+    experts = model.model.layers[0].mlp.experts
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
+    index = torch.tensor([[0, 3], [1, 2], [7, 0], [5, 6], [3, 2], [4, 1]])
+    weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(1))
+    dense = torch.zeros(6, 8).scatter(1, index, weights)
+    assert torch.equal(experts(x, index, weights), experts(x, index, dense))
+
+
+def test_setting_up_one_model_leaves_another_of_the_same_config_alone():
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model("qwen3_moe", **{**SMALL, **FAMILIES["qwen3_moe"]})
+    config._experts_implementation = "eager"
+    first = transformers.AutoModelForCausalLM.from_config(config)
+    other = transformers.AutoModelForCausalLM.from_config(config)
+    assert first.config is other.config
+    Policy.from_preset("fp8-rowwise").setup(first, torch.optim.AdamW(first.parameters(), lr=1e-3))
+    assert first.config._experts_implementation == "mixprec"
+    assert all(m.config is first.config for m in experts_of(first).values())
+    assert config._experts_implementation == other.config._experts_implementation == "eager"
+    assert all(m.config is config for m in experts_of(other).values())
+    with torch.no_grad():  # the other model still runs transformers' eager experts
+        other(**batch())
+
+
+def test_experts_choose_their_routes_where_the_model_is_materialised():
+    """A model converted on the meta device with only its experts in the recipe: materialised by
+    to_empty (each child's _apply), its experts' GEMMs are planned for the CPU, not left on meta's
+    routes; the conversion's record follows (Policy.probe, as after fully_shard)."""
+    from mixprec.narrow.convert import convert_to_fp8
+    from mixprec.narrow.recipe import FP8Recipe
+
+    with torch.device("meta"):
+        model = tiny("qwen3_moe")
+    fqns = list(experts_of(model))
+    conversion = convert_to_fp8(model, FP8Recipe.from_name("rowwise"), compute_dtype=torch.bfloat16,
+                                modules=[], experts=fqns, device_type="meta")
+    assert not conversion.modules and len(conversion.experts) == 2
+    assert all(g.plan.device == "meta" for layer in conversion.experts.values() for g in layer.gemms)
+    model.to_empty(device="cpu")
+    layers = [model.get_submodule(f).mixprec_experts for f in fqns]
+    assert all(g.plan.device == "cpu" for layer in layers for g in layer.gemms)
+    assert not any("mixprec_moves" in k for k in model.state_dict())  # nothing saved
+    conversion.move("cpu")
+    assert conversion.device == "cpu" and not any("meta" in (why or "") for why in conversion.routes.values())

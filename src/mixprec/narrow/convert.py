@@ -143,12 +143,11 @@ class Conversion:
         for m in self.modules.values():
             m.plan = replan(m.plan, type(m), device)
         for layer in self.experts.values():
-            up = layer.gemms[0].plan
-            hf_experts.replan(layer, replan(up, linear_class(up.recipe), device))
-        first = next(iter(self.modules.values()), None)
-        if first is not None and first.plan.device != self.device:  # not where the user asked for the emulation
+            layer.on(device)
+        plans = [m.plan for m in self.modules.values()] + [layer.gemms[0].plan for layer in self.experts.values()]
+        if plans and plans[0].device != self.device:  # not where the user asked for the emulation
             self.device = device
-            self.routes = type(first).routes(self.recipe, device, first.plan.compute_dtype)
+            self.routes = linear_class(self.recipe).routes(self.recipe, device, plans[0].compute_dtype)
 
     def kernels(self) -> dict[str, str]:
         """Each GEMM's kernel by name (mixprec.narrow.gemm.KERNELS), or "emulated"."""

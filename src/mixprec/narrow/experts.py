@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.errors import UserError
-from mixprec.narrow.linear import Plan, linear_class
+from mixprec.narrow.linear import Plan, linear_class, replan
 from mixprec.narrow.recipe import E4M3, Granularity
 from mixprec.narrow.scaling import quantize
 
@@ -304,6 +304,17 @@ class ExpertsLayer:
     @property
     def narrow(self) -> bool:
         return self.up is not None
+
+    def on(self, device: str) -> None:
+        """Its projections' GEMM routes chosen again for `device` (mixprec.narrow.linear.replan: said once
+        per plan and device), where they were chosen for another."""
+        if not self.narrow or device == "meta":
+            return
+        plans = [replan(g.plan, linear_class(g.plan.recipe), device) for g in self.gemms]
+        if all(p is g.plan for p, g in zip(plans, self.gemms)):
+            return
+        self.up, self.down = (register(ExpertsGemm(g.name, p, g.transposed, g.salts, uses_grouped(p)))
+                              for g, p in zip(self.gemms, plans))
 
     def projections(self, transposed: bool):
         """(up, down): each (x (S, K), weight, offs) -> (S, N)."""

@@ -8,19 +8,31 @@ in the base compute dtype (`in_base_mode`). A module it was not set up for runs 
 `grouped_mm`.
 
 Which modules are experts: the classes transformers' `use_experts_implementation` decorates
-(their `has_gate` / `is_transposed` / `has_bias` say the layout: qwen3_moe, qwen2_moe,
-mixtral, olmoe, deepseek_v3, phimoe, gpt_oss (transposed, biased, interleaved), ...). A
+(qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3, phimoe, gpt_oss (transposed, biased,
+interleaved), ...), known by what the decorator gives every release's instances: a `config`
+with `_experts_implementation`, `is_transposed` and `has_bias`. The other layout flags came
+release by release (`has_gate` in 5.3, `is_concatenated` in 5.8, `_is_expert_parallel` in
+5.18, `has_post_expert_norm` in 5.20); where a release lacks one, the module has the layout
+its default names (before 5.3 every decorated class held `gate_up_proj`), read by `flag`. A
 module holding 3-D expert weights outside the interface (Llama 4's experts run a bmm; dbrx,
 jetmoe) cannot be reached there: it stays in the base mode, named in the log and the audit.
 
-Which modules are routers, by role rather than class (Llama 4's and PhiMoE's routers
-subclass nn.Linear): a sibling of an experts module with a 2-D weight of one row per expert,
-and one-output gates beside them (Qwen2-MoE's shared_expert_gate). They stay out of every
-narrow format, with their logits and score function in FP32 (mixprec.precision.layout).
+Which modules are routers, by role rather than class or name (Llama 4's and PhiMoE's routers
+subclass nn.Linear; HunYuan's is `gate.wg`, AFMoE's `router.gate`, Gemma 4's `router.proj`):
+the one matrix of a sibling of an experts module (the sibling itself, or a wrapper around it)
+that maps the experts' input to one score per expert, and one-output gates beside them
+(Qwen2-MoE's shared_expert_gate). A sibling holding more than one matrix (a shared expert,
+attention) is no router. They stay out of every narrow format, with their logits and score
+function in FP32 (mixprec.precision.layout).
+
+The implementation is selected on the config object the experts modules hold, which models
+built from one config share; so the model set up gets its own copy of its configs first
+(`_own_configs`): another model of the same config keeps the implementation it had.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import zlib
 
@@ -41,9 +53,22 @@ OWN = "mixprec_seam"  # a class attribute of experts modules that run mixprec's 
 
 
 def interface_experts(module: nn.Module) -> bool:
-    """A module whose forward transformers' experts interface dispatches (use_experts_implementation)."""
-    return hasattr(module, "is_transposed") and hasattr(module, "has_gate") and hasattr(module, "config") \
+    """A module whose forward transformers' experts interface dispatches (use_experts_implementation):
+    what every release's decorator sets on it (5.0 onwards)."""
+    return hasattr(module, "is_transposed") and hasattr(module, "has_bias") and hasattr(module, "config") \
         and hasattr(module.config, "_experts_implementation")
+
+
+# a flag the decorator sets from some release on -> the layout of a module from a release before it
+_BEFORE = {"has_gate": lambda m: hasattr(m, "gate_up_proj"), "has_bias": lambda m: False,
+           "has_post_expert_norm": lambda m: False, "_is_expert_parallel": lambda m: False,
+           "is_transposed": lambda m: False}
+
+
+def flag(module: nn.Module, name: str) -> bool:
+    """A layout flag of an experts module, on any transformers release (`_BEFORE`)."""
+    value = getattr(module, name, None)
+    return bool(_BEFORE[name](module) if value is None else value)
 
 
 def runs_here(module: nn.Module) -> bool:
@@ -58,7 +83,7 @@ def expert_weights(module: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def projections(module: nn.Module) -> tuple[str, str]:
-    return ("gate_up_proj" if module.has_gate else "up_proj"), "down_proj"
+    return ("gate_up_proj" if flag(module, "has_gate") else "up_proj"), "down_proj"
 
 
 def find_experts(model: nn.Module) -> dict[str, str | None]:
@@ -71,7 +96,7 @@ def find_experts(model: nn.Module) -> dict[str, str | None]:
         if not runs_here(m):
             found[fqn] = (f"{type(m).__name__} is outside transformers' experts interface (its forward runs the experts "
                           "itself): no seam to run them in a narrow format")
-        elif getattr(m, "_is_expert_parallel", False):
+        elif flag(m, "_is_expert_parallel"):
             found[fqn] = "expert-parallel experts (tokens exchanged between ranks) are not converted yet"
         else:
             shapes = [tuple(weights[n].shape[1:]) for n in projections(m) if n in weights]
@@ -81,21 +106,35 @@ def find_experts(model: nn.Module) -> dict[str, str | None]:
     return found
 
 
+def _matrices(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(FQN within `module`, submodule) of each submodule holding a 2-D `weight`, `module` itself included."""
+    return [(name, m) for name, m in module.named_modules()
+            if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2]
+
+
 def routers(model: nn.Module, experts_fqns) -> dict[str, str]:
-    """The routers and gates beside each experts module: FQN -> what it is."""
+    """The routers and gates beside each experts module, by role: FQN -> what it is. A sibling of the
+    experts module (or a wrapper among its siblings) whose one matrix maps the experts' input
+    features to one score per expert is its router; one to a single output, a gate."""
     found = {}
     for fqn in experts_fqns:
         parent_name, _, own = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        n_experts = next(iter(expert_weights(parent.get_submodule(own)).values())).shape[0]
+        weight = next(iter(expert_weights(parent.get_submodule(own)).values()))  # (E, N, K) or (E, K, N)
+        n_experts = weight.shape[0]
         for name, child in parent.named_children():
-            w = getattr(child, "weight", None)
-            if name == own or not isinstance(w, torch.Tensor) or w.dim() != 2:
+            matrices = _matrices(child) if name != own else []
+            if len(matrices) != 1:  # none, or a shared expert / attention: several matrices
                 continue
-            if w.shape[0] == n_experts:
-                found[f"{parent_name}.{name}".lstrip(".")] = f"the router of {fqn} ({n_experts} experts)"
-            elif w.shape[0] == 1:
-                found[f"{parent_name}.{name}".lstrip(".")] = f"a one-output gate beside {fqn}"
+            sub, m = matrices[0]
+            rows, cols = m.weight.shape
+            if cols not in weight.shape[1:]:
+                continue
+            at = ".".join(part for part in (parent_name, name, sub) if part)
+            if rows == n_experts:
+                found[at] = f"the router of {fqn} ({n_experts} experts)"
+            elif rows == 1:
+                found[at] = f"a one-output gate beside {fqn}"
     return found
 
 
@@ -103,6 +142,7 @@ def convert(model: nn.Module, fqns, plan: Plan) -> dict[str, ExpertsLayer]:
     """Run the experts modules `fqns` of `model` in `plan`'s recipe: each gets its ExpertsLayer, and its
     config the "mixprec" experts implementation (registered in transformers' interface here)."""
     experts.check_recipe(plan.recipe)
+    _own_configs(model, fqns)
     microscaled = isinstance(plan.recipe, MXRecipe)
     if microscaled:  # drawn and copied now, outside any compiled region (as MXLinear.from_linear)
         device = plan.device if plan.device not in ("meta",) else "cpu"
@@ -117,11 +157,29 @@ def convert(model: nn.Module, fqns, plan: Plan) -> dict[str, ExpertsLayer]:
             n_experts = getattr(m, proj).shape[0]
             # each expert's part of its stochastic-rounding keys, as an MXLinear's salt is its name's
             salts = tuple(zlib.crc32(f"{name}.{e}".encode()) for e in range(n_experts)) if microscaled else ()
-            keys.append(experts.register(ExpertsGemm(name, plan, bool(m.is_transposed), salts,
+            keys.append(experts.register(ExpertsGemm(name, plan, flag(m, "is_transposed"), salts,
                                                      experts.uses_grouped(plan))))
         m.mixprec_experts = converted[fqn] = ExpertsLayer(fqn, *keys, plan.compute_dtype)
+        m.mixprec_moves = FollowsMoves(m.mixprec_experts, getattr(m, projections(m)[1]).device)
         _select(m)
     return converted
+
+
+def _own_configs(model: nn.Module, fqns) -> None:
+    """Give `model` its own copies of the configs its experts modules `fqns` would switch: every module of
+    `model` holding one of them gets the copy (the model's `config` too, so it reads what runs), and a
+    model built from the same config object keeps the experts implementation it had."""
+    shared = {id(c): c for fqn in fqns if interface_experts(m := model.get_submodule(fqn))
+              and (c := m.config)._experts_implementation != IMPLEMENTATION}
+    if not shared:
+        return
+    memo = {}
+    copies = copy.deepcopy(list(shared.values()), memo)  # one memo: a text config inside a model's is copied once
+    new = {id(old): c for old, c in zip(shared.values(), copies)}
+    for m in model.modules():
+        held = getattr(m, "config", None)
+        if id(held) in new or id(held) in memo:
+            m.config = new.get(id(held)) or memo[id(held)]
 
 
 def _select(module: nn.Module) -> None:
@@ -142,16 +200,27 @@ def in_base_mode(model: nn.Module, fqns, dtype: torch.dtype) -> None:
     """Run the experts modules `fqns` on torch's grouped GEMM in `dtype`, their weights cast to it as
     autocast casts a Linear's (transformers' grouped_mm, which autocast does not reach, would
     compute in the weights' own dtype: FP32 master weights in FP32)."""
+    _own_configs(model, fqns)
     for fqn in fqns:
         m = model.get_submodule(fqn)
         m.mixprec_experts = ExpertsLayer(fqn, None, None, dtype)
         _select(m)
 
 
-def replan(layer: ExpertsLayer, plan: Plan) -> None:
-    """The layer's projections under `plan` (its routes chosen again for another device)."""
-    layer.up, layer.down = (experts.register(ExpertsGemm(g.name, plan, g.transposed, g.salts,
-                                                         experts.uses_grouped(plan))) for g in layer.gemms)
+class FollowsMoves(nn.Module):
+    """A narrow experts module's child that its moves reach (.to, .cuda, to_empty run every child's
+    `_apply`, as they run FP8Linear's): the layer's GEMM routes are chosen again on the new device. It
+    holds no parameter and no state_dict entry: an empty buffer says where the module is now."""
+
+    def __init__(self, layer: ExpertsLayer, device: torch.device):
+        super().__init__()
+        self.layer = layer
+        self.register_buffer("where", torch.empty(0, device=device), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self.layer.on(self.where.device.type)
+        return out
 
 
 def runs_narrow(module: nn.Module) -> bool:
@@ -176,17 +245,20 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
         return ALL_EXPERTS_FUNCTIONS[BASE](self, hidden_states, top_k_index, top_k_weights)
-    up, down = layer.projections(bool(self.is_transposed))
+    up, down = layer.projections(flag(self, "is_transposed"))
+    if top_k_weights.shape[-1] != top_k_index.shape[-1]:  # transformers before 5.2: DeepSeek-V2's (T, E) weights
+        top_k_weights = top_k_weights.gather(-1, top_k_index)
     perm, expert_ids_g, offs = experts.dispatch(top_k_index, self.num_experts)
     x = hidden_states[perm // top_k_index.shape[1]]  # (S, H)
     up_name, down_name = projections(self)
     out = up(x, getattr(self, up_name), offs)  # (S, 2I) or (S, I)
-    if self.has_bias:
+    biased = flag(self, "has_bias")
+    if biased:
         out = out + getattr(self, f"{up_name}_bias")[expert_ids_g].to(out.dtype)
-    out = self._apply_gate(out) if self.has_gate else self.act_fn(out)  # (S, I)
+    out = self._apply_gate(out) if flag(self, "has_gate") else self.act_fn(out)  # (S, I)
     out = down(out, self.down_proj, offs)  # (S, H)
-    if self.has_bias:
+    if biased:
         out = out + self.down_proj_bias[expert_ids_g].to(out.dtype)
-    if self.has_post_expert_norm:
+    if flag(self, "has_post_expert_norm"):
         out = self.post_expert_norm(out)
     return experts.combine(out, top_k_weights, perm, hidden_states.dtype)

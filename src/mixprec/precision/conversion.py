@@ -79,7 +79,7 @@ class ModuleFormats:
         if any(c.recipe.granularity is Granularity.BLOCKWISE for c in self.conversions):
             blockwise_cast.probe(device_type)
         for c in self.conversions:
-            if c.device != device_type and (device_type != "cpu" or c.device == "meta") and c.modules:
+            if c.device != device_type and (device_type != "cpu" or c.device == "meta") and (c.modules or c.experts):
                 c.move(device_type)
 
     @property
