@@ -110,3 +110,65 @@ def test_the_gpu_kernel_is_as_close_to_float64_adamw_as_the_reference_path():
     assert err_kernel < 1.5 * err_eager + 1e-7, (err_kernel, err_eager)
     assert torch.equal(m, eager_opt.state[eager]["exp_avg"]) or (m.float() - eager_opt.state[eager]["exp_avg"].float()
                                                                   ).abs().max() < 2**-7 * m.float().abs().max()
+
+
+@pytest.mark.parametrize("kwargs", [dict(moments_dtype=torch.float32), dict(states="8bit", compile=False),
+                                    dict(states="8bit", compile=False, found_inf=True)])
+def test_maximize_ascends_on_every_path_as_torch_adamw(kwargs):
+    """maximize=True on the eager paths (dense moments; 8-bit moments, whose tensors under min_size keep FP32
+    moments; a skip decided on the device): the same ascent as torch.optim.AdamW(maximize=True), bit for bit
+    where the moments are FP32, and a quantized tensor ascending too."""
+    kwargs = dict(kwargs)
+    skip = kwargs.pop("found_inf", False)
+    torch.manual_seed(0)
+    big = torch.randn(64, 512)  # 8-bit moments
+    params = [torch.randn(64, 32, requires_grad=True), big.clone().requires_grad_()]
+    ref = [p.detach().clone().requires_grad_() for p in params]
+    ours = AdamW(params, lr=1e-2, maximize=True, **kwargs)
+    theirs = torch.optim.AdamW(ref, lr=1e-2, maximize=True, foreach=False)
+    if skip:
+        ours.found_inf = torch.zeros(())
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for p, q in zip(params, ref):
+            p.grad = q.grad = torch.randn(p.shape, generator=gen)
+        ours.step()
+        theirs.step()
+    assert torch.equal(params[0], ref[0])
+    if "states" in kwargs:  # quantized moments: close to torch's, and the same direction
+        moved, want = params[1].detach() - big, ref[1].detach() - big
+        assert (torch.sign(moved) == torch.sign(want)).float().mean() > 0.99
+    else:
+        assert torch.equal(params[1], ref[1])
+
+
+def test_options_it_does_not_implement_are_refused_in_one_line():
+    for option in ("amsgrad", "capturable", "differentiable"):
+        with pytest.raises(ValueError, match=f"{option}=True is not implemented"):
+            AdamW([{"params": [torch.zeros(2, requires_grad=True)], option: True}])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["permuted", "channels_last"])
+def test_non_contiguous_weights_step_on_the_compiled_kernel_as_contiguous_ones(layout):
+    """A permuted 3-D weight and a channels_last conv weight, whose rows are no view: the compiled 8-bit step
+    moves them exactly as it moves their contiguous twins (it wrote into a reshaped copy before)."""
+    torch.manual_seed(0)
+    if layout == "permuted":
+        base = torch.randn(8, 256, 3).permute(0, 2, 1)  # (8, 3, 256), strides (768, 1, 3)
+    else:
+        base = torch.randn(8, 4, 2, 256).contiguous(memory_format=torch.channels_last)
+    assert not base.is_contiguous()
+    odd, plain = base.clone().requires_grad_(), base.contiguous().requires_grad_()
+    assert not odd.is_contiguous()
+    opts = [AdamW([p], lr=1e-2, states="8bit", compile=True) for p in (odd, plain)]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        g = torch.randn(base.shape, generator=gen)
+        for p, opt in zip((odd, plain), opts):
+            p.grad = g.clone()
+            opt.step()
+    assert (odd.detach() - base).abs().max() > 1e-3
+    assert torch.equal(odd.detach(), plain.detach())
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(opts[0].state[odd][key].contiguous(), opts[1].state[plain][key])

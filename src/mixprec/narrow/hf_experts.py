@@ -112,23 +112,38 @@ def _matrices(module: nn.Module) -> list[tuple[str, nn.Module]]:
             if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2]
 
 
+def _experts_list(module: nn.Module) -> tuple[int, set[int]] | None:
+    """(experts, their input features) of a ModuleList of two or more alike MLPs (the experts of a
+    model, or a release, outside the experts interface, each expert its own Linear layers), else None."""
+    if not isinstance(module, nn.ModuleList) or len(module) < 2 or len({type(m) for m in module}) != 1:
+        return None
+    first = _matrices(module[0])
+    return (len(module), {m.weight.shape[1] for _, m in first}) if first else None
+
+
 def routers(model: nn.Module, experts_fqns) -> dict[str, str]:
     """The routers and gates beside each experts module, by role: FQN -> what it is. A sibling of the
     experts module (or a wrapper among its siblings) whose one matrix maps the experts' input
-    features to one score per expert is its router; one to a single output, a gate."""
+    features to one score per expert is its router; one to a single output, a gate. Experts held as
+    a ModuleList of alike MLPs have theirs found the same way."""
     found = {}
+    shapes = {}  # experts FQN -> (experts, the features a router of theirs reads)
     for fqn in experts_fqns:
+        weight = next(iter(expert_weights(model.get_submodule(fqn)).values()))  # (E, N, K) or (E, K, N)
+        shapes[fqn] = weight.shape[0], set(weight.shape[1:])
+    for fqn, m in model.named_modules():
+        if fqn not in shapes and (listed := _experts_list(m)) is not None:
+            shapes[fqn] = listed
+    for fqn, (n_experts, features) in shapes.items():
         parent_name, _, own = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        weight = next(iter(expert_weights(parent.get_submodule(own)).values()))  # (E, N, K) or (E, K, N)
-        n_experts = weight.shape[0]
         for name, child in parent.named_children():
             matrices = _matrices(child) if name != own else []
             if len(matrices) != 1:  # none, or a shared expert / attention: several matrices
                 continue
             sub, m = matrices[0]
             rows, cols = m.weight.shape
-            if cols not in weight.shape[1:]:
+            if cols not in features:
                 continue
             at = ".".join(part for part in (parent_name, name, sub) if part)
             if rows == n_experts:

@@ -32,6 +32,7 @@ COMPENSATION = "kahan_compensation"  # as mixprec.optim.updates
 BLOCK = "moments_block"  # the state key of a quantized format's block size (an int)
 COMPILE_MIN_NUMEL = 2**16  # CPU tensors smaller than this step eagerly by default (AdamW._compiles)
 MOMENTS = {"exp_avg": True, "exp_avg_sq": False}  # key -> signed code
+NOT_IMPLEMENTED = ("amsgrad", "capturable", "differentiable")  # torch.optim.AdamW's options refused here
 FP32_MOMENTS = StateFormat("fp32")
 
 
@@ -79,7 +80,7 @@ class AdamW(torch.optim.Optimizer):
     arithmetic to the bit)."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, moments_dtype: torch.dtype = torch.bfloat16,
+                 weight_decay: float = 1e-2, *, maximize: bool = False, moments_dtype: torch.dtype = torch.bfloat16,
                  states: StateFormat | str | None = None, embeddings=(), compensated: bool = False,
                  convert: bool = False, compile: bool | None = None):
         if not 0.0 <= lr:
@@ -90,7 +91,7 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"Invalid beta parameters: {betas}")
         if states is None and moments_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"moments_dtype {moments_dtype}: accepted float32, bfloat16, float16")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize))
         self.states = StateFormat.of(states if states is not None else moments_dtype)
         if compensated and not self.states.quantized:
             raise ValueError("compensated updates with dense moments: mixprec.BF16Updates(optimizer, 'kahan') does "
@@ -112,6 +113,15 @@ class AdamW(torch.optim.Optimizer):
                            self.states.keeps_fp32(p.numel(), id(p) in self._embeddings))
                     if why:
                         self.kept_fp32[id(p)] = why
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, refusing the options of torch.optim.AdamW this one does not implement (a group handed
+        on from torch's AdamW carries them) rather than ignoring them."""
+        for option in NOT_IMPLEMENTED:
+            if param_group.get(option):
+                raise ValueError(f"mixprec.optim.AdamW: {option}=True is not implemented; accepted: {option}=False "
+                                 f"(implemented: lr, betas, eps, weight_decay, maximize)")
+        super().add_param_group(param_group)
 
     def format_of(self, p: torch.Tensor) -> StateFormat:
         """The format parameter p's moments are kept in."""
@@ -223,6 +233,7 @@ class AdamW(torch.optim.Optimizer):
 
     def _update(self, p, grad, state, group) -> None:
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        grad = -grad if group.get("maximize") else grad
         if state["step"].device.type != "cpu":  # stepped on the device before: keep reads off the device
             state["step"] = state["step"].cpu()
         state["step"] += 1
@@ -261,6 +272,7 @@ class AdamW(torch.optim.Optimizer):
         Bit-equal to _update on a CPU (tests/optim/test_adamw.py); costs one FP32 copy of
         the parameter and of each moment."""
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        grad = -grad if group.get("maximize") else grad
         skip = found_inf.to(p.device) != 0
         state["step"] = state["step"].to(p.device)
         state["step"] += 1 - skip.float()
@@ -301,9 +313,10 @@ class AdamW(torch.optim.Optimizer):
         for p, grad, state, scalars in zip(params, grads, states,
                                            fused_adamw.device_steps(group, states, [p.device for p in params], skip)):
             scalars = [_local(x) for x in scalars]
-            weight, g = _local(p).detach(), _local(grad)  # not a Parameter: torch.compile keeps those static
-            c = _local(state[COMPENSATION]) if COMPENSATION in state else None
-            m, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            g = _local(grad)
+            held = [_local(p).detach(), _local(state[COMPENSATION]) if COMPENSATION in state else None,
+                    _local(state["exp_avg"]), _local(state["exp_avg_sq"])]  # not a Parameter: compile keeps those static
+            weight, c, m, v = work = [_as_rows(t) for t in held]
             fmt = self.format_of(p)
             if fmt.quantized:
                 scales = _local(state["exp_avg" + SCALE]), _local(state["exp_avg_sq" + SCALE])
@@ -317,6 +330,9 @@ class AdamW(torch.optim.Optimizer):
                 self._kernel(fused_adamw.adamw_kahan_, weight.dtype)(weight, c, g, m, v, skip, *scalars)
             else:
                 self._kernel(fused_adamw.adamw_moments_, weight.dtype)(weight, g, m, v, skip, *scalars)
+            for t, written in zip(held, work):
+                if written is not t:
+                    t.copy_(written)
 
     def _kernel(self, fn, dtype: torch.dtype, **static):
         """fn with `static` keywords (`trailing`: a key only), compiled once per (function, keywords, weight dtype) with
@@ -336,6 +352,7 @@ class AdamW(torch.optim.Optimizer):
         p's local shard (a DTensor's blocks are its own rows). A low-precision weight takes
         the FP32 result rounded to nearest, or, compensated, Kahan's rule."""
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        grad = -grad if group.get("maximize") else grad
         fmt = self.format_of(p)
         skip = found_inf.to(p.device) != 0
         state["step"] = state["step"].to(p.device)
@@ -372,6 +389,19 @@ class AdamW(torch.optim.Optimizer):
             old_scales.copy_(torch.where(skip, old_scales, scales))
 
     _step_supports_amp_scaling = True  # takes found_inf and grad_scale, as torch's fused AdamW
+
+
+def _as_rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t` where its leading dimensions view as rows (the kernels write through such views), else a
+    contiguous copy for the caller to copy back: a permuted 3-D weight or a channels_last conv weight
+    reshaped to rows is a copy, and an update written there would be lost."""
+    if t is None or t.dim() < 3:  # 2-D: rows of any strides are a view already
+        return t
+    try:
+        t.view(-1, t.shape[-1])
+        return t
+    except RuntimeError:
+        return t.contiguous()
 
 
 def _with_constants(fn, **static):
