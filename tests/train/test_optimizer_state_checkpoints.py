@@ -41,3 +41,21 @@ def test_another_state_format_is_refused_in_one_line_or_converted_when_asked(tmp
     records = run_train(run, text_file, "--precision.preset", "bf16-mixed-8bit", "--precision.optimizer_states",
                         "fp8", "--training.steps", "8", "--checkpoint.convert_optimizer_states", "true")
     assert [r["step"] for r in records if "loss" in r][-1] == 8
+
+
+def test_8bit_moments_resumed_under_torch_adamw_are_refused_or_dequantized(tmp_path, text_file, capsys):
+    """The other direction: bf16-mixed keeps torch's AdamW, which would load the 8-bit codes as moments."""
+    import torch
+
+    run = tmp_path / "run"
+    run_train(run, text_file, "--precision.preset", "bf16-mixed-8bit", "--training.steps", "4")
+    saved = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (run / "checkpoint").iterdir()}
+    err = one_line_error(capsys, tiny_args(run, text_file, "--precision.preset", "bf16-mixed", "--training.steps", "8"))
+    assert "saved with 8bit (blocks of 256) moments, this run's AdamW keeps dense moments" in err
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (run / "checkpoint").iterdir()} == saved
+    records = run_train(run, text_file, "--precision.preset", "bf16-mixed", "--training.steps", "8",
+                        "--checkpoint.convert_optimizer_states", "true")
+    assert [r["step"] for r in records if "loss" in r][-1] == 8
+    state = torch.load(run / "checkpoint" / "step-8.pt", weights_only=False)["optimizer"]["state"]
+    moments = [e["exp_avg_sq"] for e in state.values()]
+    assert all(m.dtype == torch.float32 for m in moments) and max(float(m.max()) for m in moments) < 1.0

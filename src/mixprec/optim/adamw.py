@@ -68,6 +68,34 @@ def saved_format(saved: dict) -> str:
     return StateFormat.of(m.dtype).name if m.dtype in (torch.float32, torch.bfloat16, torch.float16) else str(m.dtype)
 
 
+def for_dense_optimizer(optimizer: torch.optim.Optimizer, state_dict: dict, convert: bool) -> dict:
+    """A saved optimizer state made fit for an optimizer that keeps dense moments of its own (torch's
+    AdamW: it would load 8-bit codes as moments, values up to 255, with a warning at most). Saved
+    quantized moments are refused in one line, or, `convert`, dequantized to FP32 (the optimizer's own
+    load casts them to its parameters' dtype). mixprec's AdamW checks its own (AdamW.load_state_dict)."""
+    if isinstance(optimizer, AdamW):
+        return state_dict
+    quantized = [e for e in state_dict.get("state", {}).values() if "exp_avg" + SCALE in e]
+    if not quantized:
+        return state_dict
+    if not convert:
+        raise UserError(f"optimizer state: saved with {saved_format(quantized[0])} moments, this run's "
+                        f"{type(optimizer).__name__} keeps dense moments; accepted: the saved moments "
+                        "(precision.optimizer_states), or checkpoint.convert_optimizer_states true to convert")
+    state = {}
+    for index, entry in state_dict["state"].items():
+        entry = dict(entry)
+        if "exp_avg" + SCALE in entry:
+            block = int(entry.pop(BLOCK))
+            for key, signed in MOMENTS.items():
+                codes, scales = entry[key], entry.pop(key + SCALE)
+                entry[key] = _shaped_as(codes, dequantize(_local(codes), _local(scales), block, signed), codes.shape)
+        state[index] = entry
+    logger.info("optimizer: the checkpoint's %s moments dequantized for %s (checkpoint.convert_optimizer_states)",
+                saved_format(quantized[0]), type(optimizer).__name__)
+    return {**state_dict, "state": state}
+
+
 class AdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's update with narrower moments. moments_dtype: dense moments
     (float32, bfloat16, float16); `states`, where given, a StateFormat (or its name) instead,

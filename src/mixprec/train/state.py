@@ -17,15 +17,30 @@ from __future__ import annotations
 import logging
 import math
 
-from mixprec.errors import TrainingUnstable
+from mixprec.errors import TrainingUnstable, UserError
 from mixprec.interop.checkpoint import (CheckpointManager, check_compatible, keep_optimizer_kernels,
                                         load_full_into_sharded, load_sharded, restoring)
+from mixprec.optim.adamw import AdamW, for_dense_optimizer
+from mixprec.optim.state_formats import SCALE
 from mixprec.rng import rng_state, set_rng_state
 from mixprec.stability.guard import clone_state
 
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
+
+
+def _dense_from_dcp(path, optimizer) -> None:
+    """A DCP folder of quantized moments refused for an optimizer of dense moments (DCP would copy the codes
+    into its moments as numbers): its metadata names the block scales."""
+    if isinstance(optimizer, AdamW):  # it checks its own formats (AdamW.load_state_dict)
+        return
+    from mixprec.interop.dcp_read import SafeReader
+
+    if any(key.endswith("exp_avg" + SCALE) for key in SafeReader(path).read_metadata().state_dict_metadata):
+        raise UserError(f"optimizer state: {path} holds quantized moments, this run's {type(optimizer).__name__} "
+                        "keeps dense moments; accepted: the saved moments (precision.optimizer_states); a sharded "
+                        "checkpoint's moments are not converted")
 
 
 class TrainingState:
@@ -95,7 +110,9 @@ class TrainingState:
 
     def _load_model_and_optimizer(self, state: dict) -> None:
         p = self.parts
+        convert = p.config.checkpoint.convert_optimizer_states
         if "dcp" in state:  # a torchrun run's folder
+            _dense_from_dcp(state["dcp"], p.optimizer)
             load_sharded(state["dcp"], p.model, p.optimizer)
         elif "sharded" in state:  # an in-memory snapshot of a torchrun run
             from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
@@ -107,10 +124,12 @@ class TrainingState:
             else:
                 set_state_dict(p.model, p.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         elif p.dims.sharded:  # a single file into shards
-            load_full_into_sharded(p.model, p.optimizer, state["model"], state["optimizer"])
+            load_full_into_sharded(p.model, p.optimizer, state["model"],
+                                   for_dense_optimizer(p.optimizer, state["optimizer"], convert))
         else:  # one process, or DDP: every rank loads the whole file
+            optim_sd = for_dense_optimizer(p.optimizer, state["optimizer"], convert)  # refused before anything loads
             p.policy.load_model_state_dict(p.raw_model, state["model"])
-            p.optimizer.load_state_dict(state["optimizer"])
+            p.optimizer.load_state_dict(optim_sd)
 
     def snapshot(self) -> dict:
         """Everything a rewind puts back, copied (to CPU memory, or sharded on the device)."""
