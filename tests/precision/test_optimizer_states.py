@@ -68,3 +68,18 @@ def test_the_spec_refuses_what_an_update_rule_cannot_keep_in_one_line():
     assert policy.describe()["optimizer states"] == "fp8 (blocks of 256) moments"
     assert policy.name == "fp8-rowwise+fp8-moments"
     assert Policy.from_preset("bf16-mixed", optimizer_states="8bit").name == "bf16-mixed-8bit"
+
+
+def test_a_scheduler_built_before_setup_still_drives_the_groups_after_load_state_dict():
+    m = model()
+    opt = torch.optim.AdamW(groups(m), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # on the old optimizer
+    _, new = Policy.from_preset("bf16-mixed-8bit").setup(m, opt)
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p)
+    new.step()
+    dicts = list(new.param_groups)
+    new.load_state_dict(new.state_dict())
+    assert all(a is b for a, b in zip(dicts, new.param_groups))  # the dicts the scheduler holds
+    scheduler.step()
+    assert [g["lr"] for g in new.param_groups] == [5e-4, 5e-5]

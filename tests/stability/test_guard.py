@@ -213,3 +213,18 @@ def test_a_promotion_whose_replay_still_fails_is_put_back():
     assert incident["finding"]["module"] == W2 and "promoted" not in incident
     assert loop.model.get_submodule(W2).fp8_enabled and loop.policy.promoted == {}
     assert incident["action"].startswith("skipped")  # the usual recovery: the step was not applied
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-mixed-8bit"])
+def test_training_after_a_rewind_leaves_the_snapshot_as_it_was(preset):
+    """A second rewind restores the snapshot's state, not what the steps after the first wrote into it."""
+    loop = Loop(preset, snapshot_interval=4)
+    loop.run(4)
+    saved = loop.guard._snapshot[1]["optimizer"]["state"]
+    before = {i: {k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for i, s in saved.items()}
+    loop.guard.after_step(5, float("nan"), grad_norm=float("nan"))  # rewound to step 4
+    loop.run(7, start=4)
+    assert all(torch.equal(v, saved[i][k]) for i, s in before.items() for k, v in s.items())
+    loop.guard.after_step(8, float("nan"), grad_norm=float("nan"))  # rewound to step 4 again
+    live = loop.opt.state_dict()["state"]
+    assert all(torch.equal(v, live[i][k]) for i, s in before.items() for k, v in s.items())

@@ -189,7 +189,14 @@ class AdamW(torch.optim.Optimizer):
                                 f"(precision.optimizer_states); accepted: the saved format, or "
                                 "checkpoint.convert_optimizer_states true to convert")
             saved[index] = self._converted(p, entry)
+        groups, dicts = self.param_groups, list(self.param_groups)
         super().load_state_dict({**state_dict, "state": saved})
+        # torch's load puts new group dicts in place; a scheduler built on the optimizer this one replaced
+        # (Policy.setup) holds the old ones: they take the loaded values and stay the groups
+        for kept, loaded in zip(dicts, self.param_groups):
+            kept.update(loaded)
+        groups[:] = dicts
+        self.param_groups = groups
         for index, entry in saved.items():
             p = params[index] if isinstance(index, int) and index < len(params) else None
             if p is None:

@@ -301,7 +301,9 @@ class StabilityGuard:
         counts = self.policy.counts if self.policy is not None else None  # events that happened stay counted
         if self.config.snapshot_interval:
             step, state, monitor = self._snapshot
-            self.restore(state)
+            # a copy: torch's Optimizer.load_state_dict keeps the tensors it is handed where their dtype and
+            # device fit, and the steps after the rewind would write into the snapshot a second rewind restores
+            self.restore(clone_state(state))
         else:
             step, monitor = self.restore(None)
         if monitor:
