@@ -113,3 +113,38 @@ def test_unscaled_gradients_and_state_dict_match_gradscaler():
 def test_bad_settings(fields, word):
     with pytest.raises(UserError, match=word):
         LossScaleConfig(**fields)
+
+
+def test_an_overflow_in_two_dtypes_is_one_skip_and_the_step_counts_stay():
+    """found_inf is a flag (GradScaler's protocol): gradients of two dtypes both non-finite make 1, not 2, and a
+    skipped step leaves mixprec's AdamW's step counts where they were (2 counted -1: a negative step's bias
+    correction made every weight non-finite one step later)."""
+    from mixprec.optim import AdamW
+
+    params = [torch.zeros(64, 256, requires_grad=True), torch.zeros(8, dtype=torch.float16, requires_grad=True)]
+    opt = AdamW(params, lr=1e-2, states="8bit", moments_dtype=torch.float32)
+    scaler = LossScaler("cpu", init_scale=2.0**10)
+    for p in params:
+        p.grad = torch.full_like(p, float("inf"))
+    assert scaler.scaling.unscale(opt, check_only=True).item() == 1.0
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**9
+    assert all(s["step"].item() == 0 for s in opt.state.values())
+    for p in params:
+        p.grad = torch.ones_like(p)
+    scaler.step(opt)
+    scaler.update()
+    assert all(s["step"].item() == 1 for s in opt.state.values())
+    assert all(torch.isfinite(p).all() and p.abs().sum() > 0 for p in params)
+
+
+def test_the_optimizer_kernels_count_any_nonzero_skip_as_one():
+    from mixprec.optim import fused_adamw
+
+    group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    states = [{"step": torch.tensor(3.0)}]
+    fused_adamw.device_steps(group, states, [torch.device("cpu")], torch.tensor(2.0))
+    assert states[0]["step"].item() == 3.0
+    fused_adamw.device_steps(group, states, [torch.device("cpu")], torch.tensor(0.0))
+    assert states[0]["step"].item() == 4.0

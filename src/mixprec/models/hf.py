@@ -81,9 +81,7 @@ class HFCausalLM(nn.Module):
         self.layers = decoder_layers(self.hf)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        # no key/value cache: a whole sequence at a time; on transformers 5.0-5.3 a cache built in training grew
-        # again in a checkpointed layer's recompute (other shapes than its forward saved)
-        logits = self.hf(input_ids=tokens, use_cache=False).logits
+        logits = self.hf(input_ids=tokens).logits
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

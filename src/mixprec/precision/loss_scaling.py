@@ -92,7 +92,9 @@ class LossScaling:
             for (device, _), grads in groups.items():
                 found = torch.zeros((), dtype=torch.float32, device=device)
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
-                found_inf += found.to(found_inf.device)
+                # a flag, 1 or 0, as GradScaler's: gradients of two dtypes found non-finite are one skip (a sum
+                # of 2 counted a skipped step as -1 in an optimizer's step count)
+                torch.maximum(found_inf, found.to(found_inf.device), out=found_inf)
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 # An overflow in any rank's shard skips the step on every rank, so the
                 # scale and the parameters stay identical across ranks.
