@@ -83,3 +83,25 @@ def test_a_scheduler_built_before_setup_still_drives_the_groups_after_load_state
     assert all(a is b for a, b in zip(dicts, new.param_groups))  # the dicts the scheduler holds
     scheduler.step()
     assert [g["lr"] for g in new.param_groups] == [5e-4, 5e-5]
+
+
+def test_master_weight_modes_keep_fp32_moments_where_the_log_says():
+    """bf16-master with 8-bit moments: MasterWeights swaps FP32 masters into the groups after the AdamW was
+    built; embeddings and small tensors keep FP32 moments on the masters, as logged."""
+    import dataclasses
+
+    from mixprec.optim.state_formats import StateFormat
+
+    m = model()
+    policy = Policy(dataclasses.replace(Policy.from_preset("bf16-master").spec,
+                                        optimizer_states=StateFormat("8bit")))
+    _, opt = policy.setup(m, torch.optim.AdamW(m.parameters(), lr=1e-3))
+    masters = policy.masters.named_masters(m)
+    assert masters and all(p.dtype == torch.float32 for p in masters.values())
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    policy.step(opt)
+    kept = {name for name, p in masters.items() if opt.state[p]["exp_avg"].dtype == torch.float32}
+    small = {name for name, p in masters.items() if p.numel() < 4096}
+    assert kept == small | {"tok_embeddings.weight"}, kept ^ (small | {"tok_embeddings.weight"})
+    assert {name for name, p in masters.items() if id(p) in opt.kept_fp32} == kept

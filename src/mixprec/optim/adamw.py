@@ -151,6 +151,16 @@ class AdamW(torch.optim.Optimizer):
                                  f"(implemented: lr, betas, eps, weight_decay, maximize)")
         super().add_param_group(param_group)
 
+    def replaced(self, pairs) -> None:
+        """Its records of parameters follow `pairs` of (old, new) parameter objects that another part put in
+        its groups (MasterWeights swaps in FP32 masters): which keep FP32 moments, which are embeddings."""
+        for old, new in pairs:
+            if id(old) in self.kept_fp32:
+                self.kept_fp32[id(new)] = self.kept_fp32.pop(id(old))
+            if id(old) in self._embeddings:
+                self._embeddings.discard(id(old))
+                self._embeddings.add(id(new))
+
     def format_of(self, p: torch.Tensor) -> StateFormat:
         """The format parameter p's moments are kept in."""
         return FP32_MOMENTS if id(p) in self.kept_fp32 else self.states

@@ -34,6 +34,13 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype, keep_fp32: ModuleFilte
                         p.grad = p.grad.to(target)
 
 
+def _tell(optimizer: torch.optim.Optimizer, pairs) -> None:
+    """An optimizer that keeps records per parameter object (mixprec's AdamW: which keep FP32 moments)
+    follows the swap of (old, new) parameters in its groups."""
+    if hasattr(optimizer, "replaced"):
+        optimizer.replaced(pairs)
+
+
 class MasterWeights:
     """FP32 copies of the model's non-FP32 parameters, swapped into the optimizer."""
 
@@ -47,6 +54,7 @@ class MasterWeights:
                 self.pairs.append((p, masters[p]))
         for group in optimizer.param_groups:
             group["params"] = [masters.get(p, p) for p in group["params"]]
+        _tell(optimizer, self.pairs)
 
     def named_masters(self, model: nn.Module) -> dict[str, nn.Parameter]:
         """The master copy of each of `model`'s parameters that has one, by name."""
@@ -73,6 +81,7 @@ class MasterWeights:
                 self.optimizer.state[p] = self.optimizer.state.pop(m)
         for group in self.optimizer.param_groups:
             group["params"] = [back.get(q, q) for q in group["params"]]
+        _tell(self.optimizer, [(m, p) for p, m in self.pairs])
         self.pairs = []
 
     def state_dict(self) -> list[torch.Tensor]:
