@@ -308,3 +308,28 @@ def test_bad_format_keys_are_one_line():
         StateFormat("int4")
     with pytest.raises(UserError, match="optimizer_state_block"):
         StateFormat("8bit", block_size=0)
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "fp8"])
+@pytest.mark.parametrize("shape", [(0, 300), (0, 4, 256), (0, 256)])
+def test_an_empty_shard_quantizes_to_empty_codes_and_scales(fmt, shape):
+    """A rank of FSDP2 that holds no row of a tensor: empty codes and scales, and back (it crashed: a view of
+    zero rows cannot infer its blocks)."""
+    x = torch.empty(shape)
+    codes, scales = quantize(x, fmt, 256)
+    assert codes.shape == x.shape and scales.shape == (*shape[:-1], -(-shape[-1] // 256))
+    assert dequantize(codes, scales, 256).shape == x.shape
+
+
+def test_one_dimensional_tensors_keep_fp32_moments_in_one_process_as_under_fsdp2():
+    from mixprec.optim import AdamW
+    from mixprec.optim.state_formats import StateFormat
+
+    assert "1-D" in StateFormat("8bit").keeps_fp32(8192, False, 1)
+    assert StateFormat("8bit").keeps_fp32(8192, False, 2) is None
+    bias, weight = torch.zeros(8192, requires_grad=True), torch.zeros(32, 256, requires_grad=True)
+    opt = AdamW([bias, weight], states="8bit", compile=False)
+    for p in (bias, weight):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.state[bias]["exp_avg"].dtype == torch.float32 and opt.state[weight]["exp_avg"].dtype == torch.uint8

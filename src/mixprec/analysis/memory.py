@@ -146,7 +146,7 @@ def plan(s: Setup) -> dict:
                 grads += local * 4  # the masters' FP32 gradients
             moments = p.moments  # AdamW's: a dense dtype, or 8 bits with a block scale per block_size
             if s.optimizer == "adamw" and moments.quantized:
-                per = 4 if moments.keeps_fp32(numel, id(w) in embeddings) else \
+                per = 4 if moments.keeps_fp32(numel, id(w) in embeddings, w.dim()) else \
                     moments.bytes_per_element(w.shape)
             else:
                 per = moments.dtype.itemsize if s.optimizer == "adamw" else (4 if p.master_weights else st)

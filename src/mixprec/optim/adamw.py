@@ -138,7 +138,7 @@ class AdamW(torch.optim.Optimizer):
                 for p in group["params"]:
                     last_sharded = any(getattr(pl, "dim", None) == p.dim() - 1 for pl in getattr(p, "placements", ()))
                     why = ("sharded along its last dimension (the blocks')" if last_sharded else
-                           self.states.keeps_fp32(p.numel(), id(p) in self._embeddings))
+                           self.states.keeps_fp32(p.numel(), id(p) in self._embeddings, p.dim()))
                     if why:
                         self.kept_fp32[id(p)] = why
 

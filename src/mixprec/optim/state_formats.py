@@ -121,7 +121,7 @@ def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     pad = -n % block_size
     if pad:
         rows = torch.nn.functional.pad(rows, (0, pad))
-    return rows.view(rows.shape[0], -1, block_size)
+    return rows.view(rows.shape[0], (n + pad) // block_size, block_size)  # no -1: an empty shard has 0 rows
 
 
 def aligned(x: torch.Tensor, block_size: int) -> bool:
@@ -172,7 +172,7 @@ def quantize(x: torch.Tensor, fmt: str, block_size: int, signed: bool = True,
     table = lookup_on(signed, x.device) if table is None and fmt == "8bit" else table
     q, s = quantize_blocks(_blocks(x.float(), block_size), fmt, signed, table)
     n = x.shape[-1] if x.dim() else 1
-    codes = q.reshape(q.shape[0], -1)[:, :n].reshape(x.shape)
+    codes = q.flatten(1)[:, :n].reshape(x.shape)
     return codes, s.reshape(scale_shape(x.shape, block_size))
 
 
@@ -180,10 +180,10 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, block_size: int, signe
                code: torch.Tensor | None = None) -> torch.Tensor:
     """The FP32 values of (codes, scales); `code` as quantize's."""
     code = code_on(signed, codes.device) if code is None else code
-    scales = scales.reshape(-1, scales.shape[-1] if scales.dim() else 1, 1)
+    scales = scales.flatten(0, -2).unsqueeze(-1) if scales.dim() > 1 else scales.reshape(1, -1, 1)
     blocks = _blocks(_values(codes, code), block_size) * scales  # padded as FP32 values, not as codes
     n = codes.shape[-1] if codes.dim() else 1
-    return blocks.reshape(blocks.shape[0], -1)[:, :n].reshape(codes.shape)
+    return blocks.flatten(1)[:, :n].reshape(codes.shape)
 
 
 @dataclass(frozen=True)
@@ -235,10 +235,12 @@ class StateFormat:
     def label(self) -> str:
         return f"{self.name} (blocks of {self.block_size})" if self.quantized else self.name
 
-    def keeps_fp32(self, numel: int, embedding: bool) -> str | None:
-        """Why a tensor of `numel` elements keeps FP32 moments in this format, or None."""
+    def keeps_fp32(self, numel: int, embedding: bool, dim: int = 2) -> str | None:
+        """Why a tensor of `numel` elements and `dim` dimensions keeps FP32 moments in this format, or None."""
         if not self.quantized:
             return None
+        if dim < 2:  # FSDP2 shards dimension 0, a 1-D tensor's blocks: FP32 in one process too, so that
+            return "a 1-D tensor (its blocks would span FSDP2's shards)"  # checkpoints move between the two
         if numel < self.min_size:
             return f"fewer than {self.min_size} elements"
         if embedding and not self.embeddings:
