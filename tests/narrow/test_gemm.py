@@ -185,3 +185,26 @@ def test_a_summed_dimension_off_the_16_grid_is_padded_with_zeros_exactly(layout)
     assert kernel_mm(meta(a), meta(b), torch.bfloat16, after=False).shape == (48, 64)
     with pytest.raises(RuntimeError, match="divisible by 16"):
         _meta_scaled_mm(a, b, torch.bfloat16, blockwise=False)  # unpadded: refused
+
+
+@pytest.mark.parametrize("kernel_ms, used", [(300.0, False), (1.0, True), (0.9, False)])
+def test_a_cpu_route_is_chosen_by_speed_too_and_said_with_its_figures(monkeypatch, caplog, kernel_ms, used):
+    """Where torch's CPU kernel is oneDNN's reference code (AMX CPUs: 2,028 ms against 16 ms) the emulation
+    runs; the kernel only where it is CPU_MARGIN times faster (1 ms against 1.5 ms), and either way the
+    figures are said."""
+    import logging
+
+    calls = iter([kernel_ms / 1e3, 1.5e-3])
+    monkeypatch.setattr(gemm, "_seconds", lambda run: next(calls))
+    monkeypatch.setattr(gemm, "CPU_MARGIN", 1.5 if kernel_ms != 0.9 else 2.0)
+    gemm.cpu_speed.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="mixprec"):
+            why = gemm.route_on("cpu", (0, 0), (0, 0), E4M3, E4M3, torch.bfloat16)
+    finally:
+        gemm.cpu_speed.cache_clear()
+    figures = f"{kernel_ms:.2f} ms against the emulation's 1.50 ms"
+    if used:
+        assert why is None and any(figures in r.getMessage() for r in caplog.records)
+    else:
+        assert "not" in why and "faster than the emulation" in why and figures in why and gemm.cpu_name() in why

@@ -107,7 +107,7 @@ def _plan(build_model, planned, name: str, batch, optimizer, loss_fn, mesh=None)
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from mixprec.narrow.gemm import probe
+    from mixprec.narrow.gemm import route_on
     from mixprec.narrow.microscaling import byte_values
     from mixprec.narrow.mx import MXRecipe
     from mixprec.narrow.recipe import FP8Recipe
@@ -115,7 +115,7 @@ def _plan(build_model, planned, name: str, batch, optimizer, loss_fn, mesh=None)
 
     for recipe in {f for f in planned.spec.compute_formats if isinstance(f, FP8Recipe)}:
         for _, (a_tile, b_tile), dtypes in recipe.gemms(planned.param_dtype):
-            probe("cpu", a_tile, b_tile, *dtypes)  # on real tensors now; cached for the fake model's conversion
+            route_on("cpu", a_tile, b_tile, *dtypes)  # on real tensors now; cached for the fake model's conversion
         if isinstance(recipe, MXRecipe):  # its constants (Hadamard matrix, byte tables): real, cached, read as such
             recipe.transform(torch.device("cpu"))
             byte_values(torch.device("cpu"))

@@ -9,19 +9,27 @@ row-wise), and each partial sum is multiplied by its two scales and added into a
 accumulator. For tensor- and row-wise scales that is the same as dequantising first and
 running an FP32 GEMM; tests/narrow/test_gemm.py checks both, and the kernels against it.
 
-Which route each GEMM takes is decided once per (device, layout) by `probe`: the kernel is
-run on a 512 x 512 x 512 problem and compared with the emulation; a kernel that is missing,
-refuses the layout or disagrees is not used, and the caller logs why.
+Which route each GEMM takes is decided once per (device, layout) by `route_on`: the kernel is
+run on a 512 x 512 x 512 problem and compared with the emulation (`probe`); a kernel that is
+missing, refuses the layout or disagrees is not used, and the caller logs why. On a CPU the
+kernel must also be measured faster than the emulation (`cpu_speed`): where torch's CPU FP8
+GEMM is oneDNN's reference code (CPUs with AMX, torch 2.13) a tensor-wise e4m3 GEMM of
+64 x 512 x 512 took 2,028 ms against the emulation's 16 ms.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import time
 
 import torch
 import torch.nn.functional as F
 
 from mixprec.narrow.scaling import EPS, Quantized, per_tile, quantize
+
+logger = logging.getLogger(__name__)
+CPU_MARGIN = 1.5  # on a CPU the kernel runs only where it is this many times faster than the emulation
 
 
 def emulated_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
@@ -204,3 +212,52 @@ def probe(device: str, a_tile: tuple[int, int], b_tile: tuple[int, int], a_dtype
     if not err < 1e-2:  # bfloat16 output rounding alone is about 2^-9 relative
         return f"torch's scaled GEMM disagrees with the emulation (relative error {err:.2g})"
     return None
+
+
+def cpu_name() -> str:
+    """torch's CPU capability, and AMX where the CPU has it (torch names AVX512 for both)."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return f"{torch.backends.cpu.get_cpu_capability()}{' with AMX' if amx else ''}"
+
+
+def _seconds(run) -> float:
+    """The faster of two timed runs after one untimed (first-call set-up left out)."""
+    run()
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_speed(a_tile: tuple[int, int], b_tile: tuple[int, int], a_dtype: torch.dtype, b_dtype: torch.dtype,
+              out_dtype: torch.dtype) -> str | None:
+    """None where torch's CPU scaled GEMM for this layout is CPU_MARGIN times faster than the emulation on a
+    64 x 256 x 256 problem (said once with both figures), else why the emulation runs. The margin keeps the
+    choice from turning on noise where both run at one speed: processes of one run choose alike."""
+    gen = torch.Generator().manual_seed(0)
+    a, _ = quantize(torch.randn(64, 256, generator=gen), a_dtype, a_tile)
+    b, _ = quantize(torch.randn(256, 256, generator=gen), b_dtype, b_tile)
+    try:
+        kernel = _seconds(lambda: kernel_mm(a, b, out_dtype))
+    except Exception:  # noqa: BLE001 - no kernel for the layout: `probe` says why
+        return None
+    emulated = _seconds(lambda: emulated_mm(a, b, out_dtype))
+    said = (f"{kernel * 1e3:.2f} ms against the emulation's {emulated * 1e3:.2f} ms for a 64 x 256 x 256 "
+            f"{layout(a, 'a')} {a_dtype} x {b_dtype} GEMM, {cpu_name()} CPU")
+    if kernel * CPU_MARGIN <= emulated:
+        logger.info("fp8: torch's CPU scaled GEMM runs: %s", said)
+        return None
+    return f"torch's CPU scaled GEMM is not {CPU_MARGIN}x faster than the emulation here ({said})"
+
+
+def route_on(device: str, a_tile: tuple[int, int], b_tile: tuple[int, int], a_dtype: torch.dtype,
+             b_dtype: torch.dtype, out_dtype: torch.dtype) -> str | None:
+    """None where a GEMM of this layout runs on torch's kernel on `device`: one that agrees with the emulation
+    (`probe`) and, on a CPU, is faster (`cpu_speed`, timed first: a slow kernel is not run on the large
+    problem); otherwise why it is emulated."""
+    if device == "cpu" and (slow := cpu_speed(a_tile, b_tile, a_dtype, b_dtype, out_dtype)) is not None:
+        return slow
+    return probe(device, a_tile, b_tile, a_dtype, b_dtype, out_dtype)

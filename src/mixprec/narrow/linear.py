@@ -24,7 +24,7 @@ from torch import nn
 
 from mixprec.narrow import blockwise_cast
 from mixprec.narrow.gathered import BACKWARD, FORWARD, gathered_copy
-from mixprec.narrow.gemm import probe, scaled_mm
+from mixprec.narrow.gemm import route_on, scaled_mm
 from mixprec.narrow.recipe import E4M3, FP8Recipe, Granularity, Tiles
 from mixprec.narrow.scaling import DelayedScales, Quantized, amax_to_scale, cast, quantize, resolve_tile, tile_amax
 
@@ -150,7 +150,7 @@ class FP8Linear(nn.Linear):
     @staticmethod
     def routes(recipe: FP8Recipe, device: str, compute_dtype: torch.dtype) -> dict[str, str | None]:
         """Each GEMM's route on `device`: None for torch's kernel, else why it is emulated."""
-        return {name: probe(device, a_tile, b_tile, *dtypes)
+        return {name: route_on(device, a_tile, b_tile, *dtypes)
                 for name, (a_tile, b_tile), dtypes in recipe.gemms(compute_dtype)}
 
     @classmethod

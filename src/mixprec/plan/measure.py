@@ -22,7 +22,7 @@ import time
 import torch
 from torch import nn
 
-from mixprec.narrow.gemm import probe, scaled_mm
+from mixprec.narrow.gemm import route_on, scaled_mm
 from mixprec.narrow.linear import Plan, linear_class
 from mixprec.narrow.microscaling import E2M1, ELEMENT_MAX
 from mixprec.narrow.mx import MXRecipe, mx_mm
@@ -158,7 +158,7 @@ def gemm_times(m: int, k: int, n: int, fmt, compute_dtype: torch.dtype, device: 
     calls = []
     for (name, (a_tile, b_tile), (a_dtype, b_dtype, out)), (a, b) in zip(fmt.gemms(compute_dtype),
                                                                        ((x, w.t()), (dy, w), (dy.t(), x))):
-        why = probe(device.type, a_tile, b_tile, a_dtype, b_dtype, out)
+        why = route_on(device.type, a_tile, b_tile, a_dtype, b_dtype, out)
         aq, _ = quantize(a.contiguous(), a_dtype, a_tile)
         bq, _ = quantize(b.contiguous(), b_dtype, b_tile)
         if why is not None:
