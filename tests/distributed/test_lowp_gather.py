@@ -164,3 +164,9 @@ def test_experts_why_not():
     assert "recomputes its forward" in experts_gather.why_not(gemm("rowwise"), (8, 64, 32), 2, recomputes=True,
                                                               reshards=True)
     assert experts_gather.why_not(gemm("tensorwise"), (8, 64, 32), 2, recomputes=True, reshards=True) is None
+
+
+@pytest.mark.slow
+def test_compiled_moe_blocks_take_the_narrow_gathered_experts_without_a_graph_break(runs):
+    # the blocks compiled under FSDP2 with the experts all-gathered narrow (GatheredExperts as their weights)
+    assert runs["moe fp8-rowwise compiled"]["graph_breaks"] == 0

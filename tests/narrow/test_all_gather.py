@@ -55,3 +55,52 @@ def test_the_gathered_copy_is_the_cast_of_the_weight(device, name):
     assert torch.equal(out, out_ref)
     assert torch.equal(xn.grad, xr.grad)
     assert torch.equal(narrow.weight.grad, ref.weight.grad)
+
+
+class _SquareExperts(nn.Module):
+    """Experts without a gate whose two projections have one shape (I == H): up_proj and down_proj (E, 32, 32)."""
+    mixprec_seam, has_gate, is_transposed, has_bias = True, False, False, False
+
+    def __init__(self):
+        super().__init__()
+        self.num_experts = 4
+        self.up_proj = nn.Parameter(torch.randn(4, 32, 32))
+        self.down_proj = nn.Parameter(torch.randn(4, 32, 32))
+
+
+def test_two_experts_projections_of_one_shape_keep_their_own_gathers():
+    """Each shard carries its projection's gather through FSDP2's slicing and copies (a lookup by shape gave
+    both projections one), and the gathered weight flattens and unflattens as a traceable subclass."""
+    from mixprec.narrow import experts_gather, hf_experts
+    from mixprec.narrow.experts_gather import GatheredExperts
+    from mixprec.narrow.linear import Plan
+
+    recipe = RECIPES["rowwise"]
+    model = nn.Module()
+    model.experts = _SquareExperts()
+    plan = Plan(recipe, recipe.tiles, torch.float32, (False, False, False))
+    hf_experts.convert(model, ["experts"], plan)
+    decided = experts_gather.shard(model, 2, reshards=lambda fqn: True, recomputes=lambda fqn: False)
+    assert decided == {"experts.up_proj": None, "experts.down_proj": None}
+    for name in ("up_proj", "down_proj"):
+        shard = getattr(model.experts, name)
+        assert shard._gather.name == name
+        assert shard[:2]._gather is shard._gather and shard.detach().clone()._gather is shard._gather
+    gather = model.experts.experts_gathers["down_proj"]
+    inputs, meta = gather.pre(model.experts.down_proj.detach()._tensor, _OneRank())
+    gathered, _ = gather.post(inputs, *meta[1:], torch.float32, None)
+    names, spec = gathered.__tensor_flatten__()
+    again = GatheredExperts.__tensor_unflatten__({n: getattr(gathered, n) for n in names}, spec, None, None)
+    assert again.shape == gathered.shape and torch.equal(again.expert(1)._data.view(torch.uint8),
+                                                         gathered.expert(1)._data.view(torch.uint8))
+
+
+class _OneRank:
+    def get_group(self):
+        return None
+
+    def get_local_rank(self):
+        return 0
+
+    def size(self):
+        return 1

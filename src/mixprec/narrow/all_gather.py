@@ -140,26 +140,28 @@ class NarrowShard(torch.Tensor):
     tensor (the optimizer, clipping, checkpoints: it pickles as its plain values)."""
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor):
+    def __new__(cls, tensor: torch.Tensor, gather=None):
         return torch.Tensor._make_wrapper_subclass(
             cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(), dtype=tensor.dtype,
             layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad)
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor, gather=None):
         self._tensor = tensor
+        self._gather = gather  # an experts projection's ExpertsGather (a Linear's is its module's narrow_gather)
 
     def __tensor_flatten__(self):
-        return ["_tensor"], None
+        return ["_tensor"], self._gather
 
     @staticmethod
     def __tensor_unflatten__(inner, spec, outer_size, outer_stride):
-        return NarrowShard(inner["_tensor"])
+        return NarrowShard(inner["_tensor"], spec)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        gather = next((a._gather for a in args if isinstance(a, NarrowShard)), None)
         args, kwargs = tree_map_only(NarrowShard, lambda t: t._tensor, (args, kwargs or {}))
         out = func(*args, **kwargs)
-        return tree_map_only(torch.Tensor, NarrowShard, out) if func in _KEEP else out
+        return tree_map_only(torch.Tensor, lambda t: NarrowShard(t, gather), out) if func in _KEEP else out
 
     def __reduce_ex__(self, protocol):
         return self._tensor.__reduce_ex__(protocol)
@@ -168,8 +170,8 @@ class NarrowShard(torch.Tensor):
         return f"NarrowShard({self._tensor!r})"
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        # a Linear's gather, or one of an experts module's two (by the weight's shape: mixprec.narrow.experts_gather)
-        gather = getattr(module, "narrow_gather", None) or module.experts_gathers[tuple(outer_size)]
+        # an experts projection's gather, carried by its shard (mixprec.narrow.experts_gather), or a Linear's
+        gather = self._gather or module.narrow_gather
         return gather.pre(self._tensor.to(mp_policy.param_dtype or self.dtype), mesh)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
@@ -312,8 +314,7 @@ def attach_units(model: nn.Module) -> None:
     for _, group, fsdp_param in fsdp_params(model):
         info = fsdp_param._module_info
         gather = getattr(info.module, "narrow_gather", None) if info.param_name == "weight" else None
-        gather = gather or next((g for g in getattr(info.module, "experts_gathers", {}).values()
-                                 if g.name == info.param_name), None)
+        gather = gather or getattr(info.module, "experts_gathers", {}).get(info.param_name)
         if gather is not None:
             gather.group, gather.fsdp_param = group, fsdp_param
 

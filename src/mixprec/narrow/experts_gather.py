@@ -67,6 +67,16 @@ class GatheredExperts(torch.Tensor):
     def __init__(self, data, scale, meta, how: tuple, n_experts: int, meta_shape, dtype: torch.dtype):
         self._data, self._scale, self._meta, self._how, self._meta_shape = data, scale, meta, how, meta_shape
 
+    def __tensor_flatten__(self):  # a traceable subclass: compiled code takes it as an input, no graph break
+        names = [n for n in ("_data", "_scale", "_meta") if getattr(self, n) is not None]
+        return names, (self._how, self.shape[0], self._meta_shape, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, spec, outer_size, outer_stride):
+        how, n_experts, meta_shape, dtype = spec
+        return GatheredExperts(inner["_data"], inner.get("_scale"), inner.get("_meta"), how, n_experts, meta_shape,
+                               dtype)
+
     def expert(self, e: int) -> GatheredWeight:
         meta = self._meta[e].reshape(self._meta_shape) if self._meta is not None else None
         return GatheredWeight(self._data[e], self._scale[e] if self._scale is not None else None, meta, self._how,
@@ -148,9 +158,11 @@ def shard(model: nn.Module, world: int, *, reshards, recomputes) -> dict[str, st
             why = why_not(g, tuple(p.shape), world, recomputes=recomputes(fqn), reshards=reshards(fqn))
             decided[f"{fqn}.{proj}"] = why
             if why is None:
-                setattr(m, proj, nn.Parameter(NarrowShard(p.data), requires_grad=p.requires_grad))
-                m.__dict__.setdefault("experts_gathers", {})[tuple(p.shape)] = ExpertsGather(m, proj, tuple(p.shape),
-                                                                                             g.plan.recipe)
+                # the shard carries its gather: two projections of one shape (up_proj and down_proj where
+                # I == H) are told apart
+                gather = ExpertsGather(m, proj, tuple(p.shape), g.plan.recipe)
+                setattr(m, proj, nn.Parameter(NarrowShard(p.data, gather), requires_grad=p.requires_grad))
+                m.__dict__.setdefault("experts_gathers", {})[proj] = gather
     return decided
 
 
