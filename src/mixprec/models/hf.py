@@ -81,7 +81,10 @@ class HFCausalLM(nn.Module):
         self.layers = decoder_layers(self.hf)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        logits = self.hf(input_ids=tokens).logits
+        # transformers' own rule where it checkpoints layers itself: no key/value cache (a layer recomputed in
+        # backward appended to it again on transformers 5.0 to 5.12: other shapes than its forward saved)
+        recomputes = any(getattr(layer, "mixprec_recomputes", False) for layer in self.layers)
+        logits = self.hf(input_ids=tokens, **({"use_cache": False} if recomputes else {})).logits
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
