@@ -97,7 +97,7 @@ def test_policy_setup_probes_where_the_model_computes_now(monkeypatch):
     assert probed == ["cpu"]
 
 
-def test_a_layer_that_computes_on_another_device_chooses_its_gemm_routes_there(caplog):
+def test_a_layer_that_computes_on_another_device_chooses_its_gemm_routes_there(caplog, kernel_on_cpu):
     # converted for one device (routes chosen for it), then moved: each GEMM's route is chosen
     # again where the layer computes (a model converted on the CPU and moved to a GPU runs
     # torch's kernels there; they ran the CPU's emulated routes before, only warned), said once
@@ -137,7 +137,7 @@ def test_a_layer_that_computes_on_another_device_chooses_its_gemm_routes_there(c
     assert layer.plan.emulated and layer.plan.kernels == (False, False, False)
 
 
-def test_a_model_converted_on_the_meta_device_chooses_its_routes_where_it_is_materialised():
+def test_a_model_converted_on_the_meta_device_chooses_its_routes_where_it_is_materialised(kernel_on_cpu):
     # converted on meta without a device_type, the route probe ran a kernel on meta tensors
     # ("Tensor.item() cannot be called on meta tensors"); nothing runs there, so nothing is chosen there
     from mixprec.precision import Policy

@@ -17,6 +17,11 @@ with warnings.catch_warnings():
     float8 = pytest.importorskip("torchao.float8")
 
 
+@pytest.fixture(autouse=True)
+def _kernel(kernel_on_cpu):  # torchao's Float8Linear runs torch's CPU _scaled_mm: mixprec's on the same kernel
+    pass
+
+
 def _pair(seed: int):
     torch.manual_seed(seed)
     base = nn.Sequential(nn.Linear(64, 128, bias=False), nn.ReLU(), nn.Linear(128, 64, bias=False))

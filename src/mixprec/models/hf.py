@@ -82,7 +82,7 @@ class HFCausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         # transformers' own rule where it checkpoints layers itself: no key/value cache (a layer recomputed in
-        # backward appended to it again on transformers 5.0 to 5.12: other shapes than its forward saved)
+        # backward appended to it again on transformers 5.0 to 5.8 at least: other shapes than its forward saved)
         recomputes = any(getattr(layer, "mixprec_recomputes", False) for layer in self.layers)
         logits = self.hf(input_ids=tokens, **({"use_cache": False} if recomputes else {})).logits
         if targets is None:

@@ -239,10 +239,10 @@ class StateFormat:
         """Why a tensor of `numel` elements and `dim` dimensions keeps FP32 moments in this format, or None."""
         if not self.quantized:
             return None
-        if dim < 2:  # FSDP2 shards dimension 0, a 1-D tensor's blocks: FP32 in one process too, so that
-            return "a 1-D tensor (its blocks would span FSDP2's shards)"  # checkpoints move between the two
         if numel < self.min_size:
             return f"fewer than {self.min_size} elements"
+        if dim < 2:  # FSDP2 shards dimension 0, a 1-D tensor's blocks: FP32 in one process too, so that
+            return "a 1-D tensor (its blocks would span FSDP2's shards)"  # checkpoints move between the two
         if embedding and not self.embeddings:
             return "an embedding"
         return None
