@@ -60,9 +60,9 @@ def interface_experts(module: nn.Module) -> bool:
 
 
 # a flag the decorator sets from some release on -> the layout of a module from a release before it
-_BEFORE = {"has_gate": lambda m: hasattr(m, "gate_up_proj"), "has_bias": lambda m: False,
-           "has_post_expert_norm": lambda m: False, "_is_expert_parallel": lambda m: False,
-           "is_transposed": lambda m: False}
+# (`is_transposed` and `has_bias` every release sets: read as they are)
+_BEFORE = {"has_gate": lambda m: hasattr(m, "gate_up_proj"), "has_post_expert_norm": lambda m: False,
+           "_is_expert_parallel": lambda m: False}
 
 
 def flag(module: nn.Module, name: str) -> bool:
@@ -172,7 +172,7 @@ def convert(model: nn.Module, fqns, plan: Plan) -> dict[str, ExpertsLayer]:
             n_experts = getattr(m, proj).shape[0]
             # each expert's part of its stochastic-rounding keys, as an MXLinear's salt is its name's
             salts = tuple(zlib.crc32(f"{name}.{e}".encode()) for e in range(n_experts)) if microscaled else ()
-            keys.append(experts.register(ExpertsGemm(name, plan, flag(m, "is_transposed"), salts,
+            keys.append(experts.register(ExpertsGemm(name, plan, bool(m.is_transposed), salts,
                                                      experts.uses_grouped(plan))))
         m.mixprec_experts = converted[fqn] = ExpertsLayer(fqn, *keys, plan.compute_dtype)
         m.mixprec_moves = FollowsMoves(m.mixprec_experts, getattr(m, projections(m)[1]).device)
@@ -188,13 +188,12 @@ def _own_configs(model: nn.Module, fqns) -> None:
               and (c := m.config)._experts_implementation != IMPLEMENTATION}
     if not shared:
         return
-    memo = {}
-    copies = copy.deepcopy(list(shared.values()), memo)  # one memo: a text config inside a model's is copied once
-    new = {id(old): c for old, c in zip(shared.values(), copies)}
+    memo = {}  # id(original) -> copy, for every object copied: a text config inside a model's is copied once
+    copy.deepcopy(list(shared.values()), memo)
     for m in model.modules():
         held = getattr(m, "config", None)
-        if id(held) in new or id(held) in memo:
-            m.config = new.get(id(held)) or memo[id(held)]
+        if held is not None and id(held) in memo:
+            m.config = memo[id(held)]
 
 
 def _select(module: nn.Module) -> None:
@@ -260,19 +259,18 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
         return ALL_EXPERTS_FUNCTIONS[BASE](self, hidden_states, top_k_index, top_k_weights)
-    up, down = layer.projections(flag(self, "is_transposed"))
+    up, down = layer.projections(bool(self.is_transposed))
     if top_k_weights.shape[-1] != top_k_index.shape[-1]:  # transformers before 5.2: DeepSeek-V2's (T, E) weights
         top_k_weights = top_k_weights.gather(-1, top_k_index)
     perm, expert_ids_g, offs = experts.dispatch(top_k_index, self.num_experts)
     x = hidden_states[perm // top_k_index.shape[1]]  # (S, H)
     up_name, down_name = projections(self)
     out = up(x, getattr(self, up_name), offs)  # (S, 2I) or (S, I)
-    biased = flag(self, "has_bias")
-    if biased:
+    if self.has_bias:
         out = out + getattr(self, f"{up_name}_bias")[expert_ids_g].to(out.dtype)
     out = self._apply_gate(out) if flag(self, "has_gate") else self.act_fn(out)  # (S, I)
     out = down(out, self.down_proj, offs)  # (S, H)
-    if biased:
+    if self.has_bias:
         out = out + self.down_proj_bias[expert_ids_g].to(out.dtype)
     if flag(self, "has_post_expert_norm"):
         out = self.post_expert_norm(out)

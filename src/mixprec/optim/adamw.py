@@ -68,6 +68,19 @@ def saved_format(saved: dict) -> str:
     return StateFormat.of(m.dtype).name if m.dtype in (torch.float32, torch.bfloat16, torch.float16) else str(m.dtype)
 
 
+def _dequantized(entry: dict) -> dict:
+    """One parameter's saved state with its quantized moments as FP32 (placed as their codes were); a state of
+    dense moments as it is."""
+    if "exp_avg" + SCALE not in entry:
+        return entry
+    out = dict(entry)
+    block = int(out.pop(BLOCK))
+    for key, signed in MOMENTS.items():
+        codes, scales = out[key], out.pop(key + SCALE)
+        out[key] = _shaped_as(codes, dequantize(_local(codes), _local(scales), block, signed), codes.shape)
+    return out
+
+
 def for_dense_optimizer(optimizer: torch.optim.Optimizer, state_dict: dict, convert: bool) -> dict:
     """A saved optimizer state made fit for an optimizer that keeps dense moments of its own (torch's
     AdamW: it would load 8-bit codes as moments, values up to 255, with a warning at most). Saved
@@ -82,15 +95,7 @@ def for_dense_optimizer(optimizer: torch.optim.Optimizer, state_dict: dict, conv
         raise UserError(f"optimizer state: saved with {saved_format(quantized[0])} moments, this run's "
                         f"{type(optimizer).__name__} keeps dense moments; accepted: the saved moments "
                         "(precision.optimizer_states), or checkpoint.convert_optimizer_states true to convert")
-    state = {}
-    for index, entry in state_dict["state"].items():
-        entry = dict(entry)
-        if "exp_avg" + SCALE in entry:
-            block = int(entry.pop(BLOCK))
-            for key, signed in MOMENTS.items():
-                codes, scales = entry[key], entry.pop(key + SCALE)
-                entry[key] = _shaped_as(codes, dequantize(_local(codes), _local(scales), block, signed), codes.shape)
-        state[index] = entry
+    state = {index: _dequantized(entry) for index, entry in state_dict["state"].items()}
     logger.info("optimizer: the checkpoint's %s moments dequantized for %s (checkpoint.convert_optimizer_states)",
                 saved_format(quantized[0]), type(optimizer).__name__)
     return {**state_dict, "state": state}
@@ -218,14 +223,10 @@ class AdamW(torch.optim.Optimizer):
 
     def _converted(self, p: torch.Tensor, entry: dict) -> dict:
         """`entry`'s moments dequantized to FP32 and stored in p's format here."""
-        out = dict(entry)
+        out = _dequantized(entry)
         fmt = self.format_of(p)
         for key, signed in MOMENTS.items():
-            value = entry[key]
-            if key + SCALE in entry:
-                value = dequantize(_local(value), _local(entry[key + SCALE]), int(entry[BLOCK]), signed)
-                out.pop(key + SCALE)
-            value = _local(value).float()
+            value = _local(out[key]).float()
             if fmt.quantized:
                 codes, scales = quantize(value, fmt.name, fmt.block_size, signed)
                 out[key], out[key + SCALE] = _shaped_as(p, codes, p.shape), _shaped_as(
@@ -233,7 +234,6 @@ class AdamW(torch.optim.Optimizer):
                 out[BLOCK] = fmt.block_size
             else:
                 out[key] = _shaped_as(p, value.to(fmt.dtype), p.shape)
-                out.pop(BLOCK, None)
         return out
 
     @torch.no_grad()

@@ -139,7 +139,7 @@ def device_steps(group: dict, states: list[dict], devices, skip: torch.Tensor) -
         if state["step"].device != device:
             state["step"] = state["step"].to(device)
     steps = [state["step"] for state in states]
-    taken = 1 - (skip != 0).to(steps[0].dtype) if steps else None  # any nonzero found_inf is one skip
+    taken = 1 - (skip != 0).float()  # any nonzero found_inf is one skip
     torch._foreach_add_(steps, [taken] * len(steps))  # a list: the one-tensor overload reads it on the host
     return scalars(group, torch.stack(steps))
 

@@ -84,7 +84,7 @@ def measure_experts(module: nn.Module, x, index, weights, dy, fmt, compute_dtype
     hf_experts.convert(twin, [""], Plan(fmt, fmt.tiles, compute_dtype, (False, False, False), device=x.device.type,
                                         emulated=True))
     got = _run(twin, x, index, weights, dy)
-    per_expert = [operand_shares(fmt, x.float(), w[e].T if hf_experts.flag(module, "is_transposed") else w[e], dy.float())
+    per_expert = [operand_shares(fmt, x.float(), w[e].T if module.is_transposed else w[e], dy.float())
                   for w in hf_experts.expert_weights(module).values() for e in range(w.shape[0])]
     shares = {role: max(s[role] for s in per_expert) for role in per_expert[0]}
     return figures(want, got, shares)
