@@ -80,12 +80,12 @@ def compiled_nearest_unsafe(device: torch.device) -> str | None:
     return None
 
 
-def random_bits16(n: int, key: torch.Tensor, device) -> torch.Tensor:
-    """16 random bits (int32 in [0, 2^16)) for each of elements 0..n-1: the top half of
-    lowbias32(i ^ key). int32 products wrap modulo 2^32 on every backend torch has (CPU
+def random_bits16(n, key: torch.Tensor, device) -> torch.Tensor:
+    """16 random bits (int32 in [0, 2^16)) for each of elements 0..n-1 (or for each index of an
+    int32 tensor n, its key broadcast against it): the top half of lowbias32(i ^ key). int32 products wrap modulo 2^32 on every backend torch has (CPU
     vector and scalar code, CUDA, Triton), which is unsigned arithmetic's result; right
     shifts of negative int32 fill with ones, hence the masks (logical shifts)."""
-    h = torch.arange(n, device=device, dtype=torch.int32) ^ key
+    h = (torch.arange(n, device=device, dtype=torch.int32) if isinstance(n, int) else n) ^ key
     h = (h ^ ((h >> 16) & 0xFFFF)) * MIX[0]
     h = (h ^ ((h >> 15) & 0x1FFFF)) * MIX[1]
     return (h >> 16) & 0xFFFF  # the last multiply mixes every input bit into the high half

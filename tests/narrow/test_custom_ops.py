@@ -69,6 +69,12 @@ def cases():
     out.append(pytest.param("mixprec::experts_mm_loop", (x, w, offs), id="experts_mm_loop-float32"))
     out.append(pytest.param("mixprec::experts_mm_loop_backward", (x.detach(), w.detach(), offs, values(32, 40, 4)),
                             id="experts_mm_loop_backward-float32"))
+    # the grouped experts' GEMMs: 2-D x 3-D by groups of rows, 2-D x 2-D by groups of the summed dimension,
+    # the FP8 elements riding along (K and N off the 16-byte stride rule: copied to aligned storage inside)
+    xs, ws, gs = values(32, 24), values(4 * 24, 37, 5).view(4, 24, 37), values(32, 37, 6)
+    elements = xs.to(torch.float8_e4m3fn), ws.to(torch.float8_e4m3fn)
+    out.append(pytest.param("mixprec::grouped_mm", (xs, ws, offs, *elements), id="grouped_mm-2dx3d"))
+    out.append(pytest.param("mixprec::grouped_mm", (gs.t(), xs, offs, *elements), id="grouped_mm-2dx2d"))
     return out
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.errors import UserError
-from mixprec.narrow import experts
+from mixprec.narrow import experts, experts_fp8
 from mixprec.narrow.convert import Conversion  # noqa: F401 - registers the recipes
 from mixprec.narrow.linear import Plan, linear_class
 from mixprec.narrow.recipe import RECIPES
@@ -38,12 +38,15 @@ def problem(E=4, K=48, N=80, sizes=(37, 0, 64, 19), seed=0, transposed=False):
     return x, w, offs, dy
 
 
-@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("transposed,sizes,K,N", [(False, (37, 0, 64, 19), 48, 80), (True, (37, 0, 64, 19), 48, 80),
+                                                  (False, (1, 130, 0, 33), 40, 56), (False, (0, 0, 17, 0), 24, 20)])
 @pytest.mark.parametrize("name", CURRENT)
-def test_experts_equal_each_expert_alone(name, transposed):
+def test_experts_equal_each_expert_alone(name, transposed, sizes, K, N):
+    """Every expert's outputs and gradients are its dense Linear's, alone on its tokens: empty experts,
+    one-token experts, groups past a 128-token tile and off every tile multiple, K and N off 16/32/128."""
     g = gemm(name, transposed)
     key = experts.register(g)
-    x, w, offs, dy = problem(transposed=transposed)
+    x, w, offs, dy = problem(transposed=transposed, sizes=sizes, K=K, N=N)
     out = experts.experts_mm(x, w, offs, key)
     out.backward(dy)
     bounds = [0] + offs.tolist()
@@ -60,7 +63,8 @@ def test_experts_equal_each_expert_alone(name, transposed):
         want = we.grad.t() if transposed else we.grad
         assert torch.equal(w.grad[e], want), (name, e)
     assert out.dtype == torch.bfloat16 and w.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
-    assert torch.count_nonzero(w.grad[1]) == 0  # the expert without tokens gets a zero gradient
+    for e in (e for e, n in enumerate(sizes) if n == 0):  # an expert without tokens gets a zero gradient
+        assert torch.count_nonzero(w.grad[e]) == 0
 
 
 @pytest.mark.parametrize("name,floors", [("rowwise", (23, 27, 21)), ("tensorwise", (23, 22, 21)),
@@ -80,22 +84,6 @@ def test_experts_sqnr_against_fp32(name, floors):
     ref.backward(dy.float())
     got = (sqnr(ref, out), sqnr(xr.grad, x.grad), sqnr(wr.grad, w.grad))
     assert all(s >= f for s, f in zip(got, floors)), (name, got)
-
-
-def test_block_wise_padding_is_exact(monkeypatch):
-    """Expert rows padded to whole 128-token tiles (what torch's block-wise kernel needs) change nothing:
-    zero rows raise no amax and add nothing to any sum."""
-    x, w, offs, dy = problem(K=128, N=128, sizes=(37, 130, 0, 5), seed=2)
-    g = gemm("blockwise")
-    key = experts.register(g)
-    out = experts.experts_mm(x, w, offs, key)
-    out.backward(dy)
-    grads = x.grad.clone(), w.grad.clone()
-    x.grad = w.grad = None
-    monkeypatch.setattr(experts.ExpertsGemm, "pad_to", lambda self: 128)
-    experts.experts_mm(x, w, offs, key).backward(dy)
-    assert torch.equal(x.grad, grads[0])
-    torch.testing.assert_close(w.grad, grads[1], rtol=1e-6, atol=0)  # FP32 sums over longer K: the order may move
 
 
 def test_rows_past_the_last_offset_are_zero():
@@ -180,7 +168,7 @@ def test_grouped_row_wise_route_equals_expert_by_expert(monkeypatch, transposed)
     """The grouped route casts x, dy and all the weights at once: the same operands as expert by
     expert (row-wise scales never cross a row), laid out as torch's grouped kernel reads them; with
     that kernel stood in for by torch._scaled_mm per group, the results are the loop's, bit for bit."""
-    monkeypatch.setattr(experts, "_scaled_grouped_mm", _reference_grouped)
+    monkeypatch.setattr(experts_fp8, "_scaled_grouped_mm", _reference_grouped)
     loop = gemm("rowwise", transposed)
     grouped = experts.ExpertsGemm(loop.name, loop.plan, transposed, grouped=True)
     results = []
@@ -201,7 +189,6 @@ def test_grouped_route_traced_on_meta(monkeypatch):
     offs = torch.empty(4, dtype=torch.int32, device="meta")
     out = experts.forward(x, w, offs, g)
     assert out.shape == (40, 80) and out.dtype == torch.bfloat16
-    monkeypatch.setattr(experts, "groups", lambda offs: [])  # the per-expert weight gradients read sizes on the host
     dx, dw = experts.backward(x, w, offs, torch.empty(40, 80, dtype=torch.bfloat16, device="meta"), g)
     assert dx.shape == x.shape and dx.dtype == x.dtype and dw.shape == w.shape
 
@@ -210,18 +197,18 @@ def test_routes_said_at_conversion():
     plan = gemm("rowwise").plan
     assert "not torch's grouped row-wise kernel: torch's grouped scaled GEMM runs on CUDA GPUs only" in \
         experts.describe(plan)
-    assert experts.describe(gemm("mxfp8").plan).startswith("expert by expert")
+    assert experts.describe(gemm("mxfp8").plan).startswith("the grouped emulation")
 
 
 def test_grouped_kernel_probe(monkeypatch):
     """The probe that admits torch's grouped kernel (run on CUDA at conversion), on the CPU with the kernel
     stood in for: a faithful kernel is admitted, a wrong one refused with the error."""
-    monkeypatch.setattr(experts, "_scaled_grouped_mm", _reference_grouped)
+    monkeypatch.setattr(experts_fp8, "_scaled_grouped_mm", _reference_grouped)
     experts._probe_grouped.cache_clear()
     assert experts._probe_grouped("cpu") is None
-    monkeypatch.setattr(experts, "_scaled_grouped_mm", lambda *args: _reference_grouped(*args) * 1.1)
+    monkeypatch.setattr(experts_fp8, "_scaled_grouped_mm", lambda *args: _reference_grouped(*args) * 1.1)
     experts._probe_grouped.cache_clear()
-    assert "disagrees with expert by expert (0.1)" in experts._probe_grouped("cpu")
+    assert "disagrees with the grouped emulation (0.1)" in experts._probe_grouped("cpu")
     experts._probe_grouped.cache_clear()
 
 

@@ -27,6 +27,7 @@ aten = torch.ops.aten
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 MX_MM = torch.ops.mixprec.mx_mm.default  # registered by mixprec.narrow.mx
 MX_QUANTIZE = torch.ops.mixprec.mx_quantize.default
+GROUPED_MM = torch.ops.mixprec.grouped_mm.default  # registered by mixprec.narrow.experts_fp8: grouped experts
 BLOCKWISE_MM = torch.ops.mixprec.blockwise_scaled_mm.default  # registered by mixprec.narrow.gemm
 NARROW = ("float8", "e2m1")  # how the report names a GEMM's element format
 _VIEWS = {aten.slice.Tensor, aten.t.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default,
@@ -74,7 +75,7 @@ class FP8Tracker:
         self.experts: set[str] = set()
         self.experts_forward: dict[str, set[str]] = defaultdict(set)
         self.experts_backward: dict[str, set[tuple]] = defaultdict(set)
-        self.expert_passes: dict[str, int] = defaultdict(int)  # expert slices with tokens through each backward
+        self.expert_passes: dict[str, int] = defaultdict(int)  # backward passes of each experts projection
         self.expert_tokens: dict[str, torch.Tensor] = {}  # experts module -> rows each expert received in forward
 
     @property
@@ -115,6 +116,9 @@ class FP8Tracker:
         if func is MX_MM:  # a microscaled GEMM: one operator on the two operands' elements
             sources = [(args[0].dtype, next(self._serials)), (args[5].dtype, next(self._serials))]
             return self._record(sources, backward)
+        if func is GROUPED_MM:  # a grouped experts GEMM: the operands' elements ride along
+            return self._record([(args[3].dtype, next(self._serials)), (args[4].dtype, next(self._serials))],
+                                backward)
         # torch's scaled GEMMs, and mixprec's block-wise one: an operator whose insides (F.scaled_mm) a dispatch
         # mode does not see, so it is recognised by itself (on CUDA the audit missed every block-wise kernel GEMM)
         scaled = getattr(func, "__name__", "").startswith("_scaled_mm") or func is BLOCKWISE_MM

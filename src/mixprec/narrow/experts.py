@@ -29,32 +29,32 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from mixprec.errors import UserError
+from mixprec.narrow import experts_fp8, experts_mx
 from mixprec.narrow.linear import Plan, linear_class, replan
-from mixprec.narrow.recipe import E4M3, Granularity
-from mixprec.narrow.scaling import quantize
-
-
-class Saved:
-    """What an autograd Function's ctx holds: the dense Function's `cast` and `backward` run on it directly."""
-
-    def save_for_backward(self, *tensors) -> None:
-        self.saved_tensors = tensors
+from mixprec.narrow.recipe import Granularity
 
 
 @dataclass(frozen=True)
 class ExpertsGemm:
     """One projection of an experts layer (gate_up_proj, down_proj), fixed at conversion."""
     name: str  # the parameter's FQN, as the log and the audit name it
-    plan: Plan  # the dense Linear's plan: recipe, tiles, compute dtype, kernel routes
+    plan: Plan  # the dense Linear's plan: recipe, tiles, compute dtype; its kernels the grouped route's (below)
     transposed: bool  # weight (E, K, N) (gpt-oss) rather than (E, N, K) (nn.Linear's per expert)
     salts: tuple[int, ...] = ()  # each expert's part of its stochastic-rounding keys (microscaled recipes)
-    grouped: bool = False  # row-wise: forward and input gradient on torch's grouped row-wise kernel (`grouped_route`)
+    grouped: bool = False  # forward and input gradient on torch's grouped row-wise kernel (`grouped_route`)
+
+    def __post_init__(self):
+        # the grouped GEMMs are torch's grouped row-wise kernel (forward and input gradient, where `grouped`)
+        # or the grouped emulation: the plan says so, and a dense Linear under it is each expert's reference
+        kernels = (self.grouped, self.grouped, False)
+        if self.plan.kernels != kernels:
+            object.__setattr__(self, "plan", replace(self.plan, kernels=kernels))
 
     @property
     def matmul(self) -> type:
@@ -64,9 +64,10 @@ class ExpertsGemm:
         """What the dense matmul takes besides the plan: the microscaled recipes' salt; None for current scaling."""
         return self.salts[e] if self.salts else None
 
-    def pad_to(self) -> int:
-        """Rows per expert a backward needs whole: 128 where a block-wise GEMM runs torch's kernel."""
-        return self.plan.recipe.block if self.plan.blockwise and any(self.plan.kernels) else 1
+    @property
+    def passes(self):
+        """The module computing this projection's passes: mixprec.narrow.experts_fp8 or experts_mx."""
+        return experts_mx if self.plan.recipe.granularity is Granularity.MICROSCALED else experts_fp8
 
 
 _GEMMS: list[ExpertsGemm] = []  # the operators take an index into this registry (an operator takes no plan object)
@@ -93,14 +94,9 @@ def check_recipe(recipe) -> None:
 
 
 def groups(offs: torch.Tensor) -> list[tuple[int, int]]:
-    """Each expert's (start, end) rows, read on the host."""
+    """Each expert's (start, end) rows, read on the host (the base mode's loop outside bfloat16, and tests)."""
     ends = offs.tolist()
     return list(zip([0] + ends[:-1], ends))
-
-
-def _pad(t: torch.Tensor, multiple: int) -> torch.Tensor:
-    pad = -t.shape[0] % multiple
-    return F.pad(t, (0, 0, 0, pad)) if pad else t
 
 
 def _no_autocast(device: torch.device):
@@ -108,15 +104,14 @@ def _no_autocast(device: torch.device):
     return torch.autocast(device.type, enabled=False) if device.type in ("cpu", "cuda") else contextlib.nullcontext()
 
 
-# ---- the grouped row-wise route (CUDA, SM90 and SM100) --------------------------------------------------------
-# Row-wise scales run along the dimension a GEMM sums over: a token's row of x or dy is scaled
-# alone whatever expert it goes to, and each expert's weight per output (or input) column; so
-# the whole x (S, K) is cast at once and every expert's weight in one pass, the same operands
-# as expert by expert, and torch's grouped kernel multiplies them group by group. The weight
-# gradient sums over each expert's tokens (its scales along them, per expert): expert by expert.
+# ---- the grouped row-wise kernel (CUDA, SM90 and SM100) -------------------------------------------------------
+# Row-wise scales run along the dimension a GEMM sums over, and tensor-wise ones are one scale per
+# expert held per row: the forward's and the input gradient's operands are scaled per row of a and
+# per expert and column of b, as torch's grouped row-wise kernel takes them. The weight gradient,
+# whose scales run along each expert's tokens, runs on the grouped emulation.
 def grouped_route(device: str, compute_dtype: torch.dtype) -> str | None:
     """None where the row-wise experts' forward and input-gradient GEMMs run on torch's grouped
-    row-wise kernel; otherwise why they run expert by expert."""
+    row-wise kernel; otherwise why they run on the grouped emulation."""
     if device != "cuda":
         return "torch's grouped scaled GEMM runs on CUDA GPUs only"
     if compute_dtype != torch.bfloat16:
@@ -130,68 +125,45 @@ def grouped_route(device: str, compute_dtype: torch.dtype) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _probe_grouped(device: str) -> str | None:
-    """The grouped forward against expert by expert on a 4-expert problem with an empty and an odd group:
-    None when they agree within bfloat16 rounding, else why the kernel is not used."""
+    """The grouped kernel's forward against the grouped emulation on a 4-expert problem with an empty and
+    an odd group: None when they agree within bfloat16 rounding, else why the kernel is not used."""
     from mixprec.narrow.recipe import RECIPES
 
     recipe = RECIPES["rowwise"]
-    routes = linear_class(recipe).routes(recipe, device, torch.bfloat16)
-    plan = Plan(recipe, recipe.tiles, torch.bfloat16, tuple(why is None for why in routes.values()), device=device)
+    plan = Plan(recipe, recipe.tiles, torch.bfloat16, (True, True, False), device=device)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(112, 128, generator=gen).to(device, torch.bfloat16)
     w = torch.randn(4, 256, 128, generator=gen).to(device)
     offs = torch.tensor([48, 48, 95, 112], dtype=torch.int32, device=device)
     try:
         got = forward(x, w, offs, ExpertsGemm("probe", plan, False, grouped=True)).float()
-    except Exception as e:  # noqa: BLE001 - whatever the kernel raises, experts run expert by expert and say why
+    except Exception as e:  # noqa: BLE001 - whatever the kernel raises, the experts run emulated and say why
         return f"torch's grouped row-wise kernel refused the layout ({str(e).splitlines()[0][:160]})"
     want = forward(x, w, offs, ExpertsGemm("probe", plan, False)).float()
     err = float((got - want).norm() / want.norm())
-    return None if err < 1e-2 else f"torch's grouped row-wise kernel disagrees with expert by expert ({err:.2g})"
+    return None if err < 1e-2 else f"torch's grouped row-wise kernel disagrees with the grouped emulation ({err:.2g})"
 
 
 def uses_grouped(plan: Plan) -> bool:
     """Whether experts under `plan` run their forward and input gradient on the grouped row-wise kernel."""
-    return (plan.recipe.granularity is Granularity.ROWWISE and plan.kernels[0] and not plan.emulated
-            and grouped_route(plan.device, plan.compute_dtype) is None)
+    return (plan.recipe.granularity in (Granularity.ROWWISE, Granularity.TENSORWISE) and plan.kernels[0]
+            and not plan.emulated and grouped_route(plan.device, plan.compute_dtype) is None)
 
 
 def describe(plan: Plan) -> str:
     """How experts under `plan` run their GEMMs, for the conversion's log line."""
-    loop = ("expert by expert, each GEMM as the Linear layers' (one device-to-host read of the group sizes per "
-            "projection and pass)")
+    casts = "every expert's casts in one pass over the stacked tensors, no host read"
     if uses_grouped(plan):
-        return ("forward and input gradient on torch's grouped row-wise kernel (torch._scaled_grouped_mm), the "
-                f"weight gradient {loop}")
-    if plan.recipe.granularity is Granularity.ROWWISE:
-        why = "fp8.emulate = true" if plan.emulated else grouped_route(plan.device, plan.compute_dtype)
-        return f"{loop}; not torch's grouped row-wise kernel: {why}"
-    return loop
-
-
-def _valid_rows(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """out with the rows past offs[-1] zeroed (the grouped kernel leaves them as they were), on the device."""
-    rows = torch.arange(out.shape[0], device=out.device) < offs[-1]
-    return torch.where(rows[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
-
-
-def _rows(t: torch.Tensor, dtype: torch.dtype, pow2: bool):
-    """t (R, C), each row scaled along its length."""
-    return quantize(t, dtype, (1, 0), power_of_2=pow2)[0]
-
-
-def _scaled_grouped_mm(a, b, scale_a, scale_b, offs):
-    """torch's grouped row-wise GEMM (its meta function states the layout: a row-major, b (E, K, N)
-    column-major, scale_a (S,), scale_b (E, N)); a test stands a reference in for it on the CPU."""
-    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
-
-
-def _grouped(a, b, n_experts: int, offs: torch.Tensor) -> torch.Tensor:
-    """a (S, K) row-wise @ each expert's b rows (E * N, K, row-wise along K) -> (S, N)."""
-    K = a.data.shape[1]
-    N = b.data.shape[0] // n_experts
-    mat_b = b.data.view(n_experts, N, K).transpose(1, 2)  # (E, K, N), column-major as the kernel reads it
-    return _scaled_grouped_mm(a.data, mat_b, a.scale_inv.reshape(-1), b.scale_inv.reshape(n_experts, N), offs)
+        return (f"forward and input gradient on torch's grouped row-wise kernel (torch._scaled_grouped_mm), the "
+                f"weight gradient on the grouped emulation; {casts}")
+    why = ""
+    if plan.recipe.granularity in (Granularity.ROWWISE, Granularity.TENSORWISE):
+        why = "; not torch's grouped row-wise kernel: " + (
+            "fp8.emulate = true" if plan.emulated else grouped_route(plan.device, plan.compute_dtype) or
+            "the recipe's dense kernel is not used on this device")
+    elif plan.recipe.granularity is Granularity.BLOCKWISE:
+        why = "; torch has no grouped block-wise scaled GEMM"
+    return f"the grouped emulation (each GEMM one torch grouped GEMM on the dequantised elements); {casts}{why}"
 
 
 def _by_output(weight: torch.Tensor, g: ExpertsGemm) -> torch.Tensor:
@@ -200,48 +172,17 @@ def _by_output(weight: torch.Tensor, g: ExpertsGemm) -> torch.Tensor:
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, g: ExpertsGemm) -> torch.Tensor:
-    """(S, K) -> (S, N) in the plan's compute dtype, each expert through the dense matmul's `cast` and `gemm`."""
-    if g.grouped:
-        r, E = g.plan.recipe, weight.shape[0]
-        w = _by_output(weight, g)
-        with _no_autocast(x.device):
-            return _valid_rows(_grouped(_rows(x, E4M3, r.power_of_2_scales),
-                                        _rows(w.reshape(-1, w.shape[2]), E4M3, r.power_of_2_scales), E, offs), offs)
-    w = _by_output(weight, g)
-    out = x.new_zeros(x.shape[0], w.shape[1], dtype=g.plan.compute_dtype)
+    """(S, K) -> (S, N) in the plan's compute dtype: every expert as its dense Linear, in grouped passes."""
     with _no_autocast(x.device):
-        for e, (start, end) in enumerate(groups(offs)):
-            if end > start:
-                xq, wq = g.matmul.cast(Saved(), x[start:end], w[e].contiguous(), g.plan, g.state(e))
-                out[start:end] = g.matmul.gemm(xq, wq, g.plan)
-    return out
+        return g.passes.forward(x, _by_output(weight, g), offs, g)
 
 
 def backward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, dy: torch.Tensor,
              g: ExpertsGemm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx (S, K) in x's dtype, dW in the weight's layout and dtype), each expert through the dense backward."""
-    dy = dy.contiguous()
-    dx, dw = torch.zeros_like(x), torch.zeros_like(weight)
-    w, dw_by_output = _by_output(weight, g), _by_output(dw, g)
-    multiple = g.pad_to()
+    """(dx (S, K) in x's dtype, dW in the weight's layout and dtype): every expert's dense backward, grouped."""
     with _no_autocast(x.device):
-        if g.grouped:  # dy along N per token, each expert's weight along N per input column
-            r, E = g.plan.recipe, weight.shape[0]
-            wt = w.transpose(1, 2)  # (E, K, N)
-            dx = _valid_rows(_grouped(_rows(dy, r.grad_dtype, r.power_of_2_scales),
-                                      _rows(wt.reshape(-1, wt.shape[2]), E4M3, r.power_of_2_scales), E, offs),
-                             offs).to(x.dtype)
-        for e, (start, end) in enumerate(groups(offs)):
-            if end == start:
-                continue
-            ctx = Saved()
-            g.matmul.cast(ctx, _pad(x[start:end], multiple), w[e].contiguous(), g.plan, g.state(e))
-            if g.grouped:
-                dw_by_output[e] = g.matmul.wgrad(ctx, dy[start:end], ctx.saved_tensors[:3])
-            else:
-                dx_e, dw_by_output[e] = g.matmul.backward(ctx, _pad(dy[start:end], multiple))[:2]
-                dx[start:end] = dx_e[:end - start]
-    return dx, dw
+        dx, dw = g.passes.backward(x, _by_output(weight, g), offs, dy.contiguous(), g)
+    return dx, (dw.transpose(1, 2) if g.transposed else dw)
 
 
 @torch.library.custom_op("mixprec::experts_mm", mutates_args=())

@@ -213,14 +213,18 @@ _BYTE_VALUES = _byte_values()
 _BYTE_VALUES_ON: dict[str, torch.Tensor] = {"cpu": _BYTE_VALUES}  # device -> the table there
 
 
-def _to_elements(v: torch.Tensor, dtype: torch.dtype, key: torch.Tensor | None = None) -> torch.Tensor:
+def _to_elements(v: torch.Tensor, dtype: torch.dtype, key=None) -> torch.Tensor:
     """Scaled FP32 values, saturated, in the element format (clamp keeps NaN), e2m1 as packed
     bytes (uint8); with `key` (FP4 only), stochastically rounded with random_bits16's bits for
-    that key."""
+    that key: a 0-dim key for elements 0..n-1 of v, or (index, key) tensors giving each element
+    of v its own (a stack of tensors cast as one: mixprec.narrow.experts_mx)."""
     limit = ELEMENT_MAX[dtype]
     v = v.clamp(-limit, limit)
     if dtype == E2M1:
-        bits = None if key is None else random_bits16(v.numel(), key, v.device)
+        if isinstance(key, tuple):
+            bits = random_bits16(key[0], key[1], v.device)
+        else:
+            bits = None if key is None else random_bits16(v.numel(), key, v.device)
         return pack(round_e2m1(v, bits))
     return v.to(dtype)
 

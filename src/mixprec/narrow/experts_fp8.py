@@ -1,0 +1,193 @@
+"""Grouped experts in the FP8 recipes (tensor-, row- and block-wise): every expert's casts in
+one pass over the stacked tensors, every GEMM one grouped GEMM, the group offsets on the device.
+
+    x (S, K) sorted by expert, W (E, N, K) each expert's weight as an nn.Linear holds it
+    y  = x @ W_e^T         a: x by token (tensor-wise: by expert)    b: W_e as the Linear's
+    dx = dy @ W_e          a: dy likewise                             b: W_e as the Linear's dgrad
+    dW_e = dy_e^T @ x_e    both along each expert's tokens
+
+Each scale is the dense Linear's rule applied to one expert's slice: tensor-wise, the expert's
+amax (a scale per row, the same for every row of an expert: torch's grouped row-wise kernel
+serves it as it serves row-wise); row-wise, per token along K or N, per expert and column along
+the tokens; block-wise, 1x128 tiles per token, 128x128 blocks per expert, 128-token tiles
+counted from each expert's first row. The emulated GEMM is the dense one's
+(mixprec.narrow.gemm.emulated_mm: FP8 products summed in FP32 over a K tile, times the two
+scales) with each mm a grouped mm: torch's CPU grouped GEMM is a loop of mm over the groups,
+so every expert's output and gradients equal its Linear run alone, bit for bit
+(tests/narrow/test_experts.py). The block-wise weight gradient sums 128-token tiles: each
+tile is a group of one grouped GEMM, and the scaled partial sums are added into their
+expert's in order (index_add_, sequential on the CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec.narrow.recipe import E4M3, Granularity
+from mixprec.narrow.scaling import Quantized, amax_to_scale, cast, quantize
+from mixprec.narrow.segments import Segments, pad_to, segment_amax
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy whose strides are multiples of 16 bytes (torch's grouped GEMMs refuse others), same values."""
+    size = t.element_size()
+    if all((s * size) % 16 == 0 for s, n in zip(t.stride(), t.shape) if s != 1 and n > 1):
+        return t
+    C = t.shape[-1]
+    buf = t.new_zeros(*t.shape[:-1], -(-C * size // 16) * 16 // size)
+    buf[..., :C] = t
+    return buf[..., :C]
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, a_elements: torch.Tensor,
+               b_elements: torch.Tensor) -> torch.Tensor:
+    """torch's grouped GEMM on exact operands, FP32 out: a (S, K) @ b (E, K, N) -> (S, N) by groups of
+    rows, or a (N, S) @ b (S, K) -> (E, N, K) by groups of the summed dimension; rows past offs[-1] of a
+    2-D x 3-D result are zero. a and b are the narrow elements a_elements and b_elements widened or
+    dequantised: they ride along so that `mixprec audit` reads each grouped GEMM's formats at the
+    dispatcher (one operator, mixprec::grouped_mm, as a microscaled Linear's mixprec::mx_mm)."""
+    return torch.ops.mixprec.grouped_mm(a, b, offs, a_elements, b_elements)
+
+
+@torch.library.custom_op("mixprec::grouped_mm", mutates_args=())
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, a_elements: torch.Tensor,
+                b_elements: torch.Tensor) -> torch.Tensor:
+    # On the CPU in FP32: a loop of mm over the groups, each group's sum the dense GEMM's. Elsewhere
+    # torch's grouped GEMM takes and writes bfloat16 only (its CUDA kernel and meta function): the
+    # operands are exact in bfloat16, and each group's FP32 sum is rounded to bfloat16 once before
+    # the scales (as torchao's MoE training writes its grouped GEMMs).
+    dtype = torch.float32 if a.device.type == "cpu" else torch.bfloat16
+    out = torch._grouped_mm(_aligned(a.to(dtype)), _aligned(b.to(dtype)), offs=offs).float().contiguous()
+    return valid_rows(out, offs) if b.dim() == 3 else out
+
+
+@_grouped_mm.register_fake
+def _(a, b, offs, a_elements, b_elements):
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[2], dtype=torch.float32)
+    return a.new_empty(offs.shape[0], a.shape[0], b.shape[1], dtype=torch.float32)
+
+
+# ---- the casts ------------------------------------------------------------------------------
+def cast_tokens(t: torch.Tensor, seg: Segments, tile: tuple[int, int], dtype, pow2: bool):
+    """t (S, C) cast along C: per token in (1, c) tiles (row- and block-wise), or with one scale per
+    expert (tensor-wise, tile (0, 0)) held as a scale per row. Returns it and, tensor-wise, each
+    expert's inverse scale (E + 1,) (the weight gradient's), else None."""
+    if tile[0] == 1:
+        return quantize(t, dtype, tile, power_of_2=pow2)[0], None
+    scale = amax_to_scale(seg.amax(t).amax(dim=1), dtype, pow2)  # (E + 1,)
+    return cast(t, seg.per_row(scale)[:, None], (1, t.shape[1]), dtype), scale.reciprocal()
+
+
+def cast_along_tokens(t: torch.Tensor, seg: Segments, rows: int, dtype, pow2: bool):
+    """t (S, C) cast along the tokens for a weight-gradient GEMM: one scale per column over each
+    expert's tokens (rows 0) or over each `rows`-token tile of an expert (`Segments.tiles`).
+    Returns the FP8 data (S, C) and the inverse scales (groups, C), groups indexed as the tiles or experts."""
+    group, n = (seg.tiles(rows)[0], seg.rows // rows + seg.n + 1) if rows else (seg.ids, seg.n + 1)
+    scale = amax_to_scale(segment_amax(t.abs().float(), group, n), dtype, pow2)  # (groups, C)
+    return cast(t, scale[group], (1, 1), dtype).data, scale.reciprocal()
+
+
+def cast_stacked(w: torch.Tensor, tile: tuple[int, int], dtype, pow2: bool) -> Quantized:
+    """w (E, R, C) cast per expert in tiles of (tr, tc) (0: the whole dimension): data (E, R, C), scale_inv
+    (E, ceil(R/tr), ceil(C/tc)). Each expert's rows are padded with zeros to whole tiles, so no tile spans two."""
+    E, R, C = w.shape
+    tr, tc = tile[0] or R, tile[1] or C
+    q, _ = quantize(pad_to(w, tr, dim=1).reshape(-1, C), dtype, (tr, tc), power_of_2=pow2)
+    data = q.data.view(E, -1, C)[:, :R]
+    return Quantized(data, q.scale_inv.view(E, -1, q.scale_inv.shape[1]), (tr, tc))
+
+
+def transposed(q: Quantized) -> Quantized:
+    """A stacked (E, R, C) tensor as (E, C, R)."""
+    return Quantized(q.data.transpose(1, 2), q.scale_inv.transpose(1, 2), q.tile[::-1])
+
+
+# ---- the GEMMs ------------------------------------------------------------------------------
+def valid_rows(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """out with the rows past offs[-1] zeroed (a grouped GEMM leaves them undefined), on the device."""
+    rows = torch.arange(out.shape[0], device=out.device) < offs[-1]
+    return torch.where(rows[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def _scaled_grouped_mm(a, b, scale_a, scale_b, offs):
+    """torch's grouped row-wise GEMM (its meta function states the layout: a row-major, b (E, K, N)
+    column-major, scale_a (S,), scale_b (E, N)); a test stands a reference in for it on the CPU."""
+    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
+
+
+def mm(a: Quantized, b: Quantized, seg: Segments, out_dtype: torch.dtype, kernel: bool) -> torch.Tensor:
+    """a (S, K) @ b_e (K, N) for each expert's rows -> (S, N), b stacked (E, K, N); a scaled per token
+    (or per expert as per token) and K tile, b per expert, K tile and column tile. On torch's grouped
+    row-wise kernel where `kernel` (scales one per row of a and per expert and column of b), else
+    emulated as mixprec.narrow.gemm.emulated_mm, each mm a grouped mm."""
+    (S, K), N = a.data.shape, b.data.shape[2]
+    E, kt, nt = b.scale_inv.shape
+    if kernel and a.data.dtype == E4M3:  # the kernel takes e4m3 only: tensor-wise's e5m2 gradients are emulated
+        sb = b.scale_inv.reshape(E, nt).expand(E, N) if nt == 1 else b.scale_inv.reshape(E, N)
+        column_major = b.data.transpose(1, 2).contiguous().transpose(1, 2)
+        out = _scaled_grouped_mm(a.data.contiguous(), column_major, a.scale_inv.reshape(-1).contiguous(),
+                                 sb.contiguous(), seg.offs)
+        return valid_rows(out, seg.offs).to(out_dtype)
+    kb = min(a.tile[1], b.tile[0])  # K elements per partial sum
+    a32, b32 = a.data.float(), b.data.float()
+    sb_rows = seg.per_row(torch.cat([b.scale_inv, b.scale_inv.new_ones(1, kt, nt)]))  # (S, kt, nt)
+
+    def scaled(partial, ka, kb_):  # times a's scales of K tile ka, then b's of K tile kb_ (per column tile)
+        return partial * a.scale_inv[:, ka:ka + 1] * sb_rows[:, kb_].repeat_interleave(b.tile[1], dim=1)[:, :N]
+
+    if kb >= K:
+        out = scaled(grouped_mm(a32, b32, seg.offs, a.data, b.data), 0, 0)
+    else:
+        out = torch.zeros(S, N, device=a.data.device)
+        for k in range(0, K, kb):  # one partial sum per K tile, promoted into the FP32 accumulator
+            partial = grouped_mm(a32[:, k:k + kb], b32[:, k:k + kb], seg.offs, a.data, b.data)
+            out += scaled(partial, k // a.tile[1], k // b.tile[0])
+    return valid_rows(out, seg.offs).to(out_dtype)
+
+
+def wgrad_mm(g_data, g_inv, x_data, x_inv, seg: Segments, rows: int) -> torch.Tensor:
+    """Each expert's dy_e^T (N, M_e) @ x_e (M_e, K) in FP32 -> (E, N, K): the FP8 products summed over
+    the expert's tokens (rows 0) or over each `rows`-token tile, each sum times the tiles' scales
+    (g_inv, x_inv (groups, N) and (groups, K)), the tiles' sums added in order."""
+    g32, x32 = g_data.float(), x_data.float()
+    if not rows:
+        out = grouped_mm(g32.t(), x32, seg.offs, g_data, x_data)  # (E, N, K)
+        return out * g_inv[:seg.n, :, None] * x_inv[:seg.n, None, :]
+    _, expert_of_tile, ends = seg.tiles(rows)
+    T = ends.shape[0]
+    partial = grouped_mm(g32.t(), x32, ends, g_data, x_data) * g_inv[:T, :, None] * x_inv[:T, None, :]  # (T, N, K)
+    out = partial.new_zeros(seg.n + 1, *partial.shape[1:])
+    return out.index_add_(0, expert_of_tile[:T], partial)[:seg.n]
+
+
+# ---- a projection's passes ------------------------------------------------------------------
+def forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, g) -> torch.Tensor:
+    """x (S, K) @ each expert's W_e^T, w (E, N, K), under the projection `g` (mixprec.narrow.experts.ExpertsGemm):
+    (S, N) in the plan's compute dtype."""
+    plan = g.plan
+    r, t = plan.recipe, plan.tiles
+    seg = Segments(offs, x.shape[0])
+    xq, _ = cast_tokens(x, seg, t.x, E4M3, r.power_of_2_scales)
+    wq = cast_stacked(w, t.w, E4M3, r.power_of_2_scales)
+    return mm(xq, transposed(wq), seg, plan.compute_dtype, g.grouped)
+
+
+def backward(x, w, offs, dy, g) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx (S, K) in x's dtype, dW (E, N, K) in w's dtype): the dense Linear's backward for each expert."""
+    plan = g.plan
+    r, t = plan.recipe, plan.tiles
+    pow2 = r.power_of_2_scales
+    seg = Segments(offs, x.shape[0])
+    xq, x_inv = cast_tokens(x, seg, t.x, E4M3, pow2)  # the forward's cast again (deterministic)
+    gq, g_inv = cast_tokens(dy, seg, t.g, r.grad_dtype, pow2)
+    wq_d = cast_stacked(w, t.w_dgrad or t.w, E4M3, pow2)  # (E, N, K): summed over N
+    dx = mm(gq, wq_d, seg, plan.compute_dtype, g.grouped).to(x.dtype)
+    if t.g_wgrad:  # scaled along the tokens: row-wise per expert, block-wise per 128-token tile
+        rows = t.g_wgrad[0]
+        g_data, g_inv = cast_along_tokens(dy, seg, rows, r.grad_dtype, pow2)
+        x_data, x_inv = cast_along_tokens(xq.dequantize(), seg, rows, E4M3, pow2)
+    else:  # tensor-wise: the casts of the forward and the input gradient, one scale per expert
+        rows, g_data, x_data = 0, gq.data, xq.data
+        g_inv, x_inv = g_inv[:, None], x_inv[:, None]
+    return dx, wgrad_mm(g_data, g_inv, x_data, x_inv, seg, rows).to(w.dtype)

@@ -1,0 +1,156 @@
+"""Grouped experts in the microscaled recipes (MXFP8, NVFP4, MXFP4): every expert's casts in one
+pass over the stacked tensors, every GEMM one grouped GEMM on the dequantised operands.
+
+Each cast is the dense MXLinear's (mixprec.narrow.mx) on one expert's slice:
+    blocks along K or N  per token (x, dy) or per expert row (W, W^T): one cast of the whole stack;
+    NVFP4's tensor scale the amax of the expert's slice, held per row or per block;
+    blocks along the tokens (the weight gradient's x^T and dy^T) in a layout where each expert's
+        first token sits at a multiple of the block (`Segments.aligned`), so no block spans two
+        experts; with NVFP4's Hadamard transform, each expert's tokens padded to 16 first, as the
+        dense layer pads them;
+    stochastic rounding keyed per expert (the bits of its dy, its salt, the operand) and drawn
+        for each element's index within its expert's tensor, as the dense cast draws them.
+The GEMMs are the dense emulation's (FP32 sums of the dequantised operands, NVFP4's two tensor
+scales after) with each mm a grouped mm, so every expert's outputs and gradients equal its
+MXLinear run alone, bit for bit, on the CPU (tests/narrow/test_experts.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec.narrow import mx
+from mixprec.narrow.experts_fp8 import grouped_mm, valid_rows
+from mixprec.narrow.microscaling import E2M1, Blocked
+from mixprec.narrow.segments import Segments, pad_to, segment_amax
+
+
+def _cast(r, t: torch.Tensor, *, gradient: bool = False, key=None, square: bool = False,
+          amax: torch.Tensor | None = None) -> Blocked:
+    """The recipe's cast of t (R, C) along C, with its dequantised values (the GEMM's operand):
+    MXRecipe.quantize with a per-row or per-block tensor amax and per-element keys."""
+    key = key if gradient and r.stochastic_gradients else None
+    dtype = r.grad_dtype if gradient and r.element != E2M1 else r.element
+    values = mx._operand_dtype(t.device.type)
+    return mx.compiled(mx._cast, t.device.type)(t, dtype, r.block, r.scale_rounding, r.nv, square,
+                                                 r.four_over_six, key, amax, values)
+
+
+def _elements(q: Blocked) -> torch.Tensor:
+    """A cast's elements in their own dtype (e2m1 bytes as float4_e2m1fn_x2): what the audit reads."""
+    return q.typed().data
+
+
+def _stacked(r, w: torch.Tensor, square: bool):
+    """w (E, R, C) cast per expert along C: (the values (E, R, C), NVFP4's tensor scale per expert (E,) or
+    None, the elements)."""
+    E, R, C = w.shape
+    rows = r.block if square else 1  # square blocks: each expert's rows padded to whole blocks
+    padded = pad_to(w, rows, dim=1)
+    per_block_row = padded.shape[1] // rows
+    amax = w.abs().float().amax(dim=(1, 2)).repeat_interleave(per_block_row)[:, None] if r.nv else None
+    q = _cast(r, padded.reshape(-1, C), square=square, amax=amax)
+    ts = q.tensor_scale.view(E, per_block_row)[:, 0] if r.nv else None
+    return q.values.view(E, -1, C)[:, :R], ts, _elements(q)
+
+
+def _keys(dy: torch.Tensor, seg: Segments, salts: torch.Tensor, role: int) -> torch.Tensor:
+    """(E + 1,) int32: mx._key of each expert's dy, salt and operand (the bits' integer sum per expert)."""
+    bits = dy.detach().contiguous().view(torch.int16 if dy.element_size() == 2 else torch.int32)
+    row_sums = bits.long().sum(dim=1)
+    sums = row_sums.new_zeros(seg.n + 1).index_add_(0, seg.ids, row_sums)
+    z = sums * 0x9E3779B1 + ((salts * 0x85EBCA77 + role * 0xC2B2AE3D) & 0xFFFFFFFF)
+    z = z & 0xFFFFFFFF
+    return (z - ((z >> 31) << 32)).to(torch.int32)
+
+
+def _salts(g, device) -> torch.Tensor:
+    """(E + 1,) int64: each expert's salt (the dense layer's `salt or 0`), 0 for the rows past offs[-1]."""
+    return torch.tensor([s or 0 for s in g.salts] + [0], dtype=torch.long, device=device)
+
+
+def _index(rows: torch.Tensor, width: torch.Tensor | int, columns: int) -> torch.Tensor:
+    """(R, columns) int32: element (r, c)'s index in its own expert's tensor, rows[r] its row there and
+    `width` that tensor's padded row length."""
+    cols = torch.arange(columns, device=rows.device, dtype=torch.int32)
+    return (rows.to(torch.int32)[:, None] * width + cols).to(torch.int32)
+
+
+def forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, g) -> torch.Tensor:
+    """x (S, K) @ each expert's W_e^T, w (E, N, K): (S, N) in the plan's compute dtype."""
+    r = g.plan.recipe
+    seg = Segments(offs, x.shape[0])
+    xq = _cast(r, x, amax=seg.per_row(seg.amax(x).amax(dim=1))[:, None] if r.nv else None)
+    w_values, w_ts, w_elements = _stacked(r, w, r.weight_2d)
+    out = grouped_mm(xq.values, w_values.transpose(1, 2), offs, _elements(xq), w_elements)
+    if r.nv:  # the tensor scales after the GEMM, as the hardware applies them
+        out = out * xq.tensor_scale * seg.per_row(torch.cat([w_ts, w_ts[:1]]))[:, None]
+    return valid_rows(out, offs).to(g.plan.compute_dtype)
+
+
+def backward(x, w, offs, dy, g) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx (S, K) in x's dtype, dW (E, N, K) in w's dtype): the dense MXLinear's backward for each expert."""
+    r, device = g.plan.recipe, x.device
+    (S, K), N = x.shape, dy.shape[1]
+    seg = Segments(offs, S)
+    salts = _salts(g, device) if r.stochastic_gradients else None
+    # the input gradient: dy along N per token, W^T along N per expert
+    key = None
+    if salts is not None:
+        key = (_index(seg.local, -(-N // r.block) * r.block, -(-N // r.block) * r.block),
+               seg.per_row(_keys(dy, seg, salts, 0))[:, None])
+    gq = _cast(r, dy, gradient=True, key=key, amax=seg.per_row(seg.amax(dy).amax(dim=1))[:, None] if r.nv else None)
+    if r.weight_2d:  # the forward's square blocks serve W^T: the same values, transposed
+        w_values, w_ts, w_elements = _stacked(r, w, True)
+        wt_values = w_values.transpose(1, 2).contiguous()  # (E, K, N)
+    else:
+        wt_values, w_ts, w_elements = _stacked(r, w.transpose(1, 2), False)
+    dx = grouped_mm(gq.values, wt_values.transpose(1, 2), offs, _elements(gq), w_elements)
+    if r.nv:
+        dx = dx * gq.tensor_scale * seg.per_row(torch.cat([w_ts, w_ts[:1]]))[:, None]
+    dx = valid_rows(dx, offs).to(g.plan.compute_dtype).to(x.dtype)
+    return dx, _wgrad(r, x, dy, seg, salts).to(w.dtype)
+
+
+def _wgrad(r, x: torch.Tensor, dy: torch.Tensor, seg: Segments, salts) -> torch.Tensor:
+    """(E, N, K) FP32: each expert's dy_e^T @ x_e, both cast along the expert's tokens."""
+    h = r.transform(x.device)
+    pad = mx.HADAMARD_SIZE if h is not None else 1  # the dense layer pads each expert's tokens to 16 to rotate
+    multiple = max(pad, r.block)
+    pos, ends, P = seg.aligned(multiple)
+    # each position's expert, its start and its tensor's padded length in the aligned layout
+    column_expert = torch.searchsorted(ends.long(), torch.arange(P, device=x.device), right=True)  # (P,) 0..E
+    starts = torch.cat([ends.new_zeros(1), ends]).long()
+    width = torch.cat([-(-seg.sizes // pad) * pad, seg.sizes.new_zeros(1)])  # (E + 1,) tokens in the GEMM
+
+    def along_tokens(t: torch.Tensor, gradient: bool, key=None) -> Blocked:
+        tt = Segments.place(t, pos, P).t()  # (C, P): each expert's tokens from a multiple of the block
+        if h is not None:
+            tt = mx.rotate(tt, h)
+        amax = None
+        if r.nv:  # the tensor scale of each expert's (C, its tokens) slice, per block of tokens
+            per_expert = segment_amax(tt.abs().float().amax(dim=0)[:, None], column_expert, seg.n + 1)[:, 0]
+            amax = per_expert[column_expert].view(-1, r.block)[:, 0][None, :]
+        return _cast(r, tt, gradient=gradient, key=key, amax=amax)
+
+    key = None
+    if salts is not None:  # element (n, m) of an expert's (N, its tokens padded to whole blocks): n * that + m
+        local = torch.arange(P, device=x.device) - starts[column_expert]
+        padded = -(-width // r.block) * r.block
+        rows = torch.arange(dy.shape[1], device=x.device)
+        index = (rows[:, None] * padded[column_expert][None, :] + local[None, :]).to(torch.int32)
+        key = (index, _keys(dy, seg, salts, 1)[column_expert][None, :])
+    gt, xt = along_tokens(dy, True, key), along_tokens(x, False)
+    if h is not None:  # the GEMM sums each expert's tokens padded to 16 (rotated, the padding is not zero)
+        _, offs, P16 = seg.aligned(pad)
+        at = torch.arange(P16, device=x.device)
+        expert16 = torch.searchsorted(offs.long(), at, right=True)
+        at = (starts[expert16] + at - torch.cat([offs.new_zeros(1), offs]).long()[expert16]).clamp(max=P - 1)
+    else:  # the GEMM sums each expert's own tokens: back to the sorted rows
+        offs, at = seg.offs, pos.clamp(max=P - 1)
+    g_values, x_values = gt.values[:, at], xt.values[:, at]
+    out = grouped_mm(g_values, x_values.t(), offs, _elements(gt), _elements(xt))  # (E, N, K)
+    if r.nv:
+        ts = lambda q: q.tensor_scale.reshape(-1)[ends.long() // r.block - 1]  # noqa: E731 - each expert's, from its last block
+        out = out * ts(gt)[:, None, None] * ts(xt)[:, None, None]
+    return out
