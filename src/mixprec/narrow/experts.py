@@ -1,28 +1,24 @@
 """Grouped experts in a narrow recipe: the GEMMs of a mixture-of-experts layer, every expert
-scaled on its own, by the same recipe objects and the same code as a converted Linear.
+scaled on its own, by the same recipe objects as a converted Linear.
 
     out = experts_mm(x, weight, offs, layer)     # x (S, K) sorted by expert, weight (E, N, K)
 
 `offs` holds the cumulative end of each expert's rows (int32, as torch's grouped GEMMs take
-it: expert e owns rows offs[e-1]:offs[e]); rows past offs[-1] give zeros. Each expert's three
-GEMMs are its rows run through the dense Linear's autograd Function (`FP8Linear.matmul`,
-`MXLinear.matmul`: its `cast`, its GEMM, its `backward`), so no scale spans two experts:
-the weight is cast per expert (row-wise per expert and output column, 128x128 blocks per
-expert, MX blocks per expert), and the weight-gradient GEMM, which sums over each expert's
-tokens, scales along that expert's tokens only (torchao's "jagged" scales). An experts
-layer's outputs and gradients are therefore, bit for bit, each expert's Linear run alone on
-its own tokens (tests/narrow/test_experts.py). Where a GEMM runs torch's block-wise kernel,
-which takes whole 128-token tiles only, each expert's rows are padded with zero rows to a
-multiple of 128 in the backward (zeros change no amax and add nothing to any sum); the other
-recipes need no padding (torch._scaled_mm's K is padded to 16 inside mixprec.narrow.gemm,
-the microscaled casts pad their own blocks).
+it: expert e owns rows offs[e-1]:offs[e]); rows past offs[-1] give zeros. Each pass casts
+every expert at once, over the stacked tensors, with scales that never span two experts, and
+runs each GEMM as one grouped GEMM with the offsets on the device (mixprec.narrow.experts_fp8
+for the tensor-, row- and block-wise recipes, mixprec.narrow.experts_mx for the microscaled
+ones; the per-expert bookkeeping in mixprec.narrow.segments): no loop over the experts, no
+read of the group sizes on the host, and a number of operators that does not grow with the
+experts (tests/narrow/test_experts.py counts them at 8 and 64 experts, on the CPU and traced
+on the meta device as CUDA runs them). Every expert's outputs and gradients equal, bit for
+bit on the CPU, its dense Linear run alone on its own tokens under the same plan.
 
-The loop over the experts is one operator (mixprec::experts_mm, its backward
-mixprec::experts_mm_backward): a compiled model keeps the layer in its graph with no break,
-the group sizes being read on the host inside it (on CUDA: one device-to-host read of `offs`
-per projection per pass). The backward casts each expert's input again from the saved input
-(the casts are deterministic: the same operands as the forward's), so what is kept between
-the passes is the layer's input in its own dtype, as a grouped BF16 layer keeps it.
+Each projection is one operator per pass (mixprec::experts_mm, its backward
+mixprec::experts_mm_backward): a compiled model keeps the layer in its graph with no break.
+The backward casts the input again from the saved input (the casts are deterministic: the
+same operands as the forward's), so what is kept between the passes is the layer's input in
+its own dtype, as a grouped BF16 layer keeps it.
 """
 
 from __future__ import annotations

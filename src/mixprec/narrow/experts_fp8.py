@@ -123,7 +123,8 @@ def mm(a: Quantized, b: Quantized, seg: Segments, out_dtype: torch.dtype, kernel
     emulated as mixprec.narrow.gemm.emulated_mm, each mm a grouped mm."""
     (S, K), N = a.data.shape, b.data.shape[2]
     E, kt, nt = b.scale_inv.shape
-    if kernel and a.data.dtype == E4M3:  # the kernel takes e4m3 only: tensor-wise's e5m2 gradients are emulated
+    # the kernel takes e4m3 only (tensor-wise's e5m2 gradients are emulated) and K, N multiples of 16
+    if kernel and a.data.dtype == E4M3 and K % 16 == 0 and N % 16 == 0:
         sb = b.scale_inv.reshape(E, nt).expand(E, N) if nt == 1 else b.scale_inv.reshape(E, N)
         column_major = b.data.transpose(1, 2).contiguous().transpose(1, 2)
         out = _scaled_grouped_mm(a.data.contiguous(), column_major, a.scale_inv.reshape(-1).contiguous(),
