@@ -107,7 +107,7 @@ def test_operators_opcheck(name):
     torch.library.opcheck(torch.ops.mixprec.experts_mm_backward, (x.detach(), w.detach(), offs, dy, key))
 
 
-@pytest.mark.parametrize("name", ["rowwise", "blockwise", "nvfp4"])
+@pytest.mark.parametrize("name", CURRENT)
 def test_compiled_equals_eager_without_graph_breaks(name):
     x, w, offs, dy = problem(K=64, N=96, sizes=(33, 0, 17, 50), seed=3)
     key = experts.register(gemm(name))
@@ -276,7 +276,8 @@ def test_the_work_of_an_experts_layer_does_not_grow_with_the_experts(name, devic
     on the meta device, with and without torch's grouped row-wise kernel), and none reads the host."""
     if grouped and name not in ("rowwise", "tensorwise"):
         pytest.skip("torch's grouped scaled kernel serves the row- and tensor-wise recipes")
-    _passes(name, 8, device, grouped)  # first calls draw and copy what is kept (the Hadamard signs)
+    for E in (8, 64):  # first calls draw and copy what is kept (the Hadamard signs, the experts' salts)
+        _passes(name, E, device, grouped)
     few, many = _passes(name, 8, device, grouped), _passes(name, 64, device, grouped)
     assert few == many and few[2] == 0, (few, many)
     assert few[1] >= 3  # forward, input gradient, weight gradient: grouped GEMMs, counted apart

@@ -41,7 +41,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, a_elements: torch.Tensor,
                b_elements: torch.Tensor) -> torch.Tensor:
-    """torch's grouped GEMM on exact operands, FP32 out: a (S, K) @ b (E, K, N) -> (S, N) by groups of
+    """torch's grouped GEMM on exact operands (FP8 elements, widened inside; dequantised values), FP32 out: a (S, K) @ b (E, K, N) -> (S, N) by groups of
     rows, or a (N, S) @ b (S, K) -> (E, N, K) by groups of the summed dimension; rows past offs[-1] of a
     2-D x 3-D result are zero. a and b are the narrow elements a_elements and b_elements widened or
     dequantised: they ride along so that `mixprec audit` reads each grouped GEMM's formats at the
@@ -131,18 +131,18 @@ def mm(a: Quantized, b: Quantized, seg: Segments, out_dtype: torch.dtype, kernel
                                  sb.contiguous(), seg.offs)
         return valid_rows(out, seg.offs).to(out_dtype)
     kb = min(a.tile[1], b.tile[0])  # K elements per partial sum
-    a32, b32 = a.data.float(), b.data.float()
     sb_rows = seg.per_row(torch.cat([b.scale_inv, b.scale_inv.new_ones(1, kt, nt)]))  # (S, kt, nt)
 
     def scaled(partial, ka, kb_):  # times a's scales of K tile ka, then b's of K tile kb_ (per column tile)
         return partial * a.scale_inv[:, ka:ka + 1] * sb_rows[:, kb_].repeat_interleave(b.tile[1], dim=1)[:, :N]
 
     if kb >= K:
-        out = scaled(grouped_mm(a32, b32, seg.offs, a.data, b.data), 0, 0)
+        out = scaled(grouped_mm(a.data, b.data, seg.offs, a.data, b.data), 0, 0)
     else:
         out = torch.zeros(S, N, device=a.data.device)
         for k in range(0, K, kb):  # one partial sum per K tile, promoted into the FP32 accumulator
-            partial = grouped_mm(a32[:, k:k + kb], b32[:, k:k + kb], seg.offs, a.data, b.data)
+            a_k, b_k = a.data[:, k:k + kb], b.data[:, k:k + kb]
+            partial = grouped_mm(a_k, b_k, seg.offs, a_k, b_k)
             out += scaled(partial, k // a.tile[1], k // b.tile[0])
     return valid_rows(out, seg.offs).to(out_dtype)
 
@@ -151,13 +151,12 @@ def wgrad_mm(g_data, g_inv, x_data, x_inv, seg: Segments, rows: int) -> torch.Te
     """Each expert's dy_e^T (N, M_e) @ x_e (M_e, K) in FP32 -> (E, N, K): the FP8 products summed over
     the expert's tokens (rows 0) or over each `rows`-token tile, each sum times the tiles' scales
     (g_inv, x_inv (groups, N) and (groups, K)), the tiles' sums added in order."""
-    g32, x32 = g_data.float(), x_data.float()
     if not rows:
-        out = grouped_mm(g32.t(), x32, seg.offs, g_data, x_data)  # (E, N, K)
+        out = grouped_mm(g_data.t(), x_data, seg.offs, g_data, x_data)  # (E, N, K)
         return out * g_inv[:seg.n, :, None] * x_inv[:seg.n, None, :]
     _, expert_of_tile, ends = seg.tiles(rows)
     T = ends.shape[0]
-    partial = grouped_mm(g32.t(), x32, ends, g_data, x_data) * g_inv[:T, :, None] * x_inv[:T, None, :]  # (T, N, K)
+    partial = grouped_mm(g_data.t(), x_data, ends, g_data, x_data) * g_inv[:T, :, None] * x_inv[:T, None, :]  # (T, N, K)
     out = partial.new_zeros(seg.n + 1, *partial.shape[1:])
     return out.index_add_(0, expert_of_tile[:T], partial)[:seg.n]
 

@@ -17,6 +17,8 @@ MXLinear run alone, bit for bit, on the CPU (tests/narrow/test_experts.py).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mixprec.narrow import mx
@@ -64,9 +66,11 @@ def _keys(dy: torch.Tensor, seg: Segments, salts: torch.Tensor, role: int) -> to
     return (z - ((z >> 31) << 32)).to(torch.int32)
 
 
-def _salts(g, device) -> torch.Tensor:
-    """(E + 1,) int64: each expert's salt (the dense layer's `salt or 0`), 0 for the rows past offs[-1]."""
-    return torch.tensor([s or 0 for s in g.salts] + [0], dtype=torch.long, device=device)
+@functools.lru_cache(maxsize=None)
+def _salts(salts: tuple, device: str) -> torch.Tensor:
+    """(E + 1,) int64: each expert's salt (the dense layer's `salt or 0`), 0 for the rows past offs[-1];
+    copied to the device once (not in every step)."""
+    return torch.tensor([s or 0 for s in salts] + [0], dtype=torch.long, device=device)
 
 
 def _index(rows: torch.Tensor, width: torch.Tensor | int, columns: int) -> torch.Tensor:
@@ -93,7 +97,7 @@ def backward(x, w, offs, dy, g) -> tuple[torch.Tensor, torch.Tensor]:
     r, device = g.plan.recipe, x.device
     (S, K), N = x.shape, dy.shape[1]
     seg = Segments(offs, S)
-    salts = _salts(g, device) if r.stochastic_gradients else None
+    salts = _salts(g.salts, str(device)) if r.stochastic_gradients else None
     # the input gradient: dy along N per token, W^T along N per expert
     key = None
     if salts is not None:

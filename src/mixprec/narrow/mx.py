@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 import zlib
 from dataclasses import dataclass, fields, replace
 
@@ -230,16 +231,37 @@ def _transpose(data, scale) -> tuple[torch.Tensor, torch.Tensor]:
     return t.data, t.scale
 
 
-_COMPILED: dict = {}
+_COMPILED: dict = {}  # (fn, its arguments' variant) -> fn compiled for that variant alone
+
+
+def _variant(a):
+    """What Dynamo guards on in an argument, besides sizes: a tensor's dtype, rank and requires_grad, a
+    missing tensor, a tuple's parts, any other value itself."""
+    if isinstance(a, torch.Tensor):
+        return "tensor", a.dtype, a.dim(), a.requires_grad
+    if isinstance(a, tuple):
+        return tuple(_variant(p) for p in a)
+    return a
+
+
+def compiled_variant(fn, *args):
+    """fn(*args) compiled (dynamic shapes), one compiled copy of fn per variant of its arguments: Dynamo
+    keeps at most 8 graphs per function (its recompile limit) and runs it eagerly past them, and a
+    recipe's casts (input, weight, gradient; dense and grouped; rounding keys and tensor amaxes present
+    or not) are more variants than that. A copy is fn with its own code object, which Dynamo caches apart."""
+    key = (fn, tuple(_variant(a) for a in args))
+    if key not in _COMPILED:
+        code = fn.__code__.replace(co_name=f"{fn.__name__}_variant{len(_COMPILED)}")
+        copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+        _COMPILED[key] = torch.compile(copy, dynamic=True)
+    return _COMPILED[key](*args)
 
 
 def compiled(fn, device_type: str):
-    """fn compiled for `device_type` on CUDA (dynamic shapes: one compile for every layer); fn itself elsewhere."""
+    """fn compiled for `device_type` on CUDA, per variant of its arguments (`compiled_variant`); fn itself elsewhere."""
     if device_type != "cuda":
         return fn
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=True)
-    return _COMPILED[fn]
+    return functools.partial(compiled_variant, fn)
 
 
 @torch.library.custom_op("mixprec::mx_quantize", mutates_args=())
