@@ -150,8 +150,10 @@ def describe(plan: Plan) -> str:
     """How experts under `plan` run their GEMMs, for the conversion's log line."""
     casts = "every expert's casts in one pass over the stacked tensors, no host read"
     if uses_grouped(plan):
-        return (f"forward and input gradient on torch's grouped row-wise kernel (torch._scaled_grouped_mm), the "
-                f"weight gradient on the grouped emulation; {casts}")
+        on_kernel = ("forward and input gradient" if plan.recipe.grad_dtype == torch.float8_e4m3fn else
+                     "forward (the e5m2 input gradient on the grouped emulation: the kernel takes e4m3 only)")
+        return (f"{on_kernel} on torch's grouped row-wise kernel (torch._scaled_grouped_mm), the weight gradient "
+                f"on the grouped emulation; {casts}")
     why = ""
     if plan.recipe.granularity in (Granularity.ROWWISE, Granularity.TENSORWISE):
         why = "; not torch's grouped row-wise kernel: " + (

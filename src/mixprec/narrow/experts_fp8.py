@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from mixprec.narrow.recipe import E4M3, Granularity
+from mixprec.narrow.gathered import BACKWARD, FORWARD, gathered_experts
+from mixprec.narrow.recipe import E4M3
 from mixprec.narrow.scaling import Quantized, amax_to_scale, cast, quantize
 from mixprec.narrow.segments import Segments, pad_to, segment_amax
 
@@ -88,9 +89,15 @@ def cast_along_tokens(t: torch.Tensor, seg: Segments, rows: int, dtype, pow2: bo
     return cast(t, scale[group], (1, 1), dtype).data, scale.reciprocal()
 
 
-def cast_stacked(w: torch.Tensor, tile: tuple[int, int], dtype, pow2: bool) -> Quantized:
+def cast_stacked(w: torch.Tensor, tile: tuple[int, int], dtype, pow2: bool, which: str = FORWARD) -> Quantized:
     """w (E, R, C) cast per expert in tiles of (tr, tc) (0: the whole dimension): data (E, R, C), scale_inv
-    (E, ceil(R/tr), ceil(C/tc)). Each expert's rows are padded with zeros to whole tiles, so no tile spans two."""
+    (E, ceil(R/tr), ceil(C/tc)). Each expert's rows are padded with zeros to whole tiles, so no tile spans two.
+    An experts weight FSDP2 gathered in its narrow format is read as it came: each expert's copy for `which`
+    pass, as the dense Linear reads its gathered copy."""
+    copies = gathered_experts(w, which)
+    if copies is not None:
+        return Quantized(torch.stack([c.data for c in copies]), torch.stack([c.scale_inv for c in copies]),
+                         copies[0].tile)
     E, R, C = w.shape
     tr, tc = tile[0] or R, tile[1] or C
     q, _ = quantize(pad_to(w, tr, dim=1).reshape(-1, C), dtype, (tr, tc), power_of_2=pow2)
@@ -181,7 +188,7 @@ def backward(x, w, offs, dy, g) -> tuple[torch.Tensor, torch.Tensor]:
     seg = Segments(offs, x.shape[0])
     xq, x_inv = cast_tokens(x, seg, t.x, E4M3, pow2)  # the forward's cast again (deterministic)
     gq, g_inv = cast_tokens(dy, seg, t.g, r.grad_dtype, pow2)
-    wq_d = cast_stacked(w, t.w_dgrad or t.w, E4M3, pow2)  # (E, N, K): summed over N
+    wq_d = cast_stacked(w, t.w_dgrad or t.w, E4M3, pow2, BACKWARD if t.w_dgrad else FORWARD)  # summed over N
     dx = mm(gq, wq_d, seg, plan.compute_dtype, g.grouped).to(x.dtype)
     if t.g_wgrad:  # scaled along the tokens: row-wise per expert, block-wise per 128-token tile
         rows = t.g_wgrad[0]

@@ -23,6 +23,7 @@ import torch
 
 from mixprec.narrow import mx
 from mixprec.narrow.experts_fp8 import grouped_mm, valid_rows
+from mixprec.narrow.gathered import BACKWARD, FORWARD, gathered_experts
 from mixprec.narrow.microscaling import E2M1, Blocked
 from mixprec.narrow.segments import Segments, pad_to, segment_amax
 
@@ -43,9 +44,17 @@ def _elements(q: Blocked) -> torch.Tensor:
     return q.typed().data
 
 
-def _stacked(r, w: torch.Tensor, square: bool):
-    """w (E, R, C) cast per expert along C: (the values (E, R, C), NVFP4's tensor scale per expert (E,) or
-    None, the elements)."""
+def _stacked(r, w: torch.Tensor, square: bool, which: str = FORWARD):
+    """w (E, N, K) cast per expert along K (which = BACKWARD: w^T along N): (the values (E, R, C), NVFP4's
+    tensor scale per expert (E,) or None, the elements). An experts weight FSDP2 gathered in its narrow
+    format is read as it came: each expert's copy for `which` pass, as the dense MXLinear reads its own."""
+    copies = gathered_experts(w, which)
+    if copies is not None:
+        dtype = mx._operand_dtype(w.device.type)
+        values = torch.stack([c.dequantize(with_tensor_scale=False, dtype=dtype) for c in copies])
+        ts = torch.stack([c.tensor_scale.reshape(()) for c in copies]) if r.nv else None
+        return values, ts, torch.stack([c.typed().data for c in copies])
+    w = w.transpose(1, 2) if which == BACKWARD else w
     E, R, C = w.shape
     rows = r.block if square else 1  # square blocks: each expert's rows padded to whole blocks
     padded = pad_to(w, rows, dim=1)
@@ -108,7 +117,7 @@ def backward(x, w, offs, dy, g) -> tuple[torch.Tensor, torch.Tensor]:
         w_values, w_ts, w_elements = _stacked(r, w, True)
         wt_values = w_values.transpose(1, 2).contiguous()  # (E, K, N)
     else:
-        wt_values, w_ts, w_elements = _stacked(r, w.transpose(1, 2), False)
+        wt_values, w_ts, w_elements = _stacked(r, w, False, BACKWARD)
     dx = grouped_mm(gq.values, wt_values.transpose(1, 2), offs, _elements(gq), w_elements)
     if r.nv:
         dx = dx * gq.tensor_scale * seg.per_row(torch.cat([w_ts, w_ts[:1]]))[:, None]
