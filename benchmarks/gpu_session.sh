@@ -116,7 +116,7 @@ for phase in "$@"; do
   moe)
     for mode in "" --compile; do
       timeout ${MOE_TIMEOUT:-240} $py benchmarks/moe_layer.py --device cuda --hidden 2048 --intermediate 768 \
-        --experts 128 --top-k 8 --tokens ${MOE_TOKENS:-16384} --presets ${MOE_PRESETS:-bf16-mixed,fp8-rowwise,fp8-blockwise,mxfp8,nvfp4} \
+        --experts 128 --top-k 8 --tokens ${MOE_TOKENS:-16384} --presets ${MOE_PRESETS:-bf16-mixed,fp8-tensorwise,fp8-rowwise,fp8-blockwise,mxfp8,nvfp4} \
         $mode 2>&1 | tee -a "$OUT/moe_layer.log" | grep -E "^[|#]"
     done ;;
   *) echo "phases: gpu suite probe train layers speed moe accuracy"; exit 2 ;;

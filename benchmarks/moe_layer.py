@@ -93,8 +93,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     args = parser.parse_args()
-    where = (torch.cuda.get_device_name() if args.device == "cuda"
-             else f"CPU ({torch.backends.cpu.get_cpu_capability()})")
+    from mixprec.narrow.gemm import cpu_name
+
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({cpu_name()})"
     print(f"# MoE layer H {args.hidden}, I {args.intermediate}, {args.experts} experts, top-{args.top_k}, "
           f"{args.tokens} tokens, forward+backward{' compiled' if args.compile else ''}, torch {torch.__version__}, "
           f"{where}", flush=True)

@@ -3,14 +3,9 @@ bit against the pure-PyTorch casts in Triton's interpreter on the CPU
 (tests/narrow/blockwise_cast_cases.py, in a process of its own: TRITON_INTERPRET is read when
 Triton is imported, and a process that compiled for a GPU must not run interpreted)."""
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from mixprec.narrow import blockwise_cast
 from mixprec.narrow.recipe import E4M3
@@ -18,13 +13,7 @@ from mixprec.narrow.recipe import E4M3
 
 @pytest.mark.slow
 def test_the_kernel_equals_the_reference_casts_in_tritons_interpreter():
-    pytest.importorskip("triton")
-    cases = Path(__file__).with_name("blockwise_cast_cases.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(cases)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert re.search(r"\b6 passed", proc.stdout), proc.stdout[-1000:]
+    run_interpreted("blockwise_cast_cases.py", 6, timeout=600)
 
 
 def test_where_it_applies():

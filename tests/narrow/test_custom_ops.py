@@ -16,7 +16,9 @@ from mixprec.narrow import experts, gemm, mx  # noqa: F401 - registers the opera
 from mixprec.narrow.microscaling import E2M1, E4M3, E5M2
 
 CHECKED_ELSEWHERE = {"mixprec::blockwise_cast_transpose", "mixprec::blockwise_recast_transposed",  # on CUDA
-                     "mixprec::experts_mm", "mixprec::experts_mm_backward"}  # tests/narrow/test_experts.py
+                     "mixprec::experts_mm", "mixprec::experts_mm_backward",  # tests/narrow/test_experts.py
+                     # Triton kernels, in Triton's interpreter: tests/narrow/experts_blockwise_cases.py
+                     "mixprec::grouped_blockwise_mm", "mixprec::grouped_blockwise_wgrad"}
 
 
 def registered() -> set[str]:

@@ -237,7 +237,8 @@ def test_the_base_modes_expert_by_expert_gemm_is_each_experts_matmul():
 class _Count(torch.utils._python_dispatch.TorchDispatchMode):
     """The aten ops an experts layer's passes dispatch, the grouped GEMMs (whose insides are the GEMM's) apart."""
 
-    GEMMS = {"mixprec.grouped_mm.default", "aten._scaled_grouped_mm.default"}
+    GEMMS = {"mixprec.grouped_mm.default", "aten._scaled_grouped_mm.default", "mixprec.grouped_blockwise_mm.default",
+             "mixprec.grouped_blockwise_wgrad.default"}
 
     def __init__(self):
         super().__init__()
@@ -273,9 +274,10 @@ def _passes(name, E, device, grouped=False):
 def test_the_work_of_an_experts_layer_does_not_grow_with_the_experts(name, device, grouped):
     """A GPU runs one kernel per op: the ops an experts projection dispatches in a forward and a backward
     are the same at 8 and at 64 experts, in every recipe, on the CPU and on the route CUDA takes (traced
-    on the meta device, with and without torch's grouped row-wise kernel), and none reads the host."""
-    if grouped and name not in ("rowwise", "tensorwise"):
-        pytest.skip("torch's grouped scaled kernel serves the row- and tensor-wise recipes")
+    on the meta device, with and without the kernels: torch's grouped row-wise, mixprec's grouped
+    block-wise), and none reads the host."""
+    if grouped and name not in ("rowwise", "tensorwise", "blockwise"):
+        pytest.skip("kernels serve the row-, tensor- and block-wise recipes (torch's grouped row-wise, mixprec's)")
     for E in (8, 64):  # first calls draw and copy what is kept (the Hadamard signs, the experts' salts)
         _passes(name, E, device, grouped)
     few, many = _passes(name, 8, device, grouped), _passes(name, 64, device, grouped)

@@ -28,6 +28,8 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 MX_MM = torch.ops.mixprec.mx_mm.default  # registered by mixprec.narrow.mx
 MX_QUANTIZE = torch.ops.mixprec.mx_quantize.default
 GROUPED_MM = torch.ops.mixprec.grouped_mm.default  # registered by mixprec.narrow.experts_fp8: grouped experts
+GROUPED_BLOCKWISE = (torch.ops.mixprec.grouped_blockwise_mm.default,  # mixprec.narrow.experts_blockwise
+                     torch.ops.mixprec.grouped_blockwise_wgrad.default)
 BLOCKWISE_MM = torch.ops.mixprec.blockwise_scaled_mm.default  # registered by mixprec.narrow.gemm
 NARROW = ("float8", "e2m1")  # how the report names a GEMM's element format
 _VIEWS = {aten.slice.Tensor, aten.t.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default,
@@ -118,6 +120,9 @@ class FP8Tracker:
             return self._record(sources, backward)
         if func is GROUPED_MM:  # a grouped experts GEMM: the operands' elements ride along
             return self._record([(args[3].dtype, next(self._serials)), (args[4].dtype, next(self._serials))],
+                                backward)
+        if func in GROUPED_BLOCKWISE:  # the block-wise experts' kernels: (a, scales, b, scales, ...)
+            return self._record([(args[0].dtype, next(self._serials)), (args[2].dtype, next(self._serials))],
                                 backward)
         # torch's scaled GEMMs, and mixprec's block-wise one: an operator whose insides (F.scaled_mm) a dispatch
         # mode does not see, so it is recognised by itself (on CUDA the audit missed every block-wise kernel GEMM)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.errors import UserError
-from mixprec.narrow import experts_fp8, experts_mx
+from mixprec.narrow import experts_blockwise, experts_fp8, experts_mx
 from mixprec.narrow.linear import Plan, linear_class, replan
 from mixprec.narrow.recipe import Granularity
 
@@ -43,12 +43,15 @@ class ExpertsGemm:
     plan: Plan  # the dense Linear's plan: recipe, tiles, compute dtype; its kernels the grouped route's (below)
     transposed: bool  # weight (E, K, N) (gpt-oss) rather than (E, N, K) (nn.Linear's per expert)
     salts: tuple[int, ...] = ()  # each expert's part of its stochastic-rounding keys (microscaled recipes)
-    grouped: bool = False  # forward and input gradient on torch's grouped row-wise kernel (`grouped_route`)
+    # the GEMMs on kernels (`uses_grouped`): row- and tensor-wise, forward and input gradient on torch's
+    # grouped row-wise kernel; block-wise, all three on mixprec's (mixprec.narrow.experts_blockwise)
+    grouped: bool = False
 
     def __post_init__(self):
-        # the grouped GEMMs are torch's grouped row-wise kernel (forward and input gradient, where `grouped`)
-        # or the grouped emulation: the plan says so, and a dense Linear under it is each expert's reference
-        kernels = (self.grouped, self.grouped, False)
+        # the GEMMs on kernels (where `grouped`) or on the grouped emulation: the plan says so, and a dense
+        # Linear under it is each expert's reference
+        blockwise = self.plan.recipe.granularity is Granularity.BLOCKWISE
+        kernels = (self.grouped, self.grouped, self.grouped and blockwise)
         if self.plan.kernels != kernels:
             object.__setattr__(self, "plan", replace(self.plan, kernels=kernels))
 
@@ -141,14 +144,22 @@ def _probe_grouped(device: str) -> str | None:
 
 
 def uses_grouped(plan: Plan) -> bool:
-    """Whether experts under `plan` run their forward and input gradient on the grouped row-wise kernel."""
+    """Whether experts under `plan` run GEMMs on kernels: the grouped row-wise kernel (forward and input
+    gradient), or for block-wise mixprec's grouped block-wise kernels (all three)."""
+    if plan.emulated:
+        return False
+    if plan.recipe.granularity is Granularity.BLOCKWISE:
+        return experts_blockwise.route(plan.device) is None
     return (plan.recipe.granularity in (Granularity.ROWWISE, Granularity.TENSORWISE) and plan.kernels[0]
-            and not plan.emulated and grouped_route(plan.device, plan.compute_dtype) is None)
+            and grouped_route(plan.device, plan.compute_dtype) is None)
 
 
 def describe(plan: Plan) -> str:
     """How experts under `plan` run their GEMMs, for the conversion's log line."""
     casts = "every expert's casts in one pass over the stacked tensors, no host read"
+    if uses_grouped(plan) and plan.recipe.granularity is Granularity.BLOCKWISE:
+        return (f"all three GEMMs on mixprec's grouped block-wise Triton kernels (DeepGEMM's contiguous layout, "
+                f"each expert's tokens from a multiple of 128); {casts}")
     if uses_grouped(plan):
         on_kernel = ("forward and input gradient" if plan.recipe.grad_dtype == torch.float8_e4m3fn else
                      "forward (the e5m2 input gradient on the grouped emulation: the kernel takes e4m3 only)")
@@ -160,7 +171,8 @@ def describe(plan: Plan) -> str:
             "fp8.emulate = true" if plan.emulated else grouped_route(plan.device, plan.compute_dtype) or
             "the recipe's dense kernel is not used on this device")
     elif plan.recipe.granularity is Granularity.BLOCKWISE:
-        why = "; torch has no grouped block-wise scaled GEMM"
+        why = ("; torch has no grouped block-wise scaled GEMM, and mixprec's kernels are not used: " +
+               ("fp8.emulate = true" if plan.emulated else experts_blockwise.route(plan.device)))
     return f"the grouped emulation (each GEMM one torch grouped GEMM on the dequantised elements); {casts}{why}"
 
 

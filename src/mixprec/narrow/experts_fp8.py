@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from mixprec.narrow import experts_blockwise
+from mixprec.narrow.experts_blockwise import BLOCK
 from mixprec.narrow.gathered import BACKWARD, FORWARD, gathered_experts
 from mixprec.narrow.recipe import E4M3
 from mixprec.narrow.scaling import Quantized, amax_to_scale, cast, quantize
@@ -130,7 +132,9 @@ def mm(a: Quantized, b: Quantized, seg: Segments, out_dtype: torch.dtype, kernel
     emulated as mixprec.narrow.gemm.emulated_mm, each mm a grouped mm."""
     (S, K), N = a.data.shape, b.data.shape[2]
     E, kt, nt = b.scale_inv.shape
-    # the kernel takes e4m3 only (tensor-wise's e5m2 gradients are emulated) and K, N multiples of 16
+    if kernel and b.tile == (BLOCK, BLOCK):  # block-wise: mixprec's Triton kernels (mixprec.narrow.experts_blockwise)
+        return experts_blockwise.mm(a, b, seg, out_dtype)
+    # the row-wise kernel takes e4m3 only (tensor-wise's e5m2 gradients are emulated) and K, N multiples of 16
     if kernel and a.data.dtype == E4M3 and K % 16 == 0 and N % 16 == 0:
         sb = b.scale_inv.reshape(E, nt).expand(E, N) if nt == 1 else b.scale_inv.reshape(E, N)
         column_major = b.data.transpose(1, 2).contiguous().transpose(1, 2)
@@ -154,13 +158,15 @@ def mm(a: Quantized, b: Quantized, seg: Segments, out_dtype: torch.dtype, kernel
     return valid_rows(out, seg.offs).to(out_dtype)
 
 
-def wgrad_mm(g_data, g_inv, x_data, x_inv, seg: Segments, rows: int) -> torch.Tensor:
+def wgrad_mm(g_data, g_inv, x_data, x_inv, seg: Segments, rows: int, kernel: bool = False) -> torch.Tensor:
     """Each expert's dy_e^T (N, M_e) @ x_e (M_e, K) in FP32 -> (E, N, K): the FP8 products summed over
     the expert's tokens (rows 0) or over each `rows`-token tile, each sum times the tiles' scales
     (g_inv, x_inv (groups, N) and (groups, K)), the tiles' sums added in order."""
     if not rows:
         out = grouped_mm(g_data.t(), x_data, seg.offs, g_data, x_data)  # (E, N, K)
         return out * g_inv[:seg.n, :, None] * x_inv[:seg.n, None, :]
+    if kernel:  # block-wise: mixprec's Triton kernel
+        return experts_blockwise.wgrad(g_data, g_inv, x_data, x_inv, seg)
     _, expert_of_tile, ends = seg.tiles(rows)
     T = ends.shape[0]
     partial = grouped_mm(g_data.t(), x_data, ends, g_data, x_data) * g_inv[:T, :, None] * x_inv[:T, None, :]  # (T, N, K)
@@ -197,4 +203,4 @@ def backward(x, w, offs, dy, g) -> tuple[torch.Tensor, torch.Tensor]:
     else:  # tensor-wise: the casts of the forward and the input gradient, one scale per expert
         rows, g_data, x_data = 0, gq.data, xq.data
         g_inv, x_inv = g_inv[:, None], x_inv[:, None]
-    return dx, wgrad_mm(g_data, g_inv, x_data, x_inv, seg, rows).to(w.dtype)
+    return dx, wgrad_mm(g_data, g_inv, x_data, x_inv, seg, rows, plan.kernels[2]).to(w.dtype)

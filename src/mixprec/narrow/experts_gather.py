@@ -47,8 +47,6 @@ def why_not(g: experts.ExpertsGemm, shape: tuple[int, int, int], world: int, *, 
         return f"its {E} experts do not split evenly over {world} ranks"
     if g.transposed:
         return "its expert weights are stored transposed (E, K, N): the Linear's copies are (N, K)"
-    if g.grouped:
-        return "the grouped row-wise kernel reads the whole weight at once"
     if kind(recipe) == "mx" and K % recipe.block:
         return f"its {K} columns are not whole {recipe.block}-element blocks"
     return passes_why_not(recipe, world, recomputes, reshards)
@@ -57,7 +55,7 @@ def why_not(g: experts.ExpertsGemm, shape: tuple[int, int, int], world: int, *, 
 class GatheredExperts(torch.Tensor):
     """An experts projection's all-gathered weight (E, N, K) in its narrow format: each expert's
     dense copy stacked. `weight[e]` is expert e's `GatheredWeight`; the experts operators run
-    expert by expert on them; nothing else reads it."""
+    stacked (`mixprec.narrow.gathered.gathered_experts`); nothing else reads it."""
 
     @staticmethod
     def __new__(cls, data, scale, meta, how: tuple, n_experts: int, meta_shape, dtype: torch.dtype):

@@ -1,0 +1,71 @@
+"""The Triton kernels of mixprec.narrow.experts_blockwise: grouped block-wise FP8 GEMMs on the
+contiguous layout DeepGEMM trains with (each expert's tokens from a multiple of 128, zero rows
+between), DeepSeek-V3's scheme: FP8 products summed in FP32 over one 128-wide tile of the summed
+dimension, each partial sum times its two scales and added into an FP32 accumulator.
+
+    m_grouped   out (P, OUT) = a (P, SUM) @ b_e, each 128-row tile of a one expert's (forward, input
+                gradient); a in 1 x 128 tiles, b (E, ., .) in 128 x 128 blocks, read through strides
+    k_grouped   dW_e (OUT_N, OUT_K) = g_e^T @ x_e over the expert's 128-token tiles (weight gradient);
+                g and x in 128 x 1 tiles along the tokens
+
+In a module of its own: Triton is optional, and its code generator resolves `tl` in the module's
+globals. COMPILE_CASES lists the signatures the routes launch them with; tests/narrow/
+test_triton_compile.py compiles each for Hopper (sm_90) on the CPU.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def m_grouped(a_ptr, sa_ptr, b_ptr, sb_ptr, tile_expert_ptr, out_ptr, E, SUM, OUT, ST, b_stride_e, b_stride_sum,
+              b_stride_out, sb_stride_e, sb_stride_sum, sb_stride_out, BLOCK: tl.constexpr):
+    """One 128 x 128 tile of out: rows of tile program_id(0), which belong to expert tile_expert[it]
+    (E: no expert, zeros), columns of tile program_id(1). sa (P, ST): a's scale_inv per row and tile of
+    SUM; sb: b's per expert, tile of SUM and tile of OUT."""
+    pm, pn = tl.program_id(0), tl.program_id(1)
+    e = tl.load(tile_expert_ptr + pm).to(tl.int64)
+    rows = (pm * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    cols = (pn * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    if e < E:
+        for st in range(0, ST):
+            ks = (st * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+            a = tl.load(a_ptr + rows[:, None] * SUM + ks[None, :], mask=ks[None, :] < SUM, other=0.0)
+            b = tl.load(b_ptr + e * b_stride_e + ks[:, None] * b_stride_sum + cols[None, :] * b_stride_out,
+                        mask=(ks[:, None] < SUM) & (cols[None, :] < OUT), other=0.0)
+            partial = tl.dot(a, b, out_dtype=tl.float32)  # (BLOCK, BLOCK): FP8 products, FP32 sums
+            s_a = tl.load(sa_ptr + rows * ST + st)
+            s_b = tl.load(sb_ptr + e * sb_stride_e + st * sb_stride_sum + pn * sb_stride_out)
+            acc += partial * s_a[:, None] * s_b
+    tl.store(out_ptr + rows[:, None] * OUT + cols[None, :], acc, mask=cols[None, :] < OUT)
+
+
+@triton.jit
+def k_grouped(g_ptr, sg_ptr, x_ptr, sx_ptr, tile_start_ptr, out_ptr, N, K, BLOCK: tl.constexpr):
+    """One 128 x 128 tile (program_id(1), program_id(2)) of expert program_id(0)'s dW (N, K): the sum over
+    its 128-token tiles tile_start[e]:tile_start[e + 1] of g_t^T x_t times sg[t] (per column n) and sx[t]
+    (per column k), in order. g (P, N), x (P, K) in the contiguous layout; sg (., N), sx (., K) per tile."""
+    e, pn, pk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0, t1 = tl.load(tile_start_ptr + e).to(tl.int32), tl.load(tile_start_ptr + e + 1).to(tl.int32)
+    ns = (pn * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    ks = (pk * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    for t in range(t0, t1):
+        ms = (t * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        g = tl.load(g_ptr + ms[None, :] * N + ns[:, None], mask=ns[:, None] < N, other=0.0)  # g_t^T (BLOCK n, m)
+        x = tl.load(x_ptr + ms[:, None] * K + ks[None, :], mask=ks[None, :] < K, other=0.0)
+        partial = tl.dot(g, x, out_dtype=tl.float32)
+        s_g = tl.load(sg_ptr + t * N + ns, mask=ns < N, other=0.0)
+        s_x = tl.load(sx_ptr + t * K + ks, mask=ks < K, other=0.0)
+        acc += partial * s_g[:, None] * s_x[None, :]
+    tl.store(out_ptr + e * N * K + ns[:, None] * K + ks[None, :], acc, mask=(ns[:, None] < N) & (ks[None, :] < K))
+
+
+_SIZES = ("E", "SUM", "OUT", "ST", "b_stride_e", "b_stride_sum", "b_stride_out", "sb_stride_e", "sb_stride_sum",
+          "sb_stride_out")
+_M = {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*fp32", "tile_expert_ptr": "*i32",
+      "out_ptr": "*fp32", **{n: "i32" for n in _SIZES}, "BLOCK": "constexpr"}
+_K = {"g_ptr": "*fp8e4nv", "sg_ptr": "*fp32", "x_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "tile_start_ptr": "*i32",
+      "out_ptr": "*fp32", "N": "i32", "K": "i32", "BLOCK": "constexpr"}
+COMPILE_CASES = [(m_grouped, _M, {"BLOCK": 128}), (k_grouped, _K, {"BLOCK": 128})]

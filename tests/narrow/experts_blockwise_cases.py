@@ -1,0 +1,69 @@
+"""mixprec's grouped block-wise kernels (mixprec.narrow.experts_blockwise) against the grouped
+emulation, on the CPU in Triton's interpreter: the forward, the input gradient and the weight
+gradient of a block-wise experts projection, with an empty expert, one-token experts, experts past
+a 128-token tile, rows past the last offset and K, N off 128; the operators opchecked. Both sum FP32
+partial sums over 128-wide tiles times the same scales, in another order: close to FP32 rounding.
+Run by tests/narrow/test_experts_blockwise.py in a process started with TRITON_INTERPRET=1."""
+
+import pytest
+import torch
+
+from mixprec.narrow import experts_blockwise, experts_fp8
+from mixprec.narrow.experts import ExpertsGemm
+from mixprec.narrow.linear import Plan
+from mixprec.narrow.recipe import RECIPES
+from mixprec.narrow.segments import Segments
+
+RECIPE = RECIPES["blockwise"]
+PLAN = Plan(RECIPE, RECIPE.tiles, torch.bfloat16, (False,) * 3)
+
+
+def problem(sizes, K, N, past=0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    S = sum(sizes) + past
+    x = torch.randn(S, K, generator=gen).bfloat16()
+    w = torch.randn(len(sizes), N, K, generator=gen) / K ** 0.5
+    dy = torch.randn(S, N, generator=gen).bfloat16()
+    return x, w, torch.tensor(sizes).cumsum(0).to(torch.int32), dy
+
+
+def relative(got, want) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30))
+
+
+@pytest.mark.parametrize("sizes,K,N,past", [((130, 0, 1, 37), 256, 384, 0), ((1, 1, 200, 5), 200, 136, 3),
+                                            ((0, 64, 0, 0), 128, 128, 0)])
+def test_the_kernels_equal_the_grouped_emulation(sizes, K, N, past):
+    x, w, offs, dy = problem(sizes, K, N, past)
+    results = []
+    for kernel in (True, False):
+        g = ExpertsGemm("e.gate_up_proj", PLAN, False, grouped=kernel)
+        assert g.plan.kernels == (kernel,) * 3
+        results.append((experts_fp8.forward(x, w, offs, g), *experts_fp8.backward(x, w, offs, dy, g)))
+    (out, dx, dw), (out_e, dx_e, dw_e) = results
+    assert out.dtype == out_e.dtype and dx.dtype == dx_e.dtype and dw.dtype == dw_e.dtype
+    # bfloat16 outputs: the emulation's and the kernel's FP32 sums round alike but at ties of the order
+    assert relative(out, out_e) < 1e-3 and relative(dx, dx_e) < 1e-3
+    assert relative(dw, dw_e) < 1e-5  # FP32 out: the order of the sums alone
+    assert torch.count_nonzero(out[sum(sizes):]) == 0 and torch.count_nonzero(dx[sum(sizes):]) == 0
+    for e in (e for e, n in enumerate(sizes) if n == 0):
+        assert torch.count_nonzero(dw[e]) == 0
+
+
+def test_the_operators_opcheck():
+    x, w, offs, dy = problem((130, 0, 1, 37), 256, 384)
+    seg = Segments(offs, x.shape[0])
+    pos, ends, P = seg.aligned(128)
+    xq, _ = experts_fp8.cast_tokens(x, seg, (1, 128), torch.float8_e4m3fn, False)
+    wq = experts_fp8.transposed(experts_fp8.cast_stacked(w, (128, 128), torch.float8_e4m3fn, False))
+    tile_expert = torch.searchsorted(ends.long(), torch.arange(0, P, 128), right=True).to(torch.int32)
+    a = experts_blockwise._contiguous_layout(xq.data, pos, P)
+    utils = ("test_autograd_registration", "test_faketensor")  # FP8 inputs: no schema test's copies (test_custom_ops)
+    torch.library.opcheck(torch.ops.mixprec.grouped_blockwise_mm,
+                          (a, Segments.place(xq.scale_inv, pos, P), wq.data, wq.scale_inv, tile_expert),
+                          test_utils=utils)
+    g_data, g_inv = experts_fp8.cast_along_tokens(dy, seg, 128, torch.float8_e4m3fn, False)
+    tile_start = torch.cat([ends.new_zeros(1), ends // 128]).to(torch.int32)
+    torch.library.opcheck(torch.ops.mixprec.grouped_blockwise_wgrad,
+                          (experts_blockwise._contiguous_layout(g_data, pos, P), g_inv, a, g_inv[:, :256].contiguous(),
+                           tile_start), test_utils=utils)
