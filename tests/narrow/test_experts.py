@@ -19,7 +19,7 @@ CURRENT = [name for name, r in RECIPES.items() if not r.delayed]
 
 
 def gemm(recipe_name, transposed=False, compute=torch.bfloat16, name="layers.0.mlp.experts.gate_up_proj", E=4):
-    recipe = RECIPES[recipe_name]
+    recipe = RECIPES[recipe_name] if isinstance(recipe_name, str) else recipe_name
     routes = linear_class(recipe).routes(recipe, "cpu", compute)
     plan = Plan(recipe, recipe.tiles, compute, tuple(why is None for why in routes.values()))
     salts = tuple(zlib.crc32(f"{name}.{e}".encode()) for e in range(E)) if hasattr(recipe, "element") else ()
@@ -38,9 +38,13 @@ def problem(E=4, K=48, N=80, sizes=(37, 0, 64, 19), seed=0, transposed=False):
     return x, w, offs, dy
 
 
+# MXFP4 with NVFP4's options: 32-element blocks along tokens padded to 16 for the Hadamard transform
+MXFP4_HADAMARD = RECIPES["mxfp4"].with_options(hadamard="random", stochastic_gradients=True)
+
+
 @pytest.mark.parametrize("transposed,sizes,K,N", [(False, (37, 0, 64, 19), 48, 80), (True, (37, 0, 64, 19), 48, 80),
                                                   (False, (1, 130, 0, 33), 40, 56), (False, (0, 0, 17, 0), 24, 20)])
-@pytest.mark.parametrize("name", CURRENT)
+@pytest.mark.parametrize("name", CURRENT + [MXFP4_HADAMARD])
 def test_experts_equal_each_expert_alone(name, transposed, sizes, K, N):
     """Every expert's outputs and gradients are its dense Linear's, alone on its tokens: empty experts,
     one-token experts, groups past a 128-token tile and off every tile multiple, K and N off 16/32/128."""

@@ -98,18 +98,17 @@ def _scaled(x, factor, key, square: bool):
     return y.t() if square else y
 
 
-def test_each_argument_variant_compiles_apart(monkeypatch):
+def test_each_argument_variant_compiles_apart():
     """A recipe's casts (input, weight, gradient; dense and grouped; rounding keys and tensor amaxes present
     or not, per tensor, per row or per block) are more argument variants than Dynamo's recompile limit:
     each variant gets its own compiled copy of the function, none is refused (fail_on_recompile_limit_hit,
     at a limit of 1), and each gives the eager result."""
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     torch._dynamo.reset()
     x, i = torch.randn(8, 16), torch.arange(16, dtype=torch.int32)
     variants = [(torch.tensor(2.0), None, False), (torch.ones(8, 1), None, False), (torch.ones(1, 16), None, True),
                 (torch.tensor(2.0), (i, torch.tensor(3)), False), (torch.ones(8, 1), (i[None], i[:, None][:8]), True)]
-    for factor, key, square in variants:
-        got = mx.compiled_variant(_scaled, x, factor, key, square)
-        assert torch.equal(got, _scaled(x, factor, key, square))
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=1):
+        for factor, key, square in variants:
+            got = mx.compiled_variant(_scaled, x, factor, key, square)
+            assert torch.equal(got, _scaled(x, factor, key, square))
     assert sum(fn is _scaled for fn, _ in mx._COMPILED) == len(variants)
