@@ -16,7 +16,9 @@ scales) with each mm a grouped mm: torch's CPU grouped GEMM is a loop of mm over
 so every expert's output and gradients equal its Linear run alone, bit for bit
 (tests/narrow/test_experts.py). The block-wise weight gradient sums 128-token tiles: each
 tile is a group of one grouped GEMM, and the scaled partial sums are added into their
-expert's in order (index_add_, sequential on the CPU).
+expert's in order (index_add_, sequential on the CPU). On CUDA the row- and tensor-wise forward and
+e4m3 input gradient run on torch's grouped row-wise kernel, and all three block-wise GEMMs on
+mixprec's grouped block-wise kernels (mixprec.narrow.experts_blockwise), where their probes admit them.
 """
 
 from __future__ import annotations
@@ -44,11 +46,12 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, a_elements: torch.Tensor,
                b_elements: torch.Tensor) -> torch.Tensor:
-    """torch's grouped GEMM on exact operands (FP8 elements, widened inside; dequantised values), FP32 out: a (S, K) @ b (E, K, N) -> (S, N) by groups of
-    rows, or a (N, S) @ b (S, K) -> (E, N, K) by groups of the summed dimension; rows past offs[-1] of a
-    2-D x 3-D result are zero. a and b are the narrow elements a_elements and b_elements widened or
-    dequantised: they ride along so that `mixprec audit` reads each grouped GEMM's formats at the
-    dispatcher (one operator, mixprec::grouped_mm, as a microscaled Linear's mixprec::mx_mm)."""
+    """torch's grouped GEMM on exact operands (FP8 elements, widened inside; dequantised values), FP32
+    out: a (S, K) @ b (E, K, N) -> (S, N) by groups of rows, or a (N, S) @ b (S, K) -> (E, N, K) by groups
+    of the summed dimension; rows past offs[-1] of a 2-D x 3-D result are zero. a and b are the narrow
+    elements a_elements and b_elements widened or dequantised: they ride along so that `mixprec audit`
+    reads each grouped GEMM's formats at the dispatcher (one operator, mixprec::grouped_mm, as a
+    microscaled Linear's mixprec::mx_mm)."""
     return torch.ops.mixprec.grouped_mm(a, b, offs, a_elements, b_elements)
 
 
@@ -169,7 +172,8 @@ def wgrad_mm(g_data, g_inv, x_data, x_inv, seg: Segments, rows: int, kernel: boo
         return experts_blockwise.wgrad(g_data, g_inv, x_data, x_inv, seg)
     _, expert_of_tile, ends = seg.tiles(rows)
     T = ends.shape[0]
-    partial = grouped_mm(g_data.t(), x_data, ends, g_data, x_data) * g_inv[:T, :, None] * x_inv[:T, None, :]  # (T, N, K)
+    partial = grouped_mm(g_data.t(), x_data, ends, g_data, x_data)  # (T, N, K): each tile's sum
+    partial = partial * g_inv[:T, :, None] * x_inv[:T, None, :]
     out = partial.new_zeros(seg.n + 1, *partial.shape[1:])
     return out.index_add_(0, expert_of_tile[:T], partial)[:seg.n]
 

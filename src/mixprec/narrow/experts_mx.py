@@ -164,6 +164,6 @@ def _wgrad(r, x: torch.Tensor, dy: torch.Tensor, seg: Segments, salts) -> torch.
     g_values, x_values = gt.values[:, at], xt.values[:, at]
     out = grouped_mm(g_values, x_values.t(), offs, _elements(gt), _elements(xt))  # (E, N, K)
     if r.nv:
-        ts = lambda q: q.tensor_scale.reshape(-1)[ends.long() // r.block - 1]  # noqa: E731 - each expert's, from its last block
-        out = out * ts(gt)[:, None, None] * ts(xt)[:, None, None]
+        last = ends.long() // r.block - 1  # each expert's tensor scale, read at its last block
+        out = out * gt.tensor_scale.reshape(-1)[last][:, None, None] * xt.tensor_scale.reshape(-1)[last][:, None, None]
     return out
