@@ -287,3 +287,38 @@ def test_the_work_of_an_experts_layer_does_not_grow_with_the_experts(name, devic
     few, many = _passes(name, 8, device, grouped), _passes(name, 64, device, grouped)
     assert few == many and few[2] == 0, (few, many)
     assert few[1] >= 3  # forward, input gradient, weight gradient: grouped GEMMs, counted apart
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", CURRENT)
+def test_experts_on_cuda_track_each_expert_alone(name):
+    """On a GPU, with the routes CUDA takes (torch's grouped row-wise kernel, mixprec's grouped block-wise
+    kernels, torch's bfloat16 grouped GEMM for the emulation, whose group sums round to bfloat16 once):
+    every expert's output and gradients within bfloat16 rounding of its dense Linear run alone, and no
+    host read. The CPU twin: test_experts_equal_each_expert_alone (bit for bit there)."""
+    recipe = RECIPES[name]
+    routes = linear_class(recipe).routes(recipe, "cuda", torch.bfloat16)
+    plan = Plan(recipe, recipe.tiles, torch.bfloat16, tuple(why is None for why in routes.values()), device="cuda")
+    salts = tuple(zlib.crc32(f"e.{e}".encode()) for e in range(4)) if hasattr(recipe, "element") else ()
+    g = experts.ExpertsGemm("e.gate_up_proj", plan, False, salts, experts.uses_grouped(plan))
+    x, w, offs, dy = (t.cuda() for t in problem(K=256, N=384, sizes=(130, 0, 1, 200), seed=6))
+    key = experts.register(g)
+    experts.experts_mm(x.detach().requires_grad_(), w.detach().requires_grad_(), offs, key).backward(dy)  # a first
+    # step compiles the casts and copies what is kept (salts, signs) to the GPU; the next waits for nothing
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    torch.cuda.set_sync_debug_mode("error")  # any wait for the GPU raises
+    try:
+        out = experts.experts_mm(x, w, offs, key)
+        out.backward(dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for e, (s, t) in enumerate(experts.groups(offs)):
+        if t == s:
+            assert torch.count_nonzero(w.grad[e]) == 0
+            continue
+        xe, we = x.detach()[s:t].clone().requires_grad_(), w.detach()[e].clone().requires_grad_()
+        ye = g.matmul.apply(xe, we, g.plan, g.state(e))
+        ye.backward(dy[s:t])
+        for got, want in ((out[s:t], ye), (x.grad[s:t], xe.grad), (w.grad[e], we.grad)):
+            err = float((got.float() - want.float()).norm() / want.float().norm())
+            assert err < 2e-2, (name, e, err)
