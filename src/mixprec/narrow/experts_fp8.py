@@ -99,10 +99,9 @@ def cast_stacked(w: torch.Tensor, tile: tuple[int, int], dtype, pow2: bool, whic
     (E, ceil(R/tr), ceil(C/tc)). Each expert's rows are padded with zeros to whole tiles, so no tile spans two.
     An experts weight FSDP2 gathered in its narrow format is read as it came: each expert's copy for `which`
     pass, as the dense Linear reads its gathered copy."""
-    copies = gathered_experts(w, which)
-    if copies is not None:
-        return Quantized(torch.stack([c.data for c in copies]), torch.stack([c.scale_inv for c in copies]),
-                         copies[0].tile)
+    gathered = gathered_experts(w, which)
+    if gathered is not None:
+        return gathered
     E, R, C = w.shape
     tr, tc = tile[0] or R, tile[1] or C
     q, _ = quantize(pad_to(w, tr, dim=1).reshape(-1, C), dtype, (tr, tc), power_of_2=pow2)

@@ -6,15 +6,15 @@ the ranks, each rank holds whole experts. An experts layer scales each expert on
 cast that expert's whole weight: the dense Linear's copy (mixprec.narrow.all_gather's, for one
 shard), stacked along the experts. Nothing is needed from the other ranks, not even an amax:
 a tensor-wise or NVFP4 tensor scale is per expert, and travels in the gather beside the bytes.
-The gathered `GatheredExperts` hands each expert's copy to the dense Linear's GEMMs
-(`weight[e]` is the dense `GatheredWeight`), so the experts' outputs and gradients are the
-ones the layer computes after a bfloat16 gather, bit for bit.
+Every expert is cast in one pass over the stacked weight (`stacked_copy`). The gathered
+`GatheredExperts` hands the experts' grouped passes each expert's copy (`weight[e]` is the dense
+`GatheredWeight`), so the experts' outputs and gradients are the ones the layer computes after
+a bfloat16 gather, bit for bit.
 
 Where it does not apply, the experts all-gather in bfloat16 and the log says why: experts
 that do not split evenly over the ranks, transposed expert weights (gpt-oss's (E, K, N)),
-the grouped row-wise kernel (which reads the whole weight at once), and, as for Linear
-layers, a recipe whose two passes scale along different dimensions where one gather must
-serve both.
+and, as for Linear layers, a recipe whose two passes scale along different dimensions where
+one gather must serve both.
 """
 
 from __future__ import annotations
@@ -26,10 +26,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from mixprec.dtypes import dtype_name
-from mixprec.narrow import experts
-from mixprec.narrow.all_gather import (NarrowGather, NarrowShard, _restart, copy_bytes, element_format, kind,
-                                       passes_why_not)
-from mixprec.narrow.gathered import GatheredWeight
+from mixprec.narrow import experts, experts_fp8
+from mixprec.narrow.all_gather import (NarrowGather, NarrowShard, _restart, _scale_slots, copy_bytes, element_format,
+                                       kind, passes_why_not)
+from mixprec.narrow.gathered import FORWARD, GatheredWeight
+from mixprec.narrow.microscaling import E2M1, E8M0, Blocked
+from mixprec.narrow.recipe import E4M3
+from mixprec.narrow.scaling import Quantized
+from mixprec.narrow.segments import pad_to
 from mixprec.narrow.hf_experts import projections, runs_narrow
 
 logger = logging.getLogger(__name__)
@@ -74,6 +78,28 @@ class GatheredExperts(torch.Tensor):
         how, n_experts, meta_shape, dtype = spec
         return GatheredExperts(inner["_data"], inner.get("_scale"), inner.get("_meta"), how, n_experts, meta_shape,
                                dtype)
+
+    def stacked(self, which: str) -> Quantized | Blocked:
+        """Every expert's gathered copy for `which` pass at once, as GatheredWeight.copy reads one:
+        data (E, ...) and scales (E, ...) stacked, views of the gathered buffers where the layout allows."""
+        k, (N, K), b, element = self._how
+        E = self.shape[0]
+        if k == "tensor":
+            return Quantized(self._data, self._meta.reshape(E, 1, 1), (N, K))
+        if k == "block":
+            return Quantized(self._data, self._scale, (b, b))
+        if k == "nv16":
+            return Blocked(self._data, self._scale, (b, b), self._meta.reshape(E), (N, K))
+        if k == "row":
+            if which == FORWARD:
+                return Quantized(self._data, self._scale[:, :, :1], (1, K))
+            return Quantized(self._data, self._scale.reshape(E, -1)[:, :K].reshape(E, 1, K), (N, 1))
+        if which == FORWARD:  # mx
+            return Blocked(self._data, self._scale, (1, b), None, (N, K))
+        rows = N // 2 if element == E2M1 else N  # e2m1 packs two rows of W^T's columns per byte
+        data = self._data.view(torch.uint8).view(E, rows, K).transpose(1, 2).contiguous().view(self._data.dtype)
+        scale = self._scale.view(torch.uint8).view(E, N // b, K).transpose(1, 2).contiguous().view(E8M0)
+        return Blocked(data, scale, (1, b), None, (K, N))
 
     def expert(self, e: int) -> GatheredWeight:
         meta = self._meta[e].reshape(self._meta_shape) if self._meta is not None else None
@@ -126,12 +152,10 @@ class ExpertsGather:
             return (w,), (self, None, 0, None)
         self.dense.group = self.group
         which = "backward" if self.dense._in_backward() else "forward"
-        copies = [self.dense._shard_copy(w[e], which, None, 0, 1) for e in range(w.shape[0])]
-        inputs = tuple(torch.stack(parts) for parts in zip(*(c[0] for c in copies)))
-        metas = [c[1] for c in copies]
-        if metas[0] is not None:  # a per-expert tensor scale, sent beside the bytes
-            inputs += (torch.stack([m.reshape(1).float() for m in metas]),)
-        return inputs, (self, which, len(copies[0][0]), None if metas[0] is None else tuple(metas[0].shape))
+        inputs, meta, meta_shape = stacked_copy(self.dense.recipe, kind(self.dense.recipe), w, which)
+        if meta is not None:  # a per-expert tensor scale, sent beside the bytes
+            return (*inputs, meta), (self, which, len(inputs), meta_shape)
+        return inputs, (self, which, len(inputs), None)
 
     def post(self, outputs, which, n_inputs: int, meta_shape, param_dtype, out):
         if which is None:  # bfloat16
@@ -142,6 +166,54 @@ class ExpertsGather:
         scale = outputs[1] if n_inputs > 1 else None
         meta = outputs[n_inputs] if meta_shape is not None else None
         return GatheredExperts(data, scale, meta, self.dense.how, self.shape[0], meta_shape, param_dtype), tuple(outputs)
+
+
+def _per_expert(values: torch.Tensor, E: int) -> torch.Tensor:
+    """(E, 1) FP32 with unit strides, as FSDP2 views each all-gather input as bytes (a size-1 dimension's
+    stride included)."""
+    return values.reshape(E).float().contiguous()[:, None]
+
+
+def stacked_copy(r, k: str, w: torch.Tensor, which: str):
+    """Every expert's copy of w (E, N, K) for `which` pass at once, each the bytes the dense layer's
+    gather sends for that expert's whole weight on one rank (NarrowGather._shard_copy): (the tensors to
+    gather, stacked along the experts; the per-expert tensor scales (E, 1) or None; one expert's scale
+    shape). One cast over the stacked weight, scales per expert (mixprec.narrow.experts_fp8.cast_stacked,
+    the microscaled casts of the stack's rows): no loop over the experts."""
+    E, N, K = w.shape
+    pow2 = r.power_of_2_scales
+    if k == "tensor":
+        q = experts_fp8.cast_stacked(w, (0, 0), E4M3, pow2)
+        return (q.data,), _per_expert(q.scale_inv, E), (1, 1)
+    if k == "row":
+        slots = _scale_slots(N, K)
+        if which == FORWARD:  # a scale per row along K, in each row's first slot
+            q = experts_fp8.cast_stacked(w, r.tiles.w, E4M3, pow2)
+            scales = torch.zeros(E, N, slots, device=w.device)
+            scales[:, :, :1] = q.scale_inv
+            return (q.data, scales), None, None
+        q = experts_fp8.cast_stacked(w, (0, 1), E4M3, pow2)  # each column's amax over the expert's N rows
+        spread = torch.ones(E, N * slots, device=w.device)
+        spread[:, :K] = q.scale_inv.reshape(E, K)
+        return (q.data, spread.view(E, N, slots)), None, None
+    if k == "block":
+        q = experts_fp8.cast_stacked(w, r.tiles.w, E4M3, pow2)
+        return (q.data.contiguous(), q.scale_inv), None, None
+    if k == "nv16":  # 16 x 16 blocks per expert, its tensor scale from its own amax
+        rows = -(-N // r.block) * r.block
+        amax = w.abs().float().amax(dim=(1, 2))
+        q = r.quantize(pad_to(w, r.block, dim=1).reshape(E * rows, K), square=True,
+                       amax=amax.repeat_interleave(rows // r.block)[:, None])
+        ts = _per_expert(q.tensor_scale.view(E, rows // r.block)[:, 0], E)
+        return (q.data.view(E, rows, -1), q.scale.view(E, rows // r.block, -1)), ts, ()
+    if which == FORWARD:  # mx, 1 x block along K: the stack's rows
+        q = r.quantize(w.reshape(E * N, K))
+        return (q.data.view(E, N, -1), q.scale.view(E, N, -1)), None, None
+    q = r.quantize(w.transpose(1, 2).reshape(E * K, N))  # each expert's W^T (K, N) along N, sent as rows of W
+    data = q.data.view(torch.uint8).view(E, K, -1).transpose(1, 2).contiguous()
+    scale = q.scale.view(torch.uint8).view(E, K, -1).transpose(1, 2).contiguous()
+    fwd_cols = K // 2 if q.data.dtype == E2M1 else K
+    return (data.view(E, N, fwd_cols).view(q.data.dtype), scale.view(E, N, K // r.block).view(E8M0)), None, None
 
 
 def shard(model: nn.Module, world: int, *, reshards, recomputes) -> dict[str, str | None]:

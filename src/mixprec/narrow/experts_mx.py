@@ -48,12 +48,13 @@ def _stacked(r, w: torch.Tensor, square: bool, which: str = FORWARD):
     """w (E, N, K) cast per expert along K (which = BACKWARD: w^T along N): (the values (E, R, C), NVFP4's
     tensor scale per expert (E,) or None, the elements). An experts weight FSDP2 gathered in its narrow
     format is read as it came: each expert's copy for `which` pass, as the dense MXLinear reads its own."""
-    copies = gathered_experts(w, which)
-    if copies is not None:
-        dtype = mx._operand_dtype(w.device.type)
-        values = torch.stack([c.dequantize(with_tensor_scale=False, dtype=dtype) for c in copies])
-        ts = torch.stack([c.tensor_scale.reshape(()) for c in copies]) if r.nv else None
-        return values, ts, torch.stack([c.typed().data for c in copies])
+    q = gathered_experts(w, which)
+    if q is not None:  # the stack's rows dequantised at once: blocks never span two experts' rows
+        E, rows, R = q.data.shape[0], q.data.shape[1], q.shape[0]
+        flat = Blocked(q.data.reshape(E * rows, -1), q.scale.reshape(E * q.scale.shape[1], -1), q.block, None,
+                       (E * rows, q.shape[1]))
+        values = flat.dequantize(with_tensor_scale=False, dtype=mx._operand_dtype(w.device.type))
+        return values.view(E, rows, -1)[:, :R], q.tensor_scale, q.typed().data
     w = w.transpose(1, 2) if which == BACKWARD else w
     E, R, C = w.shape
     rows = r.block if square else 1  # square blocks: each expert's rows padded to whole blocks

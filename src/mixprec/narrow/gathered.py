@@ -73,9 +73,7 @@ def gathered_copy(weight: torch.Tensor, which: str) -> Quantized | Blocked | Non
     return weight.copy(which) if isinstance(weight, GatheredWeight) else None
 
 
-def gathered_experts(weight: torch.Tensor, which: str) -> list | None:
-    """Each expert's gathered narrow copy for `which` pass, where `weight` is an experts projection
-    all-gathered in its narrow format (mixprec.narrow.experts_gather.GatheredExperts); else None."""
-    if not hasattr(type(weight), "expert"):
-        return None
-    return [weight.expert(e).copy(which) for e in range(weight.shape[0])]
+def gathered_experts(weight: torch.Tensor, which: str) -> Quantized | Blocked | None:
+    """Every expert's gathered narrow copy for `which` pass, stacked, where `weight` is an experts
+    projection all-gathered in its narrow format (mixprec.narrow.experts_gather.GatheredExperts); else None."""
+    return weight.stacked(which) if hasattr(type(weight), "stacked") else None

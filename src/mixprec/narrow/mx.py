@@ -284,7 +284,9 @@ def _(x, element, block, rounding, nv, square, four_over_six, key, amax, values)
     data = x.new_empty((rows, cols // 2 if element == E2M1 else cols), dtype=element)
     scale = x.new_empty((rows // br, cols // bc), dtype=E4M3 if nv else E8M0)
     deq = x.new_empty((R, C), dtype=_operand_dtype(x.device.type)) if values else x.new_empty(0)
-    return data, scale, x.new_empty(() if nv else 0, dtype=torch.float32), deq
+    # NVFP4's tensor scale: one, or one per row or block where `amax` gives one each (a stack of tensors)
+    ts_shape = (amax.shape if amax is not None else ()) if nv else (0,)
+    return data, scale, x.new_empty(ts_shape, dtype=torch.float32), deq
 
 
 @torch.library.custom_op("mixprec::mx_transpose", mutates_args=())
