@@ -68,19 +68,18 @@ def _stacked(r, w: torch.Tensor, square: bool, which: str = FORWARD):
 
 def _keys(dy: torch.Tensor, seg: Segments, salts: torch.Tensor, role: int) -> torch.Tensor:
     """(E + 1,) int32: mx._key of each expert's dy, salt and operand (the bits' integer sum per expert)."""
-    bits = dy.detach().contiguous().view(torch.int16 if dy.element_size() == 2 else torch.int32)
-    row_sums = bits.long().sum(dim=1)
-    sums = row_sums.new_zeros(seg.n + 1).index_add_(0, seg.ids, row_sums)
-    z = sums * 0x9E3779B1 + ((salts * 0x85EBCA77 + role * 0xC2B2AE3D) & 0xFFFFFFFF)
-    z = z & 0xFFFFFFFF
-    return (z - ((z >> 31) << 32)).to(torch.int32)
+    row_sums = mx.bits_of(dy).long().sum(dim=1)
+    return mx.mix_key(row_sums.new_zeros(seg.n + 1).index_add_(0, seg.ids, row_sums), salts, role)
 
 
 @functools.lru_cache(maxsize=None)
 def _salts(salts: tuple, device: str) -> torch.Tensor:
     """(E + 1,) int64: each expert's salt (the dense layer's `salt or 0`), 0 for the rows past offs[-1];
-    copied to the device once (not in every step)."""
-    return torch.tensor([s or 0 for s in salts] + [0], dtype=torch.long, device=device)
+    copied to the device once, from pinned memory without a wait (not in every step)."""
+    host = torch.tensor([s or 0 for s in salts] + [0], dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def _index(rows: torch.Tensor, width: torch.Tensor | int, columns: int) -> torch.Tensor:
@@ -88,6 +87,11 @@ def _index(rows: torch.Tensor, width: torch.Tensor | int, columns: int) -> torch
     `width` that tensor's padded row length."""
     cols = torch.arange(columns, device=rows.device, dtype=torch.int32)
     return (rows.to(torch.int32)[:, None] * width + cols).to(torch.int32)
+
+
+def _per_row(seg: Segments, per_expert: torch.Tensor) -> torch.Tensor:
+    """(E,) -> (S, 1): each row's expert's value (the rows past offs[-1] take expert 0's: they are zeroed)."""
+    return seg.per_row(torch.cat([per_expert, per_expert[:1]]))[:, None]
 
 
 def forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, g) -> torch.Tensor:
@@ -98,7 +102,7 @@ def forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, g) -> torch.Te
     w_values, w_ts, w_elements = _stacked(r, w, r.weight_2d)
     out = grouped_mm(xq.values, w_values.transpose(1, 2), offs, _elements(xq), w_elements)
     if r.nv:  # the tensor scales after the GEMM, as the hardware applies them
-        out = out * xq.tensor_scale * seg.per_row(torch.cat([w_ts, w_ts[:1]]))[:, None]
+        out = out * xq.tensor_scale * _per_row(seg, w_ts)
     return valid_rows(out, offs).to(g.plan.compute_dtype)
 
 
@@ -121,7 +125,7 @@ def backward(x, w, offs, dy, g) -> tuple[torch.Tensor, torch.Tensor]:
         wt_values, w_ts, w_elements = _stacked(r, w, False, BACKWARD)
     dx = grouped_mm(gq.values, wt_values.transpose(1, 2), offs, _elements(gq), w_elements)
     if r.nv:
-        dx = dx * gq.tensor_scale * seg.per_row(torch.cat([w_ts, w_ts[:1]]))[:, None]
+        dx = dx * gq.tensor_scale * _per_row(seg, w_ts)
     dx = valid_rows(dx, offs).to(g.plan.compute_dtype).to(x.dtype)
     return dx, _wgrad(r, x, dy, seg, salts).to(w.dtype)
 

@@ -376,12 +376,22 @@ def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, pad)) if pad else x
 
 
-def _key(t: torch.Tensor, salt: int, role: int) -> torch.Tensor:
-    """A 0-dim int32 key from the bits of `t` (an exact integer sum), the layer and the operand."""
-    bits = t.detach().contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
-    z = bits.long().sum() * 0x9E3779B1 + (((salt or 0) * 0x85EBCA77 + role * 0xC2B2AE3D) & 0xFFFFFFFF)
+def bits_of(t: torch.Tensor) -> torch.Tensor:
+    """t's bits as integers (int16 for 2-byte dtypes, int32 for 4): what a rounding key sums."""
+    return t.detach().contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def mix_key(bit_sum: torch.Tensor, salt, role: int) -> torch.Tensor:
+    """int32 keys from integer sums of a tensor's bits (int64), the layer's salt (an int, or an int64
+    tensor of one per sum) and the operand: the same mixing for one tensor or a stack of experts."""
+    z = bit_sum * 0x9E3779B1 + ((salt * 0x85EBCA77 + role * 0xC2B2AE3D) & 0xFFFFFFFF)
     z = z & 0xFFFFFFFF
     return (z - ((z >> 31) << 32)).to(torch.int32)
+
+
+def _key(t: torch.Tensor, salt: int, role: int) -> torch.Tensor:
+    """A 0-dim int32 key from the bits of `t` (an exact integer sum), the layer and the operand."""
+    return mix_key(bits_of(t).long().sum(), salt or 0, role)
 
 
 class _MXMatmul(torch.autograd.Function):
