@@ -70,3 +70,42 @@ def test_the_rowwise_cuda_route_compiles_as_one_graph():
     torch._dynamo.reset()
     compiled = torch.compile(lambda a, b: kernel_mm(a, b, torch.bfloat16, after=True), fullgraph=True)
     assert torch.equal(compiled(a, b), kernel_mm(a, b, torch.bfloat16, after=True))
+
+
+def graphs_of(blk, x, *rest) -> list:
+    """The forward and backward graphs AOTAutograd hands a compiler for `blk` (one graph each: fullgraph)."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    backend = lambda gm, ex: aot_module_simplified(gm, ex, fw_compiler=keep, bw_compiler=keep)  # noqa: E731
+    forward_backward(torch.compile(blk, backend=backend, fullgraph=True), x, *rest)
+    return graphs
+
+
+def test_the_blockwise_cuda_route_with_its_triton_casts_traces_as_one_graph(monkeypatch):
+    """CUDA's block-wise route as a GPU runs it: the backward's casts in mixprec's Triton ops (the probe
+    passed), reached through torch.ops (registering them inside the trace split every backward: 15 graph
+    breaks in one block). The only FP8 copies left in the backward are each weight's transpose, which the
+    input-gradient GEMM needs K-major (Hopper's FP8 GEMMs read both operands K-major)."""
+    pytest.importorskip("triton")
+    from mixprec.narrow import blockwise_cast
+
+    blockwise_cast.register()
+    monkeypatch.setitem(blockwise_cast._PROBED, "meta", None)  # as on a GPU whose probe passed
+    blk, args = block("blockwise", dim=256, kernels=True)
+    blk = blk.to("meta")
+    x, *rest = inputs(args, 128, "meta")
+    forward, backward = graphs_of(blk, x, *rest)  # fullgraph: a graph break raises
+    calls = [n for n in backward.graph.nodes if n.op == "call_function"]
+    linears = sum(isinstance(m, FP8Linear) for m in blk.modules())
+    assert sum("triton_kernel_wrapper" in str(n.target) for n in calls) == 2 * linears  # dy's cast, x's recast
+    fp8_copies = [n for n in calls if n.target in (torch.ops.aten.clone.default, torch.ops.aten.copy.default,
+                                                   torch.ops.aten._to_copy.default)
+                  and n.meta["val"].dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
+    assert len(fp8_copies) == linears, [n.meta["val"].shape for n in fp8_copies]

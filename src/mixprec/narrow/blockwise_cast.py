@@ -66,8 +66,12 @@ def _launch(kernel, x, xs, rows: bool):
     return q.view(E4M3), qs, qt.view(E4M3), qts
 
 
-def _triton_op():
-    """The kernel as torch ops, registered once (on first use: Triton is optional)."""
+@functools.cache
+def register():
+    """The kernel as torch ops mixprec::blockwise_cast_transpose and mixprec::blockwise_recast_transposed,
+    registered once, outside any trace (by `probe`, on first use: Triton is optional). A compiled step
+    reaches them through torch.ops: registering inside a trace is a graph break (Dynamo skips
+    torch.library.triton_op), one around every block-wise backward."""
     from torch.library import triton_op, wrap_triton
 
     @triton_op("mixprec::blockwise_cast_transpose", mutates_args=())
@@ -79,9 +83,6 @@ def _triton_op():
         return _launch(wrap_triton(_kernel()), data, scale_inv, False)[2:]
 
     return cast_transpose_op, recast_op
-
-
-_ops = functools.cache(_triton_op)
 
 
 _PROBED: dict[str, str | None] = {}  # device type -> None where the kernel is used, else why not
@@ -115,6 +116,7 @@ def _probe(device_type: str) -> str | None:
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(256, 384, generator=gen) * torch.logspace(-4, 4, 384)).to(device_type)
     try:
+        register()
         got = [*cast_transpose(x, triton=True), recast_transposed(quantize(x, E4M3, (1, BLOCK))[0], triton=True)]
     except Exception as e:  # noqa: BLE001 - whatever Triton raises, the PyTorch casts are used and the reason logged
         return f"the Triton kernel failed ({str(e).splitlines()[0][:160] if str(e) else type(e).__name__})"
@@ -158,7 +160,7 @@ def cast_transpose(x: torch.Tensor, triton: bool | None = None) -> tuple[Quantiz
     if x.device.type == "cpu":
         q, qs, qt, qts = _launch(_kernel(), x, None, True)
     else:
-        q, qs, qt, qts = _ops()[0](x)
+        q, qs, qt, qts = torch.ops.mixprec.blockwise_cast_transpose(x)  # registered by probe
     return Quantized(q, qs, (1, BLOCK)), Quantized(qt.t(), qts.t(), (BLOCK, 1))
 
 
@@ -171,7 +173,7 @@ def recast_transposed(xq: Quantized, triton: bool | None = None) -> Quantized:
     if data.device.type == "cpu":
         qt, qts = _launch(_kernel(), data, xq.scale_inv.contiguous(), False)[2:]
     else:
-        qt, qts = _ops()[1](data, xq.scale_inv.contiguous())
+        qt, qts = torch.ops.mixprec.blockwise_recast_transposed(data, xq.scale_inv.contiguous())
     return Quantized(qt.t(), qts.t(), (BLOCK, 1))
 
 
