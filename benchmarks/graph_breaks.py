@@ -26,17 +26,20 @@ from mixprec.narrow.linear import FP8Linear
 from mixprec.narrow.recipe import RECIPES, FP8Recipe
 
 
+def on_cuda_route(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` on the meta device with its narrow layers planned as on CUDA: every GEMM on torch's kernels."""
+    for m in module.modules():
+        if isinstance(m, FP8Linear):
+            m.plan = dataclasses.replace(m.plan, kernels=(True, True, True), device="cuda")
+    return module.to("meta")
+
+
 def block(recipe: str, device: str):
     """The first block of a 2-layer Llama (dim 256: whole 128-tiles) in `recipe`; on meta, CUDA's route."""
     args = model_args("debug", 256, dim=256, multiple_of=128)
     model = build_model(args, device="cpu", storage_dtype=torch.float32, seed=0)
     convert_to_fp8(model, FP8Recipe.from_name(recipe), compute_dtype=torch.bfloat16)
-    blk = model.layers[0]
-    if device == "meta":
-        for m in blk.modules():
-            if isinstance(m, FP8Linear):
-                m.plan = dataclasses.replace(m.plan, kernels=(True, True, True), device="cuda")
-        blk = blk.to("meta")
+    blk = on_cuda_route(model.layers[0]) if device == "meta" else model.layers[0]
     T = 128
     x = torch.randn(2, T, args.dim, device=device, requires_grad=True)
     cos, sin = rope_tables(T, args.head_dim, args.rope_theta, device)

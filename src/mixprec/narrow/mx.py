@@ -389,14 +389,15 @@ def mix_key(bit_sum: torch.Tensor, salt, role: int) -> torch.Tensor:
     return (z - ((z >> 31) << 32)).to(torch.int32)
 
 
-def _key(t: torch.Tensor, salt: int, role: int) -> torch.Tensor:
-    """A 0-dim int32 key from the bits of `t` (an exact integer sum), the layer and the operand."""
-    return mix_key(bits_of(t).long().sum(), salt or 0, role)
+def _key(t: torch.Tensor, salt, role: int) -> torch.Tensor:
+    """A 0-dim int32 key from the bits of `t` (an exact integer sum), the layer (an int, or a 0-dim int64
+    tensor: MXLinear's) and the operand."""
+    return mix_key(bits_of(t).long().sum(), 0 if salt is None else salt, role)
 
 
 class _MXMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, plan: Plan, salt: int):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, plan: Plan, salt):
         return _MXMatmul.gemm(*_MXMatmul.cast(ctx, x, weight, plan, salt), plan)
 
     @staticmethod
@@ -404,7 +405,7 @@ class _MXMatmul(torch.autograd.Function):
         return mx_mm(xq, wq, plan.compute_dtype)
 
     @staticmethod
-    def cast(ctx, x: torch.Tensor, weight: torch.Tensor, plan: Plan, salt: int):
+    def cast(ctx, x: torch.Tensor, weight: torch.Tensor, plan: Plan, salt):
         """The forward GEMM's operands, with what backward reads saved on ctx (as _FP8Matmul.cast)."""
         r = plan.recipe
         # values=True: each GEMM operand dequantised in its cast's own pass (not kept for backward)
@@ -449,14 +450,30 @@ class MXLinear(FP8Linear):
 
     @classmethod
     def from_linear(cls, linear, plan: Plan, fqn: str = "") -> "MXLinear":
-        # the Hadamard signs drawn and the decode table copied now, outside any compiled region
-        # and any step (on the weight's device; a model still on the meta device copies at first use)
-        device = linear.weight.device if linear.weight.device.type != "meta" else torch.device("cpu")
-        plan.recipe.transform(device)
-        byte_values(device)
         new = super().from_linear(linear, plan, fqn)
-        new.salt = zlib.crc32(fqn.encode())  # the layer's part of its stochastic-rounding keys
+        # the layer's part of its stochastic-rounding keys, a tensor: an int attribute is a constant of the
+        # compiled block, and every block's own salt would compile the block again (past Dynamo's limit of 8
+        # recompiles the rest ran eagerly). Not persistent: derived from the name, not saved
+        new._salt = zlib.crc32(fqn.encode())
+        new.register_buffer("salt", torch.tensor(new._salt, dtype=torch.int64, device=linear.weight.device),
+                            persistent=False)
+        new._constants_on(linear.weight.device if linear.weight.device.type != "meta" else torch.device("cpu"))
         return new
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        device = self.weight.device
+        if device.type != "meta":
+            self.salt.fill_(self._salt)  # to_empty leaves the buffer's memory as it was
+        self._constants_on(device)  # a model built on the meta device, then to_empty on a GPU
+        return out
+
+    def _constants_on(self, device) -> None:
+        """The Hadamard signs and the decode table copied to `device` now, outside any compiled region
+        and any step: copied inside the first compiled pass, the cache it fills would fail that graph's
+        guard and compile the block a second time."""
+        self.plan.recipe.transform(device)
+        byte_values(device)
 
     def matmul_state(self):
         return self.salt
