@@ -26,6 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from mixprec.narrow.recipe import GEMMS
 from mixprec.narrow.scaling import EPS, Quantized, per_tile, quantize
 
 logger = logging.getLogger(__name__)
@@ -103,17 +104,74 @@ def kernel_scales(a: Quantized, b: Quantized, blockwise: bool | None = None):
 
 # The kernel each route of kernel_mm runs, as the conversion's log line names it.
 KERNELS = {"tensorwise": "torch._scaled_mm", "rowwise": "torch._scaled_mm row-wise",
-           "rowwise-after": "torch._scaled_mm with unit scales, the row scales applied to its FP32 output",
+           "rowwise-after": "torch._scaled_mm row-wise, or with unit scales and the row scales applied to its FP32 "
+                            "output, whichever was measured faster for the layer's shape (gemm.choose_rowwise)",
            "blockwise": "torch.nn.functional.scaled_mm block-wise (mixprec::blockwise_scaled_mm)"}
 
 
 def scales_after(device_type: str, fast_accum: bool) -> bool:
-    """Whether a row-wise GEMM runs as a tensor-wise one with unit scales, the row scales
+    """Whether a row-wise GEMM may run as a tensor-wise one with unit scales, the row scales
     multiplied into its FP32 output after (torchao's route): on CUDA without fast
     accumulation, where torch's row-wise kernel (CUTLASS) is slower than the tensor-wise
-    one (cuBLAS). The same sums, the same two scale products: with power-of-two scales
-    (the row-wise recipe's) both are exact; tests/narrow/test_gemm.py checks the results equal."""
+    one (cuBLAS) for some shapes (`rowwise_after` says for which, as measured). The same sums,
+    the same two scale products: with power-of-two scales (the row-wise recipe's) both are
+    exact; tests/narrow/test_gemm.py checks the results equal."""
     return device_type == "cuda" and not fast_accum
+
+
+ROWWISE_TOKENS = 8192  # the tokens a row-wise route is timed at: a micro-batch of 4 x 2048
+_AFTER: dict[tuple, bool] = {}  # (device type, GEMM, N, K of the weight) -> scales after, as measured
+
+
+def rowwise_after(device_type: str, gemm: str, weight_shape: tuple[int, int], fast_accum: bool) -> bool:
+    """Whether a row-wise `gemm` (one of recipe.GEMMS) of a Linear with this (N, K) weight runs as a
+    unit-scaled GEMM with the row scales after: on CUDA without fast accumulation, unless
+    `choose_rowwise` measured torch's row-wise kernel faster for that GEMM of that shape."""
+    if not scales_after(device_type, fast_accum):
+        return False
+    return _AFTER.get((device_type, gemm, *weight_shape), True)
+
+
+def _route_seconds(device: str, m: int, k: int, n: int, dtypes) -> tuple[float, float]:
+    """Seconds of an (m, k) x (k, n) row-wise GEMM on torch's row-wise kernel and with the scales after."""
+    a_dtype, b_dtype, out_dtype = dtypes
+    gen = torch.Generator().manual_seed(0)
+    a, _ = quantize(torch.randn(m, k, generator=gen).to(device), a_dtype, (1, 0), power_of_2=True)
+    b, _ = quantize(torch.randn(k, n, generator=gen).to(device), b_dtype, (0, 1), power_of_2=True)
+
+    def seconds(after: bool) -> float:
+        for _ in range(3):  # warm-up: cuBLAS's and CUTLASS's first calls choose their kernels
+            kernel_mm(a, b, out_dtype, after=after)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            kernel_mm(a, b, out_dtype, after=after)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 10 / 1e3
+
+    return seconds(False), seconds(True)
+
+
+def choose_rowwise(device: str, recipe, compute_dtype: torch.dtype, weight_shape: tuple[int, int],
+                   tokens: int = ROWWISE_TOKENS) -> None:
+    """For a row-wise Linear of this (N, K) weight on CUDA: each GEMM timed both ways at `tokens` tokens
+    (torch's row-wise kernel, CUTLASS's, against the tensor-wise one with the row scales multiplied
+    into its FP32 output after), the faster kept for the layers of this shape and said with both
+    figures. Once per shape and device; outside any trace."""
+    if not scales_after(device, recipe.fast_accum):
+        return
+    N, K = weight_shape
+    shapes = dict(zip(GEMMS, ((tokens, K, N), (tokens, N, K), (N, tokens, K))))  # (M, K, N) each
+    for gemm, _, dtypes in recipe.gemms(compute_dtype):
+        key = (device, gemm, N, K)
+        if key in _AFTER:
+            continue
+        kernel, after = _route_seconds(device, *shapes[gemm], dtypes)
+        _AFTER[key] = after <= kernel
+        logger.info("fp8: row-wise %s GEMM of a %d x %d weight (%s): torch's row-wise kernel %.3f ms, unit scales "
+                    "and the row scales after %.3f ms at %d tokens: %s", gemm, N, K, " x ".join(map(str, shapes[gemm])),
+                    kernel * 1e3, after * 1e3, tokens, "scales after" if _AFTER[key] else "torch's row-wise kernel")
 
 
 def route(layout_: str, device_type: str, fast_accum: bool) -> str:
@@ -178,13 +236,13 @@ def _whole_tiles(a: Quantized, b: Quantized) -> bool:
 
 
 def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, kernel: bool,
-              fast_accum: bool = False, blockwise: bool | None = None) -> torch.Tensor:
+              fast_accum: bool = False, blockwise: bool | None = None, after: bool | None = None) -> torch.Tensor:
     """On torch's kernel (`kernel`) where the tiles are whole, else on the emulation. A
     Linear whose own dimensions are not whole tiles is logged at conversion
     (mixprec.narrow.convert); a micro-batch whose token count is not is said there too: no
     log line here, inside a compiled graph."""
     if kernel and _whole_tiles(a, b):
-        return kernel_mm(a, b, out_dtype, fast_accum, blockwise)
+        return kernel_mm(a, b, out_dtype, fast_accum, blockwise, after)
     return emulated_mm(a, b, out_dtype)
 
 

@@ -24,8 +24,8 @@ from torch import nn
 
 from mixprec.narrow import blockwise_cast
 from mixprec.narrow.gathered import BACKWARD, FORWARD, gathered_copy
-from mixprec.narrow.gemm import route_on, scaled_mm
-from mixprec.narrow.recipe import E4M3, FP8Recipe, Granularity, Tiles
+from mixprec.narrow.gemm import choose_rowwise, route_on, rowwise_after, scaled_mm
+from mixprec.narrow.recipe import E4M3, GEMMS, FP8Recipe, Granularity, Tiles
 from mixprec.narrow.scaling import DelayedScales, Quantized, amax_to_scale, cast, quantize, resolve_tile, tile_amax
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,13 @@ class Plan:
     kernels: tuple[bool, bool, bool]  # forward, dgrad, wgrad: torch's kernel, or the emulation
     device: str = "cpu"  # the device type the kernels were chosen for
     emulated: bool = False  # every GEMM on the emulation because the user asked (fp8.emulate): on any device
+
+    def after(self, gemm: str, weight_shape) -> bool | None:
+        """A row-wise GEMM's route on the plan's device (gemm.rowwise_after: as measured at conversion); None
+        for the other recipes."""
+        if self.recipe.granularity is not Granularity.ROWWISE:
+            return None
+        return rowwise_after(self.device, gemm, tuple(weight_shape), self.recipe.fast_accum)
 
     @property
     def blockwise(self) -> bool:
@@ -56,7 +63,7 @@ class _FP8Matmul(torch.autograd.Function):
     def gemm(xq: Quantized, wq: Quantized, plan: Plan) -> torch.Tensor:
         """The forward GEMM on `cast`'s operands: (M, K) x (N, K)^T -> (M, N) in the compute dtype."""
         return scaled_mm(xq, wq.t(), plan.compute_dtype, kernel=plan.kernels[0], fast_accum=plan.recipe.fast_accum,
-                         blockwise=plan.blockwise)
+                         blockwise=plan.blockwise, after=plan.after(GEMMS[0], wq.data.shape))
 
     @staticmethod
     def cast(ctx, x: torch.Tensor, weight: torch.Tensor, plan: Plan, state):
@@ -98,7 +105,8 @@ class _FP8Matmul(torch.autograd.Function):
             wq_d = gathered_copy(weight, BACKWARD) or quantize(weight, E4M3, t.w_dgrad, power_of_2=pow2)[0]
         else:
             wq_d = wq
-        dx = scaled_mm(gq, wq_d, plan.compute_dtype, kernel=plan.kernels[1], blockwise=plan.blockwise).to(ctx.x_dtype)
+        dx = scaled_mm(gq, wq_d, plan.compute_dtype, kernel=plan.kernels[1], blockwise=plan.blockwise,
+                       after=plan.after(GEMMS[1], weight.shape)).to(ctx.x_dtype)
         return dx, _FP8Matmul.wgrad(ctx, dy, (x_data, x_scale_inv, weight), gq, gq_w, fused), None, None
 
     @staticmethod
@@ -122,7 +130,8 @@ class _FP8Matmul(torch.autograd.Function):
             xq_w = blockwise_cast.recast_transposed(xq, triton=True)
         else:
             xq_w = quantize(xq.dequantize(), E4M3, t.x_wgrad, power_of_2=pow2)[0] if t.x_wgrad else xq
-        return scaled_mm(gq_w.t(), xq_w, torch.float32, kernel=plan.kernels[2], blockwise=plan.blockwise).to(weight.dtype)
+        return scaled_mm(gq_w.t(), xq_w, torch.float32, kernel=plan.kernels[2], blockwise=plan.blockwise,
+                         after=plan.after(GEMMS[2], weight.shape)).to(weight.dtype)
 
 
 def _delayed_cast(x: torch.Tensor, state, role: int, dtype: torch.dtype):
@@ -160,6 +169,7 @@ class FP8Linear(nn.Linear):
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight, new.bias = linear.weight, linear.bias
         new.plan = plan
+        new._choose_rowwise()
         new.fp8_enabled = True  # False: taken out of FP8 during a run (a promotion): a plain Linear's matmul
         if plan.recipe.delayed:
             dev, length = linear.weight.device, plan.recipe.amax_history_len
@@ -179,7 +189,14 @@ class FP8Linear(nn.Linear):
             self.plan = replan(self.plan, type(self), device)
             if self.plan.blockwise:
                 blockwise_cast.probe(device)
+            self._choose_rowwise()
         return out
+
+    def _choose_rowwise(self) -> None:
+        """A row-wise layer on CUDA: its GEMMs' routes measured for its weight's shape (gemm.choose_rowwise)."""
+        plan = self.plan
+        if plan.device == "cuda" and plan.recipe.granularity is Granularity.ROWWISE and all(plan.kernels):
+            choose_rowwise(plan.device, plan.recipe, plan.compute_dtype, tuple(self.weight.shape))
 
     def matmul_state(self):
         """What `matmul` takes besides the plan: delayed scaling's buffers."""
