@@ -1,5 +1,6 @@
 """mixprec's AdamW with bfloat16 moments (fp8-blockwise's optimizer) and with 8-bit moments
-(fp8, 8bit: bf16-mixed-8bit's) against torch's AdamW with FP32 moments (foreach and fused), on
+(fp8, 8bit: bf16-mixed-8bit's; 8bit also with 1 and with 8 parameters of one shape a compiled call,
+the multi-tensor step's A/B) against torch's AdamW with FP32 moments (foreach and fused), on
 the same FP32 parameters, side by side in one process: the step as the trainer takes it
 (found_inf set: skipped or taken on the device; the embeddings and tensors under 4096
 elements keep FP32 moments, as the trainer's), timed over --steps steps with one wait at the
@@ -63,6 +64,11 @@ def main() -> None:
         "mixprec AdamW, bfloat16 moments": AdamW(params, lr=1e-4, moments_dtype=torch.bfloat16),
         **{f"mixprec AdamW, {fmt} moments": AdamW(params, lr=1e-4, states=fmt, embeddings=embeddings)
            for fmt in ("fp8", "8bit")},
+        # the multi-tensor step's A/B: parameters of one shape in calls of 8, or a call each (PER_KERNEL's default
+        # on this device is one of the two rows above)
+        **{f"mixprec AdamW, 8bit moments, per_kernel {n}": AdamW(params, lr=1e-4, states="8bit",
+                                                                  embeddings=embeddings, per_kernel=n)
+           for n in (1, 8)},
     }
     for opt in optimizers.values():  # first steps: state, compiling
         timed(opt, 2, args.device)

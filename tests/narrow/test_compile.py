@@ -16,7 +16,7 @@ import torch._dynamo
 from mixprec.narrow.convert import convert_to_fp8
 from mixprec.narrow.gemm import kernel_mm
 from mixprec.narrow.linear import FP8Linear
-from mixprec.narrow.recipe import E4M3, E5M2, FP8Recipe
+from mixprec.narrow.recipe import E4M3, E5M2, GEMMS, FP8Recipe
 from mixprec.narrow.scaling import quantize
 from mixprec.models.llama import build_model, model_args, rope_tables
 
@@ -109,3 +109,78 @@ def test_the_blockwise_cuda_route_with_its_triton_casts_traces_as_one_graph(monk
                                                    torch.ops.aten._to_copy.default)
                   and n.meta["val"].dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
     assert len(fp8_copies) == linears, [n.meta["val"].shape for n in fp8_copies]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_every_block_reuses_one_compiled_graph(recipe, device):
+    """Each block's forward compiled as the trainer does (parallelize.apply_compile): one graph for all the
+    blocks, on the CPU's route and CUDA's. A microscaled layer's int salt was a constant of the graph, so
+    each block compiled again (8 at most: Dynamo's recompile limit, the rest eager), and its Hadamard signs,
+    first copied to the device inside the trace, compiled the first block twice."""
+    from torch._dynamo.testing import CompileCounter
+
+    args = model_args("debug", 256, dim=256, multiple_of=128, n_layers=3)
+    model = build_model(args, device="cpu", storage_dtype=torch.float32, seed=0)
+    convert_to_fp8(model, FP8Recipe.from_name(recipe), compute_dtype=torch.bfloat16)
+    if device == "meta":  # built elsewhere, then moved (to_empty on a GPU moves it the same way)
+        model = model.to("meta")
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    for blk in model.layers:
+        blk.forward = torch.compile(blk.forward, backend=counter)
+    x, *rest = inputs(args, 64, device)
+    for _ in range(2):
+        h = x
+        for blk in model.layers:
+            h = blk(h, *rest)
+        h.float().square().mean().backward()
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("kernel_faster", [True, False])
+def test_the_rowwise_cuda_route_follows_the_measurement(monkeypatch, caplog, kernel_faster):
+    """Row-wise GEMMs on CUDA take the route measured faster for their weight's shape at conversion
+    (gemm.choose_rowwise; the timing faked here, it needs a GPU): torch's row-wise kernel writes the
+    compute dtype itself, the unit-scaled route an FP32 output the row scales multiply after."""
+    from mixprec.narrow import gemm
+
+    monkeypatch.setattr(gemm, "_AFTER", {})
+    timed = []
+    monkeypatch.setattr(gemm, "_route_seconds", lambda device, m, k, n, dtypes: timed.append((m, k, n)) or (
+        (1e-3, 2e-3) if kernel_faster else (2e-3, 1e-3)))
+    blk, args = block("rowwise", dim=256)
+    linears = [m for m in blk.modules() if isinstance(m, FP8Linear)]
+    with caplog.at_level("INFO", logger="mixprec.narrow.gemm"):
+        for m in linears:
+            m.plan = dataclasses.replace(m.plan, kernels=(True, True, True), device="cuda")
+            m._choose_rowwise()
+    shapes = {tuple(m.weight.shape) for m in linears}
+    assert len(timed) == 3 * len(shapes)  # each GEMM of each shape once
+    assert (gemm.ROWWISE_TOKENS, 256, 256) in timed
+    assert all(gemm.rowwise_after("cuda", g, s, False) is not kernel_faster
+               for g in GEMMS for s in shapes)
+    assert gemm.rowwise_after("cuda", "forward", (1, 1), False)  # unmeasured: scales after, as before
+    assert not gemm.rowwise_after("cuda", "forward", (256, 256), True)  # fast accumulation: the kernel
+    assert not gemm.rowwise_after("cpu", "forward", (256, 256), False)
+    chosen = "torch's row-wise kernel" if kernel_faster else "scales after"
+    assert sum(chosen in r.getMessage() and "1.000 ms" in r.getMessage() for r in caplog.records) == 3 * len(shapes)
+    x, *rest = inputs(args, 128, "meta")
+    forward, backward = graphs_of(blk.to("meta"), x, *rest)
+    outputs = [n.meta["val"].dtype for g in (forward, backward) for n in g.graph.nodes
+               if n.target is torch.ops.aten._scaled_mm.default]
+    assert len(outputs) == 3 * len(linears)
+    # the weight gradient writes FP32 either way
+    assert outputs.count(torch.float32) == (len(linears) if kernel_faster else 3 * len(linears))
+
+
+@pytest.mark.gpu
+def test_the_rowwise_routes_are_timed_on_cuda(monkeypatch):
+    # the CPU twin: test_the_rowwise_cuda_route_follows_the_measurement (the timing faked)
+    from mixprec.narrow import gemm
+
+    monkeypatch.setattr(gemm, "_AFTER", {})
+    gemm.choose_rowwise("cuda", FP8Recipe.from_name("rowwise"), torch.bfloat16, (384, 256), tokens=1024)
+    assert sorted(k[1] for k in gemm._AFTER) == sorted(GEMMS)
+    kernel, after = gemm._route_seconds("cuda", 1024, 256, 384, (E4M3, E4M3, torch.bfloat16))
+    assert 0 < kernel < 1 and 0 < after < 1

@@ -172,3 +172,36 @@ def test_non_contiguous_weights_step_on_the_compiled_kernel_as_contiguous_ones(l
     assert torch.equal(odd.detach(), plain.detach())
     for key in ("exp_avg", "exp_avg_sq"):
         assert torch.equal(opts[0].state[odd][key].contiguous(), opts[1].state[plain][key])
+
+
+@pytest.mark.parametrize("states, dtype", [("8bit", torch.float32), ("fp8", torch.float32), ("8bit", torch.bfloat16)])
+def test_parameters_alike_step_in_one_call_with_the_bits_of_one_call_each(monkeypatch, states, dtype):
+    """The multi-tensor step (parameters of one shape in one compiled call) against a call per
+    parameter: the same bits, in fewer calls; a row's short last block, FP32 moments kept for a small
+    tensor and compensated bfloat16 weights included, and a skipped step."""
+    from mixprec.optim import adamw
+
+    calls = []
+    original = adamw._Compiled.__call__
+    monkeypatch.setattr(adamw._Compiled, "__call__", lambda self, *a: calls.append(len(a[0])) or original(self, *a))
+    gen = torch.Generator().manual_seed(0)
+    first = [torch.randn(s, generator=gen).to(dtype) for s in [(64, 300)] * 3 + [(32, 256), (16, 16)]]
+    results = []
+    for per_kernel in (1, 4):
+        params = [torch.nn.Parameter(w.clone()) for w in first]
+        opt = AdamW(params, lr=1e-2, states=states, compile=True, per_kernel=per_kernel,
+                    compensated=dtype != torch.float32)
+        calls.clear()
+        for step in range(3):
+            grads = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=grads).to(dtype)
+            opt.grad_scale, opt.found_inf = None, torch.tensor(float(step == 1))
+            opt.step()
+        bits = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t  # noqa: E731
+        results.append(([p.detach().clone() for p in params],
+                        [bits(t) for p in params for t in opt.state[p].values() if torch.is_tensor(t)], list(calls)))
+    (w1, s1, calls1), (w4, s4, calls4) = results
+    assert all(torch.equal(a, b) for a, b in zip(w1, w4)) and all(torch.equal(a, b) for a, b in zip(s1, s4))
+    # a call per parameter part (the 300-wide rows: whole blocks, then the short one), then one per shape and part
+    assert max(calls1) == 1 and len(calls1) == 3 * 8 and max(calls4) == 3 and len(calls4) == 3 * 4

@@ -2,12 +2,13 @@
 weights (DeepSeek-V3: 4 bytes per parameter instead of 8), or in 8 bits (FP8 or the
 block-wise dynamic code, mixprec.optim.state_formats: about 2 bytes per parameter).
 
-Each step takes one parameter at a time: its moments are widened to FP32 (dequantized),
-updated with exactly torch.optim.AdamW's arithmetic (single-tensor path: decoupled weight
-decay, lerp, bias correction), and rounded back to nearest (re-quantized once). With
-moments in float32 the widening is a no-op and the parameters match
-torch.optim.AdamW(foreach=False) bit for bit (tests/optim/test_adamw.py); the FP32
-temporaries never exceed one parameter's size. In 8 bits, tensors under the format's
+Each parameter's moments are widened to FP32 (dequantized), updated with exactly
+torch.optim.AdamW's arithmetic (single-tensor path: decoupled weight decay, lerp, bias
+correction), and rounded back to nearest (re-quantized once). With moments in float32 the
+widening is a no-op and the parameters match torch.optim.AdamW(foreach=False) bit for bit
+(tests/optim/test_adamw.py). On a GPU, and on a CPU for quantized moments, the parameters step
+together: one compiled graph for all of a group's parameters (FP32 in registers, each block
+read once), one call a step rather than one a parameter. In 8 bits, tensors under the format's
 min_size and (by default) embeddings keep FP32 moments; `compensated` steps low-precision
 weights with a Kahan compensation (bf16-kahan's rule, mixprec.optim.updates) where the
 moments are quantized.
@@ -15,7 +16,6 @@ moments are quantized.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -30,16 +30,15 @@ logger = logging.getLogger(__name__)
 
 COMPENSATION = "kahan_compensation"  # as mixprec.optim.updates
 BLOCK = "moments_block"  # the state key of a quantized format's block size (an int)
+# parameters of one shape one compiled call steps, by device type: on a GPU the step was its host work,
+# ~140 us a call; on a CPU its arithmetic (the same time either way), and a graph of 8 parameters took
+# 5x longer to compile than 8 calls of one (small flavor, 151 s against 31 s: Inductor's work grows with
+# the graph, its kernels are not shared within it)
+PER_KERNEL = {"cuda": 8, "cpu": 1}
 COMPILE_MIN_NUMEL = 2**16  # CPU tensors smaller than this step eagerly by default (AdamW._compiles)
 MOMENTS = {"exp_avg": True, "exp_avg_sq": False}  # key -> signed code
 NOT_IMPLEMENTED = ("amsgrad", "capturable", "differentiable")  # torch.optim.AdamW's options refused here
 FP32_MOMENTS = StateFormat("fp32")
-
-
-@functools.cache
-def _moments_kernel():
-    """fused_adamw.adamw_moments_ compiled once per process (dynamic shapes: every parameter)."""
-    return torch.compile(fused_adamw.adamw_moments_, dynamic=True)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -108,14 +107,15 @@ class AdamW(torch.optim.Optimizer):
     moments unless the format says otherwise). `compensated`: with quantized moments, every
     low-precision weight steps with a Kahan compensation (bf16-kahan-8bit). `convert`: a loaded state in
     another format is converted (else refused). `compile`: with quantized moments, each
-    parameter's step is one compiled kernel (fused_adamw; None: but for small CPU tensors, and
+    parameter's step is compiled (fused_adamw; None: but for small CPU tensors, and
     where it compiles, else eagerly, logged; False: the eager reference, torch.optim.AdamW's
-    arithmetic to the bit)."""
+    arithmetic to the bit). `per_kernel`: parameters of one shape one compiled multi-tensor call steps (None:
+    PER_KERNEL's for the device; 1: one call a parameter; the same bits either way)."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, maximize: bool = False, moments_dtype: torch.dtype = torch.bfloat16,
                  states: StateFormat | str | None = None, embeddings=(), compensated: bool = False,
-                 convert: bool = False, compile: bool | None = None):
+                 convert: bool = False, compile: bool | None = None, per_kernel: int | None = None):
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -130,7 +130,7 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError("compensated updates with dense moments: mixprec.BF16Updates(optimizer, 'kahan') does "
                              "those; accepted here: fp8 or 8bit moments")
         self.moments_dtype = self.states.dtype  # a quantized format's codes
-        self.compensated, self.convert, self.compile = compensated, convert, compile
+        self.compensated, self.convert, self.compile, self.per_kernel = compensated, convert, compile, per_kernel
         self._kernels, self._said_eager = {}, False
         self._embeddings = {id(p) for p in embeddings}
         self.kept_fp32 = {}  # id(parameter) -> why its moments stay FP32 in a quantized format
@@ -259,7 +259,7 @@ class AdamW(torch.optim.Optimizer):
                     device = p.device if found_inf is not None or self.states.quantized else "cpu"
                     self._init_state(p, state, device)
             grads = [p.grad if inv_scale is None else p.grad * inv_scale.to(p.grad.device) for p in params]
-            if self.states.quantized:  # one parameter at a time, the skip decided on the device
+            if self.states.quantized:  # the skip decided on the device
                 skip = found_inf if found_inf is not None else torch.zeros((), device=_local(params[0]).device) \
                     if params else None
                 compiled = [self._compiles(p) for p in params]
@@ -267,7 +267,7 @@ class AdamW(torch.optim.Optimizer):
                     if not kernel:
                         self._update_quantized(p, grad, self.state[p], group, skip)
                 if any(compiled):
-                    self._quantized_kernels(group, *zip(*[(p, g) for p, g, k in zip(params, grads, compiled) if k]),
+                    self._compiled_steps(group, *zip(*[(p, g) for p, g, k in zip(params, grads, compiled) if k]),
                                             skip)
             elif found_inf is None:
                 for p, grad in zip(params, grads):
@@ -297,19 +297,15 @@ class AdamW(torch.optim.Optimizer):
 
     def _steps_unless(self, group, params, grads, found_inf: torch.Tensor) -> None:
         """One step of `params` of `group` taken or skipped on the device (found_inf 1: nothing
-        changes), the step counts and bias corrections there too. On a GPU each parameter is
-        one compiled kernel (fused_adamw.adamw_moments_: FP32 in registers, the moments read
-        and written in their own dtype); on a CPU _update_unless, the reference."""
+        changes), the step counts and bias corrections there too. On a GPU the compiled kernels
+        (fused_adamw.adamw_moments_: FP32 in registers, the moments read
+        and written in their own dtype; all of them in one multi-tensor call); on a CPU _update_unless,
+        the reference."""
         if params[0].device.type == "cpu":
             for p, grad in zip(params, grads):
                 self._update_unless(p, grad, self.state[p], group, found_inf)
             return
-        skip = found_inf.to(params[0].device)
-        states = [self.state[p] for p in params]
-        kernel = _moments_kernel()
-        for p, grad, state, scalars in zip(params, grads, states,
-                                           fused_adamw.device_steps(group, states, [p.device for p in params], skip)):
-            kernel(p, grad, state["exp_avg"], state["exp_avg_sq"], skip, *scalars)
+        self._compiled_steps(group, params, grads, found_inf)
 
     def _update_unless(self, p, grad, state, group, found_inf: torch.Tensor) -> None:
         """_update's arithmetic with the step count and bias corrections on the device (the
@@ -347,48 +343,60 @@ class AdamW(torch.optim.Optimizer):
                         COMPILE_MIN_NUMEL)
         return not small
 
-    def _quantized_kernels(self, group, params, grads, found_inf: torch.Tensor) -> None:
-        """Each parameter's step as one compiled kernel (fused_adamw): adamw_quantized_ where its
-        moments are quantized, else adamw_moments_ (FP32 moments) or adamw_kahan_ (a compensated
-        low-precision weight); the step counts and scalars on the device, no host read."""
+    def _compiled_steps(self, group, params, grads, found_inf: torch.Tensor) -> None:
+        """The parameters' steps as compiled multi-tensor kernels (fused_adamw's functions): one compiled
+        graph for up to `per_kernel` parameters of one weight dtype, shape and kind:
+        adamw_quantized_ where the moments are quantized, else adamw_moments_ (FP32 moments) or
+        adamw_kahan_ (a compensated low-precision weight); the step counts and scalars on the device, no
+        host read. Few calls, not one a parameter: the host's work (guards, wrappers, launches) was the
+        step's cost on a GPU. A graph of every parameter took minutes to compile (PER_KERNEL); graphs of
+        parameters alike are compiled once and called for each such group."""
         states = [self.state[p] for p in params]
         device = _local(params[0]).device
         skip = found_inf.to(device)
         tables = [f(signed, device) for f in (code_on, lookup_on) for signed in (True, False)]
-        for p, grad, state, scalars in zip(params, grads, states,
-                                           fused_adamw.device_steps(group, states, [p.device for p in params], skip)):
-            scalars = [_local(x) for x in scalars]
-            g = _local(grad)
+        steps = fused_adamw.advanced_steps(states, [p.device for p in params], skip)
+        step_sizes, roots, *rest = (_local(x) for x in fused_adamw.stacked_scalars(group, steps))
+        # each parameter's two scalars a tensor of its own (views): indexed by a constant in the graph, each
+        # kernel would be its own code, compiled apart from its identical neighbours
+        own = list(zip(step_sizes.unbind(), roots.unbind()))
+        calls: dict[torch.dtype, list] = {}  # weight dtype -> [((kind, static), tensors, the two scalars)]
+        copies = []  # (tensor, the contiguous copy its kernel writes): copied back after
+        for i, (p, grad, state) in enumerate(zip(params, grads, states)):
             held = [_local(p).detach(), _local(state[COMPENSATION]) if COMPENSATION in state else None,
                     _local(state["exp_avg"]), _local(state["exp_avg_sq"])]  # not a Parameter: compile keeps those static
             weight, c, m, v = work = [_as_rows(t) for t in held]
-            fmt = self.format_of(p)
+            copies += [(t, w) for t, w in zip(held, work) if w is not t]
+            g, fmt, mine = _local(grad), self.format_of(p), calls.setdefault(weight.dtype, [])
             if fmt.quantized:
                 scales = _local(state["exp_avg" + SCALE]), _local(state["exp_avg_sq" + SCALE])
                 for cols, scale_cols, block in _row_parts(weight.shape[-1] if weight.dim() else 1, fmt.block_size):
-                    cut = lambda t: t if t is None or t.dim() == 0 else t[..., cols]
-                    kernel = self._kernel(fused_adamw.adamw_quantized_, weight.dtype, fmt=fmt.name, block=block,
-                                          trailing=tuple(cut(weight).shape[1:]))
-                    kernel(cut(weight), cut(c), cut(g), cut(m), scales[0][..., scale_cols], cut(v),
-                           scales[1][..., scale_cols], *tables, skip, *scalars)
+                    cut = lambda t: t if t is None or t.dim() == 0 else t[..., cols]  # noqa: E731
+                    mine.append((("quantized", (("fmt", fmt.name), ("block", block))),
+                                 (cut(weight), cut(c), cut(g), cut(m), scales[0][..., scale_cols], cut(v),
+                                  scales[1][..., scale_cols]), own[i]))
             elif c is not None:
-                self._kernel(fused_adamw.adamw_kahan_, weight.dtype)(weight, c, g, m, v, skip, *scalars)
+                mine.append((("kahan", ()), (weight, c, g, m, v), own[i]))
             else:
-                self._kernel(fused_adamw.adamw_moments_, weight.dtype)(weight, g, m, v, skip, *scalars)
-            for t, written in zip(held, work):
-                if written is not t:
-                    t.copy_(written)
+                mine.append((("moments", ()), (weight, g, m, v), own[i]))
+        for dtype, these in calls.items():
+            alike: dict[tuple, list] = {}  # the parameters one kernel of static shapes serves: stepped together
+            for call in these:
+                alike.setdefault((call[0], tuple(None if t is None else tuple(t.shape) for t in call[1])), []).append(call)
+            for (kind, shapes), group_of in alike.items():
+                size = self.per_kernel or PER_KERNEL.get(device.type, 1)
+                for chunk in (group_of[k:k + size] for k in range(0, len(group_of), size)):
+                    self._kernel(_stepper, dtype, (kind,) * len(chunk), shapes)(
+                        [c[1] for c in chunk], [c[2] for c in chunk], tables, skip, *rest)
+        for t, written in copies:
+            t.copy_(written)
 
-    def _kernel(self, fn, dtype: torch.dtype, **static):
-        """fn with `static` keywords (`trailing`: a key only), compiled once per (function, keywords, weight dtype) with
-        dynamic shapes (with keywords, the quantized kernel: dynamic rows only, so its blocks'
-        indexing is static: dynamic widths cost a scalar loop over divided indices, 3x slower);
-        where compiling fails (and `compile` is None), the same function eagerly, logged once."""
-        key = (fn, dtype, tuple(sorted(static.items())))
+    def _kernel(self, fn, dtype: torch.dtype, structure: tuple, shapes: tuple):
+        """fn(structure) compiled once per (structure, its tensors' shapes, weight dtype), with static
+        shapes; where compiling fails (and `compile` is None), the same function eagerly, logged once."""
+        key = (fn, dtype, structure, shapes)
         if key not in self._kernels:
-            static.pop("trailing", None)  # a key only: one compiled kernel per trailing shape
-            self._kernels[key] = _Compiled(_with_constants(fn, **static), fn.__name__, dtype, self.compile,
-                                           rows_only=bool(static))
+            self._kernels[key] = _Compiled(fn(structure, len(self._kernels)), fn.__name__, dtype, self.compile)
         return self._kernels[key]
 
     def _update_quantized(self, p, grad, state, group, found_inf: torch.Tensor) -> None:
@@ -449,20 +457,29 @@ def _as_rows(t: torch.Tensor | None) -> torch.Tensor | None:
         return t.contiguous()
 
 
-def _with_constants(fn, **static):
-    """fn with `static` bound as constants of a closure: torch.compile(dynamic=True) treats an
-    argument int as a symbol, and a block size the kernel divides by at run time costs an integer
-    division per element; a closure's int is specialised."""
-    if not static:
-        return fn
+KERNELS = {"quantized": fused_adamw.adamw_quantized_, "kahan": fused_adamw.adamw_kahan_,
+           "moments": fused_adamw.adamw_moments_}
 
-    def kernel(*args):
-        return fn(*args, **static)
 
-    # its own code object: Dynamo keeps compiled variants (and counts them against its recompile
-    # limit) per code object, so each kernel's shapes are its own
-    kernel.__code__ = kernel.__code__.replace(co_name=f"{fn.__name__}_{'_'.join(map(str, static.values()))}")
-    return kernel
+def _stepper(structure: tuple, number: int):
+    """One function stepping a list of parameters: `structure` holds each call's (kind of KERNELS,
+    keywords); its tensors, and its step size and bias correction 2's root, come in lists alike.
+    Compiled with static shapes, so every block size and width is a constant of its loops (a block
+    size the kernel divided by at run time cost an integer division per element, dynamic widths a
+    scalar loop: 3x slower)."""
+
+    def step(tensors, own, tables, skip, *rest):
+        for (kind, static), args, (step_size, bias_correction2_sqrt) in zip(structure, tensors, own):
+            scalars = (step_size, bias_correction2_sqrt, *rest)
+            if kind == "quantized":
+                KERNELS[kind](*args, *tables, skip, *scalars, **dict(static))
+            else:
+                KERNELS[kind](*args, skip, *scalars)
+
+    # its own code object: Dynamo keeps compiled graphs (and counts them against its recompile limit)
+    # per code object, so each group of parameters has its own
+    step.__code__ = step.__code__.replace(co_name=f"adamw_step_{number}")
+    return step
 
 
 def _row_parts(n: int, block: int) -> list[tuple[slice, slice, int]]:
@@ -476,19 +493,19 @@ def _row_parts(n: int, block: int) -> list[tuple[slice, slice, int]]:
 
 
 class _Compiled:
-    """A kernel compiled at its first call (torch.compile, dynamic shapes, the rounding's
-    options for the weight dtype), or run eagerly where that fails and compiling was not
-    demanded (logged once)."""
+    """A kernel compiled at its first call (torch.compile, static shapes, the rounding's options
+    for the weight dtype), or run eagerly where that fails and compiling was not demanded (logged
+    once)."""
 
-    def __init__(self, fn, name: str, dtype: torch.dtype, demand: bool | None, rows_only: bool = False):
-        self.fn, self.name, self.dtype, self.demand, self.rows_only = fn, name, dtype, demand, rows_only
-        self.compiled = torch.compile(fn, dynamic=not rows_only, options=compile_options(dtype))
+    def __init__(self, fn, name: str, dtype: torch.dtype, demand: bool | None):
+        self.fn, self.name, self.dtype, self.demand = fn, name, dtype, demand
+        self.compiled = torch.compile(fn, dynamic=False, options=compile_options(dtype))
         self.failed, self.checked = False, False
 
     def __call__(self, *args):
         if not self.checked:  # bfloat16 weights round by Veltkamp's split: as BF16Updates, eager where unsafe
             self.checked = True
-            device = next(t.device for t in args if torch.is_tensor(t))
+            device = args[2][0].device  # the tables'
             unsafe = compiled_nearest_unsafe(device) if self.dtype == torch.bfloat16 else None
             if unsafe and self.demand:
                 raise RuntimeError(f"{self.name} cannot be compiled exactly here: {unsafe}")
@@ -498,10 +515,6 @@ class _Compiled:
                                device.type, unsafe)
         if self.failed:
             return self.fn(*args)
-        if self.rows_only:  # a kernel per last dimension, any number of rows: its blocks are static
-            for t in args:
-                if torch.is_tensor(t) and t.dim() >= 2 and t.shape[0] >= 2:
-                    torch._dynamo.maybe_mark_dynamic(t, 0)  # not an error where a size specialises
         try:
             return self.compiled(*args)
         except Exception as e:  # no C++ compiler or Triton, an unsupported platform, ...

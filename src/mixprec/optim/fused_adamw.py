@@ -123,11 +123,7 @@ def scalars(group: dict, steps: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
     step count lives (no host read), with the arithmetic Python's floats would do (pow,
     correctly rounded division: equal to `lr / (1 - beta1**step)` and `(1 - beta2**step)
     ** 0.5` on a CPU, tests/optim/test_updates.py); the others are host constants."""
-    step_size, bias_correction2_sqrt = bias_corrections(group, steps)
-    lr, (beta1, beta2) = group["lr"], group["betas"]
-    rest = tuple(torch.tensor(x, dtype=torch.float64) for x in (lr, beta1, beta2, group["eps"],
-                                                                group["weight_decay"],
-                                                                -1.0 if group.get("maximize") else 1.0))
+    step_size, bias_correction2_sqrt, *rest = stacked_scalars(group, steps)
     return [(a, b, *rest) for a, b in zip(step_size.unbind(), bias_correction2_sqrt.unbind())]
 
 
@@ -135,13 +131,27 @@ def device_steps(group: dict, states: list[dict], devices, skip: torch.Tensor) -
     """Each parameter's step count (its state["step"], moved beside it where it was loaded onto
     the CPU) advanced by 1 - skip on the device, so a skipped step is not counted, and the
     kernels' scalars at the new counts (`scalars`)."""
+    return scalars(group, advanced_steps(states, devices, skip))
+
+
+def advanced_steps(states: list[dict], devices, skip: torch.Tensor) -> torch.Tensor:
+    """device_steps' counts advanced, stacked: (P,) floats on the device."""
     for state, device in zip(states, devices):
         if state["step"].device != device:
             state["step"] = state["step"].to(device)
     steps = [state["step"] for state in states]
     taken = 1 - (skip != 0).float()  # any nonzero found_inf is one skip
     torch._foreach_add_(steps, [taken] * len(steps))  # a list: the one-tensor overload reads it on the host
-    return scalars(group, torch.stack(steps))
+    return torch.stack(steps)
+
+
+def stacked_scalars(group: dict, steps: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`scalars` for all of `steps` at once: step_size and bias correction 2's root as (P,) float64
+    tensors (parameter i's are element i), the rest 0-dim: what a multi-tensor kernel takes."""
+    return (*bias_corrections(group, steps),
+            *(torch.tensor(x, dtype=torch.float64) for x in (group["lr"], *group["betas"], group["eps"],
+                                                              group["weight_decay"],
+                                                              -1.0 if group.get("maximize") else 1.0)))
 
 
 def bias_corrections(group: dict, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
