@@ -60,7 +60,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--flavor", default="1B")
     p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--layers", type=int, default=1, help="blocks, each compiled (default 1; the flavor's own: its count)")
+    p.add_argument("--layers", type=int, default=1, help="blocks, each compiled as the trainer does")
     p.add_argument("--recipes", nargs="*", default=["tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4"])
     p.add_argument("--routes", nargs="*", default=["cpu", "meta"])
     args = p.parse_args()

@@ -152,9 +152,9 @@ def test_the_rowwise_cuda_route_follows_the_measurement(monkeypatch, caplog, ker
     blk, args = block("rowwise", dim=256)
     linears = [m for m in blk.modules() if isinstance(m, FP8Linear)]
     with caplog.at_level("INFO", logger="mixprec.narrow.gemm"):
-        for m in linears:
+        for m in linears:  # as FP8Linear._choose_rowwise on a GPU, when converted or moved there
             m.plan = dataclasses.replace(m.plan, kernels=(True, True, True), device="cuda")
-            m._choose_rowwise()
+            gemm.choose_rowwise("cuda", m.plan.recipe, m.plan.compute_dtype, tuple(m.weight.shape))
     shapes = {tuple(m.weight.shape) for m in linears}
     assert len(timed) == 3 * len(shapes)  # each GEMM of each shape once
     assert (gemm.ROWWISE_TOKENS, 256, 256) in timed

@@ -97,7 +97,7 @@ def probe(device_type: str) -> str | None:
     backward's first cast there. `applies` only reads the answer in a
     compiled step."""
     if device_type not in _PROBED:
-        if _tracing():  # fake tensors (a memory plan, a trace) run no kernel: asked again for real
+        if tracing():  # fake tensors (a memory plan, a trace) run no kernel: asked again for real
             return "not probed while tracing"
         why = _PROBED[device_type] = _probe(device_type)
         if why is None:
@@ -138,12 +138,12 @@ def applies(x: torch.Tensor, dtype: torch.dtype, tiles, power_of_2: bool, triton
         return False
     if triton is not None:
         return triton
-    if x.device.type not in _PROBED and not _tracing(x):
+    if x.device.type not in _PROBED and not tracing(x):
         probe(x.device.type)  # a device no conversion, move or setup probed: probed here, eagerly, once
     return _PROBED.get(x.device.type, "not probed") is None
 
 
-def _tracing(x: torch.Tensor | None = None) -> bool:
+def tracing(x: torch.Tensor | None = None) -> bool:
     """Whether the code runs traced (Dynamo, or on fake tensors: AOTAutograd's, a memory plan's;
     x's or the active mode's): no kernel runs there."""
     return torch.compiler.is_compiling() or torch._guards.detect_fake_mode((x,) if x is not None else ()) is not None

@@ -195,7 +195,8 @@ class FP8Linear(nn.Linear):
     def _choose_rowwise(self) -> None:
         """A row-wise layer on CUDA: its GEMMs' routes measured for its weight's shape (gemm.choose_rowwise)."""
         plan = self.plan
-        if plan.device == "cuda" and plan.recipe.granularity is Granularity.ROWWISE and all(plan.kernels):
+        if (plan.device == "cuda" and plan.recipe.granularity is Granularity.ROWWISE and all(plan.kernels)
+                and torch.cuda.is_available() and not blockwise_cast.tracing(self.weight)):  # fake: nothing to time
             choose_rowwise(plan.device, plan.recipe, plan.compute_dtype, tuple(self.weight.shape))
 
     def matmul_state(self):

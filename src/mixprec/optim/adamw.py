@@ -382,7 +382,8 @@ class AdamW(torch.optim.Optimizer):
         for dtype, these in calls.items():
             alike: dict[tuple, list] = {}  # the parameters one kernel of static shapes serves: stepped together
             for call in these:
-                alike.setdefault((call[0], tuple(None if t is None else tuple(t.shape) for t in call[1])), []).append(call)
+                shapes = tuple(None if t is None else tuple(t.shape) for t in call[1])
+                alike.setdefault((call[0], shapes), []).append(call)
             for (kind, shapes), group_of in alike.items():
                 size = self.per_kernel or PER_KERNEL.get(device.type, 1)
                 for chunk in (group_of[k:k + size] for k in range(0, len(group_of), size)):
