@@ -97,7 +97,7 @@ def test_fp8_recipes_use_torchs_kernels_and_pass_the_audit_on_cuda(tmp_path, tex
     report = json.loads(capsys.readouterr().out)
     assert report["ok"]
     if preset != "fp8-blockwise":  # each GEMM named by its kernel (tests/narrow/test_gemm.py: the CPU twin)
-        kernel = "torch._scaled_mm with unit scales" if preset == "fp8-rowwise" else "torch._scaled_mm"
+        kernel = "torch._scaled_mm row-wise, or with unit scales" if preset == "fp8-rowwise" else "torch._scaled_mm"
         assert any(f"forward: {kernel}" in n and f"weight gradient: {kernel}" in n for n in report["notes"])
 
 

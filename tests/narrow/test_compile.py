@@ -111,7 +111,7 @@ def test_the_blockwise_cuda_route_with_its_triton_casts_traces_as_one_graph(monk
     assert len(fp8_copies) == linears, [n.meta["val"].shape for n in fp8_copies]
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])  # the FP8 recipes' layers hold no per-layer constant
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_every_block_reuses_one_compiled_graph(recipe, device):
     """Each block's forward compiled as the trainer does (parallelize.apply_compile): one graph for all the

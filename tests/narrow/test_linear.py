@@ -147,7 +147,7 @@ def test_compiled_blockwise_backward_outside_autocast():
 
 def test_the_conversion_names_each_gemms_kernel():
     """The startup line's kernel per GEMM (the CPU twin of test_gpu.py's audit check): on CUDA
-    row-wise runs the tensor-wise kernel with the row scales after, tensor-wise's forward keeps
+    row-wise runs the route measured faster for its shape, tensor-wise's forward keeps
     fast accumulation on torch's kernel, block-wise goes through the registered op."""
     def names(recipe: str, device: str, emulated=()):
         routes = {g: ("no kernel" if g in emulated else None) for g in GEMMS}
@@ -159,5 +159,5 @@ def test_the_conversion_names_each_gemms_kernel():
     assert set(names("blockwise", "cuda").values()) == {KERNELS["blockwise"]}
     mixed = names("blockwise", "cpu", emulated=GEMMS[1:])
     assert mixed[GEMMS[0]] == KERNELS["blockwise"] and mixed[GEMMS[2]] == "emulated"
-    assert "forward: torch._scaled_mm with unit scales" in Conversion(
+    assert "forward: torch._scaled_mm row-wise, or with unit scales" in Conversion(
         RECIPES["rowwise"], routes={g: None for g in GEMMS}, device="cuda").describe()
