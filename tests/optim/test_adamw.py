@@ -179,11 +179,12 @@ def test_parameters_alike_step_in_one_call_with_the_bits_of_one_call_each(monkey
     """The multi-tensor step (parameters of one shape in one compiled call) against a call per
     parameter: the same bits, in fewer calls; a row's short last block, FP32 moments kept for a small
     tensor and compensated bfloat16 weights included, and a skipped step."""
-    from mixprec.optim import adamw
+    from mixprec.optim import fused_adamw
 
     calls = []
-    original = adamw._Compiled.__call__
-    monkeypatch.setattr(adamw._Compiled, "__call__", lambda self, *a: calls.append(len(a[0])) or original(self, *a))
+    original = fused_adamw.Compiled.__call__
+    monkeypatch.setattr(fused_adamw.Compiled, "__call__",
+                        lambda self, *a: calls.append(len(a[0])) or original(self, *a))
     gen = torch.Generator().manual_seed(0)
     first = [torch.randn(s, generator=gen).to(dtype) for s in [(64, 300)] * 3 + [(32, 256), (16, 16)]]
     results = []

@@ -24,7 +24,6 @@ from mixprec.errors import UserError
 from mixprec.optim import fused_adamw
 from mixprec.optim.state_formats import (SCALE, StateFormat, code_on, dequantize, lookup_on, quantize,
                                          scale_shape)
-from mixprec.rounding import compile_options, compiled_nearest_unsafe
 
 logger = logging.getLogger(__name__)
 
@@ -364,7 +363,7 @@ class AdamW(torch.optim.Optimizer):
         copies = []  # (tensor, the contiguous copy its kernel writes): copied back after
         for i, (p, grad, state) in enumerate(zip(params, grads, states)):
             held = [_local(p).detach(), _local(state[COMPENSATION]) if COMPENSATION in state else None,
-                    _local(state["exp_avg"]), _local(state["exp_avg_sq"])]  # not a Parameter: compile keeps those static
+                    _local(state["exp_avg"]), _local(state["exp_avg_sq"])]  # not a Parameter: compiled as static
             weight, c, m, v = work = [_as_rows(t) for t in held]
             copies += [(t, w) for t, w in zip(held, work) if w is not t]
             g, fmt, mine = _local(grad), self.format_of(p), calls.setdefault(weight.dtype, [])
@@ -387,7 +386,7 @@ class AdamW(torch.optim.Optimizer):
             for (kind, shapes), group_of in alike.items():
                 size = self.per_kernel or PER_KERNEL.get(device.type, 1)
                 for chunk in (group_of[k:k + size] for k in range(0, len(group_of), size)):
-                    self._kernel(_stepper, dtype, (kind,) * len(chunk), shapes)(
+                    self._kernel(fused_adamw.stepper, dtype, (kind,) * len(chunk), shapes)(
                         [c[1] for c in chunk], [c[2] for c in chunk], tables, skip, *rest)
         for t, written in copies:
             t.copy_(written)
@@ -397,7 +396,8 @@ class AdamW(torch.optim.Optimizer):
         shapes; where compiling fails (and `compile` is None), the same function eagerly, logged once."""
         key = (fn, dtype, structure, shapes)
         if key not in self._kernels:
-            self._kernels[key] = _Compiled(fn(structure, len(self._kernels)), fn.__name__, dtype, self.compile)
+            step = fn(structure, len(self._kernels))
+            self._kernels[key] = fused_adamw.Compiled(step, fn.__name__, dtype, self.compile)
         return self._kernels[key]
 
     def _update_quantized(self, p, grad, state, group, found_inf: torch.Tensor) -> None:
@@ -458,31 +458,6 @@ def _as_rows(t: torch.Tensor | None) -> torch.Tensor | None:
         return t.contiguous()
 
 
-KERNELS = {"quantized": fused_adamw.adamw_quantized_, "kahan": fused_adamw.adamw_kahan_,
-           "moments": fused_adamw.adamw_moments_}
-
-
-def _stepper(structure: tuple, number: int):
-    """One function stepping a list of parameters: `structure` holds each call's (kind of KERNELS,
-    keywords); its tensors, and its step size and bias correction 2's root, come in lists alike.
-    Compiled with static shapes, so every block size and width is a constant of its loops (a block
-    size the kernel divided by at run time cost an integer division per element, dynamic widths a
-    scalar loop: 3x slower)."""
-
-    def step(tensors, own, tables, skip, *rest):
-        for (kind, static), args, (step_size, bias_correction2_sqrt) in zip(structure, tensors, own):
-            scalars = (step_size, bias_correction2_sqrt, *rest)
-            if kind == "quantized":
-                KERNELS[kind](*args, *tables, skip, *scalars, **dict(static))
-            else:
-                KERNELS[kind](*args, skip, *scalars)
-
-    # its own code object: Dynamo keeps compiled graphs (and counts them against its recompile limit)
-    # per code object, so each group of parameters has its own
-    step.__code__ = step.__code__.replace(co_name=f"adamw_step_{number}")
-    return step
-
-
 def _row_parts(n: int, block: int) -> list[tuple[slice, slice, int]]:
     """A row of n elements as (its columns, their scales' columns, block size): the whole blocks,
     then the short last one as a block of its own size (each a kernel with static blocks)."""
@@ -491,37 +466,3 @@ def _row_parts(n: int, block: int) -> list[tuple[slice, slice, int]]:
     if n % block:
         parts.append((slice(whole, n), slice(whole // block, whole // block + 1), n - whole))
     return parts
-
-
-class _Compiled:
-    """A kernel compiled at its first call (torch.compile, static shapes, the rounding's options
-    for the weight dtype), or run eagerly where that fails and compiling was not demanded (logged
-    once)."""
-
-    def __init__(self, fn, name: str, dtype: torch.dtype, demand: bool | None):
-        self.fn, self.name, self.dtype, self.demand = fn, name, dtype, demand
-        self.compiled = torch.compile(fn, dynamic=False, options=compile_options(dtype))
-        self.failed, self.checked = False, False
-
-    def __call__(self, *args):
-        if not self.checked:  # bfloat16 weights round by Veltkamp's split: as BF16Updates, eager where unsafe
-            self.checked = True
-            device = args[2][0].device  # the tables'
-            unsafe = compiled_nearest_unsafe(device) if self.dtype == torch.bfloat16 else None
-            if unsafe and self.demand:
-                raise RuntimeError(f"{self.name} cannot be compiled exactly here: {unsafe}")
-            if unsafe:
-                self.failed = True
-                logger.warning("optimizer: %s on %s runs eagerly (the same arithmetic, slower): %s", self.name,
-                               device.type, unsafe)
-        if self.failed:
-            return self.fn(*args)
-        try:
-            return self.compiled(*args)
-        except Exception as e:  # no C++ compiler or Triton, an unsupported platform, ...
-            if self.demand:
-                raise
-            self.failed = True
-            logger.warning("optimizer: %s runs eagerly (the same arithmetic, slower): torch.compile failed: %s",
-                           self.name, str(e).splitlines()[0] if str(e) else type(e).__name__)
-            return self.fn(*args)
