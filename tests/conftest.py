@@ -26,6 +26,16 @@ def tiny_args(folder: Path, source: Path, *extra: str) -> list[str]:
             "--metrics.progress_bar", "false", "--metrics.plot", "false", "--training.device", "cpu", *extra]
 
 
+def tiny_qwen3_moe(folder: Path) -> Path:
+    """A transformers Qwen3-MoE config.json of moe-debug's size (8 experts, 2 a token) in `folder`."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(dict(
+        model_type="qwen3_moe", hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512, num_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=64)))
+    return folder
+
+
 def run_train(folder: Path, source: Path, *extra: str) -> list[dict]:
     """Train and return the records of metrics.jsonl."""
     assert main(tiny_args(folder, source, *extra)) == 0

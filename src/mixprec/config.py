@@ -260,6 +260,10 @@ class Parallelism:
     """Keep sharded parameters, gradients and optimizer states in CPU memory (FSDP2's CPUOffloadPolicy)."""
     lowp_all_gather: bool = True
     """FSDP2 all-gathers the weights of FP8 and microscaled Linear layers in their own format with their scales (1 byte an element, ~0.56 for FP4) instead of bfloat16; a layer where that cannot hold gathers bfloat16, logged with the reason."""
+    expert_parallel_degree: int = 1
+    """Expert parallelism for mixprec's mixture-of-experts flavors: each rank of an expert-parallel group of this many ranks holds n_experts / this many experts, and the tokens routed to another rank's experts travel there and back by all-to-all (torch.distributed); the ranks outside a group shard its experts' weights with FSDP2. Divides n_experts and data_parallel_shard_degree."""
+    expert_dispatch: str = "base"
+    """What the expert-parallel dispatch sends: base (the tokens in the activations' dtype) or fp8 (e4m3 with a float32 scale per token and 128-element block, DeepSeek-V3's; about half of bfloat16's bytes). The combine travels in the activations' dtype."""
     timeout_s: float = 300.0
     """Under torchrun, the longest wait of the process group (forming it, a collective, a store barrier) before the run ends with one line: a lost rank never hangs a job."""
 
@@ -272,6 +276,10 @@ class Parallelism:
                self.pipeline_parallel_degree, "1 (pipeline parallelism is out of scope)")
         _check(math.isfinite(self.timeout_s) and self.timeout_s > 0, "parallelism.timeout_s", self.timeout_s,
                "a number of seconds > 0")
+        _check(self.expert_parallel_degree >= 1, "parallelism.expert_parallel_degree", self.expert_parallel_degree,
+               "a positive integer")
+        _check(self.expert_dispatch in ("base", "fp8"), "parallelism.expert_dispatch", self.expert_dispatch,
+               "base, fp8")
         _check(self.fsdp_reshard_after_forward in ("default", "always", "never"),
                "parallelism.fsdp_reshard_after_forward", self.fsdp_reshard_after_forward, "default, always, never")
 

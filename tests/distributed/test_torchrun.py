@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import run_train, tiny_args
+from conftest import run_train, tiny_args, tiny_qwen3_moe
 import torch
 
 from mixprec import UserError
@@ -275,12 +275,7 @@ def test_a_moe_model_under_fsdp_tracks_one_process(tmp_path, text_file):
     router fail), the experts in the recipe; the losses track one process (FSDP2 gathers the weights in
     bfloat16 before their FP8 casts, where one process casts the FP32 weights: close, not equal)."""
     pytest.importorskip("transformers")
-    config = tmp_path / "moe"
-    config.mkdir()
-    (config / "config.json").write_text(json.dumps(dict(
-        model_type="qwen3_moe", hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512, num_experts=8,
-        num_experts_per_tok=2, max_position_embeddings=64)))
+    config = tiny_qwen3_moe(tmp_path / "moe")
     hf = ("--model.hf_config", str(config), "--data.tokenizer", "byte", "--precision.preset", "fp8-rowwise")
     one = run_train(tmp_path / "one", text_file, "--checkpoint.enable", "false", *hf)
     two = torchrun(tmp_path / "two", text_file, "--parallelism.data_parallel_shard_degree", "2", *hf)

@@ -15,17 +15,20 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # c10d operator name fragment -> the kind it counts as; the first tensor argument is the output
-_KINDS = (("allgather", "all_gather"), ("reduce_scatter", "reduce_scatter"), ("allreduce", "all_reduce"))
+_KINDS = (("allgather", "all_gather"), ("reduce_scatter", "reduce_scatter"), ("allreduce", "all_reduce"),
+          ("alltoall", "all_to_all"))
 
 
 class CommBytes(TorchDispatchMode):
     """Per kind of collective: bytes of its output (all-gather: the unsharded buffer; reduce-scatter:
-    the full input is counted instead, what each rank contributes) and the number of calls."""
+    the full input is counted instead, what each rank contributes; all-to-all: what this rank
+    received, its own part included) and the number of calls."""
 
     def __init__(self):
         super().__init__()
         self.bytes: Counter = Counter()
         self.calls: Counter = Counter()
+        self.log: list[tuple[str, int]] = []  # (kind, bytes) of each call, in order
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.name() if hasattr(func, "name") else str(func)
@@ -34,8 +37,10 @@ class CommBytes(TorchDispatchMode):
             kind = next((k for frag, k in _KINDS if frag in op), None)
             if kind is not None:
                 tensors = _tensors(args[1] if kind == "reduce_scatter" else args[0])
-                self.bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
+                size = sum(t.numel() * t.element_size() for t in tensors)
+                self.bytes[kind] += size
                 self.calls[kind] += 1
+                self.log.append((kind, size))
         return func(*args, **(kwargs or {}))
 
 

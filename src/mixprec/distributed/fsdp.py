@@ -33,13 +33,16 @@ def recomputes_forward(block) -> bool:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, policy: Policy, *, reshard_after_forward: str = "default",
-               cpu_offload: bool = False, lowp_all_gather: bool = True) -> nn.Module:
+               cpu_offload: bool = False, lowp_all_gather: bool = True, experts_mesh: DeviceMesh | None = None
+               ) -> nn.Module:
     """Shard the token embeddings, each transformer block, the final norm together with
     the output layer, and the root (TorchTitan's layout), under `policy`; any other model,
     each of its decoder layers (`layers`, else its longest nn.ModuleList) and the root. A 2-D mesh
     (replicate, shard) gives HSDP. reshard_after_forward: default (every unit but the
     root, whose parameters the backward needs first), always, never. lowp_all_gather: the
-    FP8 and microscaled Linear layers' weights travel in their own format (mixprec.narrow.all_gather)."""
+    FP8 and microscaled Linear layers' weights travel in their own format (mixprec.narrow.all_gather).
+    experts_mesh: under expert parallelism, the ranks that shard each expert-parallel rank's experts
+    (mixprec.distributed.expert_parallel), each experts module a unit of its own over them."""
     from mixprec.models.hf import decoder_layers
 
     mp_policy = policy.fsdp_mixed_precision()  # first: it may change the storage dtype (master weights)
@@ -56,6 +59,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, policy: Policy, *, reshard_af
     if hasattr(model, "tok_embeddings") and "tok_embeddings" not in tied:
         fully_shard(model.tok_embeddings, **kwargs)
     _shard_routers(model, policy, kwargs)
+    if experts_mesh is not None:
+        _shard_experts(model, experts_mesh, kwargs)
     for block in blocks:
         fully_shard(block, **kwargs)
     if hasattr(model, "output") and "output" not in tied:
@@ -77,6 +82,16 @@ def _shard_routers(model: nn.Module, policy: Policy, kwargs: dict) -> None:
     for fqn in routers:
         fully_shard(model.get_submodule(fqn), **{**kwargs, "mp_policy": fp32})
     logger.info("fsdp: %d routers all-gathered in float32, each a unit of its own (%s, ...)", len(routers), routers[0])
+
+
+def _shard_experts(model: nn.Module, mesh: DeviceMesh, kwargs: dict) -> None:
+    """Expert-parallel experts modules, each a unit over the ranks outside its expert-parallel group
+    (mixprec.distributed.expert_parallel says how their gradients become the mean over every rank)."""
+    from mixprec.models.moe import moe_layers
+
+    for layer in moe_layers(model):
+        if layer.experts.ep is not None:
+            fully_shard(layer.experts, **{**kwargs, "mesh": mesh})
 
 
 def _narrow_gathers(model: nn.Module, blocks: list[nn.Module], world: int, reshard_after_forward: str, enabled: bool,

@@ -82,9 +82,10 @@ class ParallelDims:
     dp_shard: int
     tp: int
     world_size: int
+    ep: int = 1  # expert parallelism: ranks of an expert-parallel group, taken from dp_shard's (TorchTitan's)
 
     @classmethod
-    def resolve(cls, replicate: int, shard: int, tp: int, world_size: int) -> "ParallelDims":
+    def resolve(cls, replicate: int, shard: int, tp: int, world_size: int, ep: int = 1) -> "ParallelDims":
         """Degrees from the [parallelism] table; shard -1 takes what the others leave."""
         if tp < 1 or world_size % tp:
             raise UserError(f"parallelism.tensor_parallel_degree {tp} does not divide the world size {world_size}; "
@@ -104,7 +105,12 @@ class ParallelDims:
             raise UserError("parallelism: DDP (data_parallel_replicate_degree > 1 with data_parallel_shard_degree "
                             "1) does not combine with tensor parallelism; accepted: data_parallel_shard_degree > 1 "
                             "(FSDP or HSDP) with tensor_parallel_degree > 1")
-        return cls(replicate, shard, tp, world_size)
+        if ep > 1 and (replicate > 1 or tp > 1 or shard % ep):
+            raise UserError(f"parallelism.expert_parallel_degree {ep} with data_parallel_replicate_degree {replicate}, "
+                            f"data_parallel_shard_degree {shard}, tensor_parallel_degree {tp}: expert parallelism takes "
+                            "its ranks from FSDP2's; accepted: an expert_parallel_degree that divides "
+                            "data_parallel_shard_degree, with replicate and tensor-parallel degrees 1")
+        return cls(replicate, shard, tp, world_size, ep)
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -125,6 +131,10 @@ class ParallelDims:
         return self.fsdp_enabled or self.tp_enabled
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
     def dp_degree(self) -> int:
         return self.dp_replicate * self.dp_shard
 
@@ -134,9 +144,16 @@ class ParallelDims:
 
     def mesh(self, device_type: str):
         """The world mesh, dims named dp_replicate/dp_shard (HSDP) or dp, then tp. Slice
-        it with mesh["dp"] (or ["dp_replicate", "dp_shard"]) and mesh["tp"]."""
+        it with mesh["dp"] (or ["dp_replicate", "dp_shard"]) and mesh["tp"]. With expert
+        parallelism: dims dp_mod_ep (the ranks that shard an expert's weights) and ep (an
+        expert-parallel group: consecutive ranks), flattened into dp for everything else."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        if self.ep_enabled:
+            mesh = init_device_mesh(device_type, (self.dp_shard // self.ep, self.ep),
+                                    mesh_dim_names=("dp_mod_ep", "ep"))
+            mesh["dp_mod_ep", "ep"]._flatten("dp")  # TorchTitan's way to a flattened dim; mesh["dp"] after it
+            return mesh
         if self.dp_replicate > 1 and self.dp_shard > 1:  # HSDP: replicate across groups, shard within
             shape, names = (self.dp_replicate, self.dp_shard), ("dp_replicate", "dp_shard")
         else:
@@ -146,4 +163,6 @@ class ParallelDims:
     @staticmethod
     def dp_mesh(mesh):
         names = mesh.mesh_dim_names
+        if "ep" in names:
+            return mesh["dp"]
         return mesh[names[:-1]] if len(names) > 2 else mesh[names[0]]

@@ -89,14 +89,23 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden))
         # the precision policy sets this (a narrow recipe, or the base mode's dtype); unset: autocast's dtype
         self.mixprec_experts = grouped.ExpertsLayer("", None, None, None)
+        # expert parallelism (mixprec.distributed.expert_parallel): this rank's share of the experts, the
+        # tokens moved to them and back by all-to-all; None: every expert here
+        self.ep = None
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        up, down = self.mixprec_experts.projections(transposed=False)
+        if self.ep is not None:
+            return self.ep.forward(self, x, index, weights)
         perm, _, offs = grouped.dispatch(index, self.num_experts)
         rows = x[perm // index.shape[1]]  # (S, D), grouped by expert
-        gate, value = up(rows, self.gate_up_proj, offs).chunk(2, dim=-1)  # (S, I) each
-        out = down(F.silu(gate) * value, self.down_proj, offs)  # (S, D)
+        out = self.run(rows, self.gate_up_proj, self.down_proj, offs)
         return grouped.combine(out, weights, perm, x.dtype)
+
+    def run(self, rows: torch.Tensor, gate_up: torch.Tensor, down_proj: torch.Tensor, offs: torch.Tensor):
+        """rows (S, D) grouped by expert, each expert's ending at offs -> (S, D): the SwiGLU of each expert."""
+        up, down = self.mixprec_experts.projections(transposed=False)
+        gate, value = up(rows, gate_up, offs).chunk(2, dim=-1)  # (S, I) each
+        return down(F.silu(gate) * value, down_proj, offs)  # (S, D)
 
 
 class SwiGLU(nn.Module):

@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 
+EXPERT_PARALLEL = ("expert parallel: its weights are DTensors over the expert-parallel ranks, which the narrow "
+                   "gather does not take yet")
+
+
 def why_not(g: experts.ExpertsGemm, shape: tuple[int, int, int], world: int, *, recomputes: bool,
             reshards: bool) -> str | None:
     """Why an experts projection of `shape` (E, N, K) gathers in bfloat16 over `world` shards, or None."""
@@ -225,7 +229,8 @@ def shard(model: nn.Module, world: int, *, reshards, recomputes) -> dict[str, st
             continue
         for proj, g in zip(projections(m), m.mixprec_experts.gemms):
             p = getattr(m, proj)
-            why = why_not(g, tuple(p.shape), world, recomputes=recomputes(fqn), reshards=reshards(fqn))
+            why = EXPERT_PARALLEL if getattr(m, "ep", None) is not None else \
+                why_not(g, tuple(p.shape), world, recomputes=recomputes(fqn), reshards=reshards(fqn))
             decided[f"{fqn}.{proj}"] = why
             if why is None:
                 # the shard carries its gather: two projections of one shape (up_proj and down_proj where

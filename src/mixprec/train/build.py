@@ -25,6 +25,7 @@ from mixprec.data.corpus import load_corpus
 from mixprec.data.loader import TrainLoader, val_batches
 from mixprec.data.shards import is_prepared, open_prepared
 from mixprec.data.tokenizer import build_tokenizer, tokenizer_path
+from mixprec.distributed.expert_parallel import check as check_expert_parallel
 from mixprec.distributed.parallel import ParallelDims, init_distributed, resolve_device
 from mixprec.distributed.tensor_parallel import check_tensor_parallel
 from mixprec.dtypes import dtype_name
@@ -33,7 +34,7 @@ from mixprec.interop.adapters import llama_fields
 from mixprec.interop.checkpoint import CheckpointManager
 from mixprec.interop.hf_folder import HFFolder, is_hf_folder
 from mixprec.interop.load import empty_parameters, load_weights, materialize, open_source
-from mixprec.models.llama import ModelArgs, build_model, model_args, resolve_attention
+from mixprec.models.llama import FLAVORS, ModelArgs, build_model, model_args, resolve_attention
 from mixprec.models.loss import GPU_LOGITS_SHARE, loss_chunk
 from mixprec.optim import AdamW
 from mixprec.optim.state_formats import StateFormat
@@ -244,7 +245,14 @@ def build(config: Config, *, accum: int | None = None) -> Parts:
     pcfg = config.parallelism
     rank, world = init_distributed(device, pcfg.timeout_s)
     dims = ParallelDims.resolve(pcfg.data_parallel_replicate_degree, pcfg.data_parallel_shard_degree,
-                                pcfg.tensor_parallel_degree, world)
+                                pcfg.tensor_parallel_degree, world, pcfg.expert_parallel_degree)
+    if dims.ep_enabled:  # before any data or model work
+        if config.model.hf_config:
+            raise UserError(f"parallelism.expert_parallel_degree {dims.ep} with model.hf_config: expert parallelism "
+                            "runs mixprec's own MoE flavors; accepted: 1 for a Hugging Face model (FSDP2 shards its "
+                            "experts)")
+        check_expert_parallel(FLAVORS.get(config.model.flavor, {}).get("n_experts", 0), dims,
+                              f"{config.model.flavor} flavor")
     dp, lbs = dims.dp_degree, tcfg.local_batch_size
     global_bs = lbs * dp if tcfg.global_batch_size == -1 else tcfg.global_batch_size
     if global_bs % (lbs * dp):
@@ -279,6 +287,7 @@ def build(config: Config, *, accum: int | None = None) -> Parts:
         args = model_shape(config, tokenizer.vocab_size, device.type, log=True, pretrained=pretrained)
         if dims.tp_enabled:
             check_tensor_parallel(args, dims.tp)
+        check_expert_parallel(args.n_experts, dims, "pretrained model" if pretrained else f"{config.model.flavor} flavor")
         model = raw_model = build_model(args, device=device, storage_dtype=policy.storage_dtype,
                                         seed=None if initial else tcfg.seed)
         meta = {**args.architecture(), "tokenizer": tokenizer_name}
@@ -289,7 +298,9 @@ def build(config: Config, *, accum: int | None = None) -> Parts:
     # The fused kernel skips an overflowed step on the device (found_inf), FSDP2's DTensor
     # shards included; under tensor parallel the parameters mix DTensors of two meshes (or
     # with plain tensors), which one fused or foreach call cannot take.
-    optimizer = build_optimizer(model, tcfg, fused=not dims.tp_enabled, foreach=False if dims.tp_enabled else None,
+    # several meshes' DTensors (tensor parallel, expert parallel) go one at a time: one fused call takes one mesh
+    meshes = dims.tp_enabled or dims.ep_enabled
+    optimizer = build_optimizer(model, tcfg, fused=not meshes, foreach=False if meshes else None,
                                 states=policy.optimizer_states, compensated=policy.spec.update is Update.KAHAN,
                                 convert=config.checkpoint.convert_optimizer_states)
     model, optimizer = policy.setup(model, optimizer, convert_states=config.checkpoint.convert_optimizer_states)

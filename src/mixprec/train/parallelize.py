@@ -15,6 +15,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from mixprec.distributed.expert_parallel import apply_expert_parallel
 from mixprec.distributed.fsdp import apply_fsdp
 from mixprec.distributed.parallel import ParallelDims
 from mixprec.distributed.tensor_parallel import apply_tensor_parallel
@@ -112,12 +113,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, policy: Policy, device: to
         apply_tensor_parallel(model, mesh["tp"])
         logger.info("parallelism: tensor parallel over %d ranks (attention and MLP projections split "
                     "column-/row-wise)", dims.tp)
+    if dims.ep_enabled:
+        apply_expert_parallel(model, mesh, pcfg.expert_dispatch)
     apply_activation_checkpointing(model, ac_mode)
     if compile_components:
         apply_compile(model, compile_components, policy, device.type)
     if dims.fsdp_enabled:
         apply_fsdp(model, dims.dp_mesh(mesh), policy, reshard_after_forward=pcfg.fsdp_reshard_after_forward,
-                   cpu_offload=pcfg.enable_cpu_offload, lowp_all_gather=pcfg.lowp_all_gather)
+                   cpu_offload=pcfg.enable_cpu_offload, lowp_all_gather=pcfg.lowp_all_gather,
+                   experts_mesh=mesh["dp_mod_ep"] if dims.ep_enabled else None)
     elif dims.tp_enabled and policy.param_dtype != policy.storage_dtype:
         # Without fully_shard there is no MixedPrecisionPolicy: autocast over the DTensor
         # model casts each sharded matmul instead of leaving it in float32.

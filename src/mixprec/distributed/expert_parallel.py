@@ -1,0 +1,220 @@
+"""Expert parallelism: a mixture of experts' routed experts spread over the ranks of an
+expert-parallel group, the tokens moved to them and back by torch.distributed's all-to-all
+(TorchTitan's `ExpertParallel`, Megatron-Core's "alltoall" dispatcher).
+
+    check(n_experts, dims, "moe-debug flavor")      # one line for a layout that cannot work
+    apply_expert_parallel(model, mesh, "fp8")       # before activation checkpointing, compile, FSDP2
+
+Layout (ParallelDims.mesh): the world is a (dp_mod_ep, ep) mesh; an expert-parallel group
+is `ep` consecutive ranks, each holding E / ep whole experts (its experts' weights a DTensor
+sharded along the experts over "ep": global shape (E, ...), so checkpoints hold every expert
+and DCP reshards them to any degree); the ranks at the same place of the other groups shard
+those experts' weights again with FSDP2 over "dp_mod_ep" (TorchTitan's layout). Everything
+else is FSDP2-sharded over all ranks, which all take different data.
+
+An MoE layer's pass on a rank (N local tokens, k experts each, S = N k routed rows):
+1. the router's choices grouped by expert (`experts.dispatch`, on the device);
+2. each expert's row count sent to the rank that owns it (an all-to-all of E integers), then
+   the send and receive sizes read on the host: **one host read per MoE layer and forward
+   pass** (activation checkpointing's recompute reads again; the backward reads nothing);
+3. the rows sent by one all-to-all with uneven splits (`expert_dispatch` "fp8": e4m3 with a
+   power-of-two scale per token and 128-element block, sent as bytes with the scales);
+4. the received rows regrouped by local expert (a stable sort: each expert sees rank 0's rows,
+   then rank 1's, ..., as one process sees the global batch) and run through the experts'
+   grouped GEMMs in the layer's recipe, per-expert scales as without expert parallelism;
+5. the outputs sent back by the reverse all-to-all (in their own dtype) and combined.
+The backward runs the two all-to-alls in reverse with the forward's sizes.
+
+Gradients: an expert's gradient on its rank sums the losses of every rank of its group (the
+all-to-all's backward brings them): it is divided by the group's ranks in the backward, and
+FSDP2 over dp_mod_ep averages across the groups, so every gradient is the mean over all
+ranks' losses, as FSDP2 gives the other weights and one process gives all. (FSDP2's own
+divide factor would say it in one place, but it reduces with PREMUL_SUM, which gloo lacks.)
+
+Compiled blocks: the count exchange with its host read, and each all-to-all, run outside the
+graph (`torch.compiler.disable`): two graph breaks per MoE layer (dispatch, combine); the
+grouped GEMMs between them stay in the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mixprec.errors import UserError
+from mixprec.narrow import experts as grouped
+from mixprec.narrow.recipe import E4M3
+from mixprec.narrow.scaling import quantize
+
+logger = logging.getLogger(__name__)
+
+DISPATCH_BLOCK = 128  # elements a dispatch scale covers along the model dim (DeepSeek-V3's 1x128 tiles)
+
+
+def check(n_experts: int, dims, model: str) -> None:
+    """One line for an expert-parallel degree that cannot place `model`'s experts."""
+    if not dims.ep_enabled:
+        return
+    ep = dims.ep
+    if not n_experts:
+        raise UserError(f"parallelism.expert_parallel_degree {ep}: the {model} has no experts (a dense model); "
+                        "accepted: 1, or a mixture-of-experts flavor (moe-debug, moe-small, moe-16B)")
+    if n_experts % ep:
+        raise UserError(f"parallelism.expert_parallel_degree {ep} does not divide the {model}'s {n_experts} "
+                        f"experts; accepted: a divisor of {n_experts} that divides data_parallel_shard_degree "
+                        f"{dims.dp_shard}")
+    local, shards = n_experts // ep, dims.dp_shard // ep
+    if local % shards:
+        raise UserError(f"parallelism.expert_parallel_degree {ep} on {dims.world_size} ranks: each rank's {local} "
+                        f"experts do not split evenly over the {shards} ranks that shard them with FSDP2; accepted: "
+                        f"a degree ep with n_experts / ep a multiple of {dims.dp_shard} / ep")
+
+
+def apply_expert_parallel(model: nn.Module, mesh, dispatch: str = "base") -> int:
+    """Spread every MoE layer's routed experts over mesh["ep"]; returns the number of layers."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from mixprec.models.moe import moe_layers
+
+    ep_mesh = mesh["ep"]
+    group, degree, rank = ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank()
+    layers = moe_layers(model)
+    for layer in layers:
+        experts = layer.experts
+        local = experts.num_experts // degree
+        for name in ("gate_up_proj", "down_proj"):
+            p = getattr(experts, name)  # every rank built the same weights: each keeps its own experts, no copy
+            setattr(experts, name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None),
+                                                requires_grad=p.requires_grad))
+        _slice_salts(experts.mixprec_experts, rank * local, (rank + 1) * local)
+        experts.ep = ExpertParallel(group, degree, local, dispatch)
+    if layers:
+        logger.info("parallelism: expert parallel over %d ranks: each holds %d of the %d experts of %d MoE layers; "
+                    "tokens dispatched by all-to-all in %s, combined in the activations' dtype; the experts' weights "
+                    "FSDP2-sharded over the %d ranks outside each group", degree, local,
+                    layers[0].experts.num_experts, len(layers),
+                    "e4m3 with a power-of-two scale per token and 128-element block" if dispatch == "fp8" else
+                    "the activations' dtype", mesh["dp_mod_ep"].size())
+    return len(layers)
+
+
+def _slice_salts(layer: grouped.ExpertsLayer, start: int, end: int) -> None:
+    """A narrow experts layer's stochastic-rounding salts cut to this rank's experts: each expert keeps
+    the salt it has without expert parallelism."""
+    if not layer.narrow:
+        return
+    layer.up, layer.down = (grouped.register(replace(g, salts=g.salts[start:end]) if g.salts else g)
+                            for g in layer.gemms)
+
+
+class ExpertParallel:
+    """One MoE layer's dispatch and combine over an expert-parallel group."""
+
+    def __init__(self, group, degree: int, local: int, dispatch: str):
+        self.group, self.degree, self.local, self.fp8 = group, degree, local, dispatch == "fp8"
+
+    def forward(self, experts: nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts of tokens x (N, D) chosen by `index`, `weights` (N, k) -> (N, D)."""
+        perm, _, offs = grouped.dispatch(index, experts.num_experts)
+        rows = x[perm // index.shape[1]]  # (S, D), grouped by expert, so by the rank that owns it
+        received, order, local_offs, sizes = self.send(rows, offs)
+        # (E / ep, ...): this rank's experts, their gradients divided by the group's ranks (above)
+        up, down = (_GradScale.apply(getattr(experts, n).to_local(), self.degree) for n in ("gate_up_proj",
+                                                                                             "down_proj"))
+        out = experts.run(received[order], up, down, local_offs)  # (R, D), grouped by local expert
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        out = self.receive(out[back], sizes)  # (S, D), in `rows`' order
+        return grouped.combine(out, weights, perm, x.dtype)
+
+    @torch.compiler.disable
+    def send(self, rows: torch.Tensor, offs: torch.Tensor):
+        """rows (S, D) grouped by expert, offs (E,) their ends -> (the rows this rank's experts received (R, D),
+        the order grouping them by local expert, its experts' row ends (E / ep,) int32, the split sizes)."""
+        counts = torch.diff(offs, prepend=offs.new_zeros(1))  # (E,) rows for each expert from this rank
+        got = torch.empty_like(counts)
+        dist.all_to_all_single(got, counts, group=self.group)  # block j: rank j's rows for each of my experts
+        got = got.view(self.degree, self.local)
+        sizes = torch.cat([counts.view(self.degree, self.local).sum(1), got.sum(1)]).tolist()  # the host read
+        send, recv = sizes[:self.degree], sizes[self.degree:]
+        received = _fp8_all_to_all(rows, recv, send, self.group) if self.fp8 else _all_to_all(rows, recv, send,
+                                                                                                self.group)
+        expert = torch.arange(self.local, device=rows.device).repeat(self.degree)
+        expert = expert.repeat_interleave(got.flatten(), output_size=sum(recv))  # (R,) each row's local expert
+        order = torch.sort(expert, stable=True).indices
+        return received, order, torch.cumsum(got.sum(0), 0, dtype=torch.int32), (send, recv)
+
+    @torch.compiler.disable
+    def receive(self, out: torch.Tensor, sizes) -> torch.Tensor:
+        """The experts' outputs back to the ranks their rows came from: (S, D) in the activations' dtype."""
+        send, recv = sizes
+        return _all_to_all(out, send, recv, self.group)
+
+
+class _GradScale(torch.autograd.Function):
+    """The identity, its gradient divided by `ranks` (exact where it is a power of two)."""
+
+    @staticmethod
+    def forward(ctx, w, ranks: int):
+        ctx.ranks = ranks
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.ranks, None
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """torch.distributed's autograd all-to-all with uneven splits (its backward sends back by the reverse)."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    out = x.new_empty(sum(out_splits), *x.shape[1:])
+    return all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (S, D) -> (e4m3 (S, D), float32 scale_inv (S, ceil(D / 128))): a power-of-two scale per token and
+    128-element block, so that the dequantised values are exact in bfloat16 as in float32."""
+    if not x.shape[0]:
+        return x.new_empty(x.shape, dtype=E4M3), x.new_empty(0, -(-x.shape[1] // DISPATCH_BLOCK), dtype=torch.float32)
+    q, _ = quantize(x, E4M3, (1, DISPATCH_BLOCK), power_of_2=True)
+    return q.data, q.scale_inv
+
+
+def dequantize_rows(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    from mixprec.narrow.scaling import Quantized
+
+    if not data.shape[0]:
+        return data.new_empty(data.shape, dtype=dtype)
+    return Quantized(data, scale_inv, (1, DISPATCH_BLOCK)).dequantize().to(dtype)
+
+
+class _FP8AllToAll(torch.autograd.Function):
+    """The dispatch in FP8: each row's e4m3 bytes and its scales in one byte buffer, one all-to-all; the
+    gradient goes back in its own dtype (the cast passes it straight through, as a recipe's casts do)."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.sizes, ctx.group = (in_splits, out_splits), group
+        data, scale_inv = quantize_rows(x)
+        D = x.shape[1]
+        packed = torch.cat([data.view(torch.uint8), scale_inv.view(torch.uint8)], dim=1)  # (S, D + 4 blocks)
+        out = packed.new_empty(sum(out_splits), packed.shape[1])
+        dist.all_to_all_single(out, packed, out_splits, in_splits, group=group)
+        data, scale_inv = out[:, :D].view(E4M3), out[:, D:].contiguous().view(torch.float32)
+        return dequantize_rows(data, scale_inv, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out_splits, in_splits), group = ctx.sizes, ctx.group
+        back = grad.new_empty(sum(out_splits), grad.shape[1])
+        dist.all_to_all_single(back, grad.contiguous(), out_splits, in_splits, group=group)
+        return back, None, None, None
+
+
+def _fp8_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    return _FP8AllToAll.apply(x, out_splits, in_splits, group)

@@ -1,0 +1,198 @@
+"""Expert parallelism (mixprec.distributed.expert_parallel) on gloo ranks: an MoE layer's experts
+spread over the ranks against the whole layer in one process, per preset and dispatch; moe-debug
+trained under torchrun against one process and against FSDP2 alone; checkpoints across degrees;
+the layouts it refuses."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint.format_utils  # noqa: F401
+
+from conftest import run_train, tiny_args, tiny_qwen3_moe
+from ep_worker import CASES, run
+from mixprec import UserError
+from mixprec.cli import main
+from mixprec.distributed.expert_parallel import check, dequantize_rows, quantize_rows
+from mixprec.distributed.parallel import ParallelDims
+
+
+@pytest.fixture(scope="module")
+def layers(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ep")
+    run(str(folder / "out.json"), str(folder / "store"), 2)
+    return json.loads((folder / "out.json").read_text())
+
+
+# the GEMMs of an expert see its rows in one process's order (rank 0's, then rank 1's): the forward and the
+# input gradient bit for bit; the weight gradients sum the same rows in the grouped GEMM's own blocking
+EXACT = ["fp32", "fp32 skew", "bf16 base", "fp8-tensorwise", "fp8-rowwise", "fp8-blockwise", "mxfp8", "mxfp4"]
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_an_expert_parallel_layer_is_the_whole_layer(layers, name):
+    for rank in layers:
+        r = rank[name]
+        assert r["out"] == 0.0 and r["dx"] == 0.0, r
+        assert r["dw_rel"] < 1e-6, r
+
+
+def test_nvfp4_matches_where_nothing_is_drawn(layers):
+    # the forward is exact; its stochastically rounded gradients draw their bits from keys of each expert's
+    # gradient, whose last bits differ under expert parallelism (the up projection's): another draw, the same
+    # distribution (the relative difference of two draws of NVFP4's weight gradient at these shapes ~0.2-0.25)
+    for rank in layers:
+        r = rank["nvfp4"]
+        assert r["out"] == 0.0
+        assert r["dw_rel"] < 0.35
+
+
+def test_the_worst_imbalance_is_carried_not_dropped(layers):
+    # every token to experts 0 and 1 (both on rank 0): rank 0 receives all 48 rows, rank 1 none, both exact
+    rank0, rank1 = layers[0]["fp32 skew"], layers[1]["fp32 skew"]
+    row = 64 * 4  # a float32 row of moe-debug
+    assert rank0["forward_a2a"][1] == 2 * 12 * 2 * row and rank1["forward_a2a"][1] == 0
+    assert rank0["out"] == rank1["out"] == 0.0
+
+
+def test_fp8_dispatch_halves_the_bytes_and_keeps_the_tokens(layers):
+    for rank in layers:
+        base, fp8 = rank["bf16 base"], rank["bf16 fp8"]
+        # each forward: the counts (8 int32), the dispatch, the combine (in the activations' dtype either way)
+        counts, dispatch, combine = fp8["forward_a2a"]
+        assert counts == base["forward_a2a"][0] == 32 and combine == base["forward_a2a"][2]
+        assert dispatch / base["forward_a2a"][1] <= 0.55  # (64 e4m3 bytes + one float32 scale) / 128 bytes
+        assert fp8["out_rel"] < 0.06 and fp8["dx"] < 1e-3  # e4m3's 3 mantissa bits: ~2-4% per element
+
+
+def test_the_dispatch_cast_is_exact_where_the_values_are_e4m3():
+    x = torch.randn(5, 200, generator=torch.Generator().manual_seed(0))
+    data, scale_inv = quantize_rows(x)
+    assert data.dtype == torch.float8_e4m3fn and scale_inv.shape == (5, 2)
+    assert torch.equal(torch.log2(scale_inv), torch.log2(scale_inv).round())  # powers of two
+    y = dequantize_rows(data, scale_inv, torch.bfloat16)
+    assert torch.equal(y.float(), dequantize_rows(data, scale_inv, torch.float32))  # exact in bfloat16
+    assert torch.equal(quantize_rows(y.float())[0].view(torch.uint8), data.view(torch.uint8))  # a second cast: same
+    assert float((y.float() - x).norm() / x.norm()) < 0.04
+    empty = quantize_rows(x[:0])
+    assert empty[0].shape == (0, 200) and dequantize_rows(*empty, torch.float32).shape == (0, 200)
+
+
+@pytest.mark.parametrize("degrees, words", [
+    ((1, -1, 1, 2, 4), "that divides data_parallel_shard_degree"),  # shard 2, ep 4
+    ((2, 2, 1, 4, 2), "replicate and tensor-parallel degrees 1"),
+    ((1, 2, 2, 4, 2), "replicate and tensor-parallel degrees 1"),
+])
+def test_layouts_expert_parallelism_refuses(degrees, words):
+    with pytest.raises(UserError, match=words):
+        ParallelDims.resolve(*degrees)
+
+
+@pytest.mark.parametrize("n_experts, ep, world, words", [
+    (0, 2, 2, "a dense model"),
+    (6, 4, 4, "does not divide the .* 6 experts"),
+    (2, 2, 4, "do not split evenly over the 2 ranks"),
+])
+def test_models_expert_parallelism_refuses(n_experts, ep, world, words):
+    with pytest.raises(UserError, match=words):
+        check(n_experts, ParallelDims.resolve(1, -1, 1, world, ep), "model")
+
+
+def test_one_process_refuses_an_expert_parallel_degree_and_writes_nothing(tmp_path, text_file, capsys):
+    assert main(tiny_args(tmp_path / "run", text_file, "--model.flavor", "moe-debug",
+                          "--parallelism.expert_parallel_degree", "2")) == 2
+    assert "parallelism.expert_parallel_degree 2" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def torchrun(folder, source, *extra, ranks: int = 2, check_rc: bool = True):
+    args = tiny_args(folder, source, "--model.flavor", "moe-debug", "--metrics.log_freq", "1",
+                     "--training.local_batch_size", str(4 // ranks), *extra)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(ranks), "-m", "mixprec", *args], capture_output=True, text=True, env=env, timeout=300)
+    if not check_rc:
+        return proc
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+FP32 = ("--precision.preset", "fp32", "--checkpoint.enable", "false")
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory, text_file):
+    return run_train(tmp_path_factory.mktemp("one"), text_file, "--model.flavor", "moe-debug", "--metrics.log_freq",
+                     "1", "--training.local_batch_size", "4", *FP32)
+
+
+def close(a, b, tol):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert abs(x["loss"] - y["loss"]) / y["loss"] < tol, (x, y)
+        assert x["router_load"] == y["router_load"]
+        assert (x["expert_bias_min"], x["expert_bias_max"]) == pytest.approx(
+            (y["expert_bias_min"], y["expert_bias_max"]), abs=1e-7)
+
+
+def test_two_expert_parallel_ranks_train_as_fsdp_and_as_one_process(tmp_path, text_file, one):
+    ep = torchrun(tmp_path / "ep", text_file, "--parallelism.expert_parallel_degree", "2", *FP32)
+    fsdp = torchrun(tmp_path / "fsdp", text_file, *FP32)
+    # against FSDP2 alone on the same two ranks: the same losses, bit for bit
+    assert [r["loss"] for r in ep] == [r["loss"] for r in fsdp]
+    close(ep, one, 1e-5)  # FSDP2's own gap to one process on two ranks (4.2e-6 at step 5, with or without EP)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", ["4", "2"])  # 2: two groups of two, each expert's weights FSDP2-sharded over 2
+def test_four_ranks_expert_parallel_train_as_one_process(tmp_path, text_file, one, ep):
+    records = torchrun(tmp_path / "ep", text_file, "--parallelism.expert_parallel_degree", ep, *FP32, ranks=4)
+    close(records, one, 2e-7)
+
+
+@pytest.mark.slow
+def test_expert_parallel_checkpoints_resume_at_other_degrees(tmp_path, text_file):
+    import shutil
+
+    ckpt = ("--precision.preset", "fp32", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0")
+    full = torchrun(tmp_path / "run", text_file, "--parallelism.expert_parallel_degree", "2", *ckpt)
+    folder = tmp_path / "run" / "checkpoint"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-6"]
+    for copy in ("same", "four"):
+        shutil.copytree(tmp_path / "run", tmp_path / copy)
+        shutil.rmtree(tmp_path / copy / "checkpoint" / "step-6")
+    # ep 2 -> ep 2: the uninterrupted run's losses, bit for bit
+    same = torchrun(tmp_path / "same", text_file, "--parallelism.expert_parallel_degree", "2", *ckpt)
+    assert [r.get("loss") for r in same] == [r.get("loss") for r in full]
+    # ep 2 -> ep 4 on four ranks (two experts a rank), and ep 2 -> one process (every expert in one tensor)
+    four = torchrun(tmp_path / "four", text_file, "--parallelism.expert_parallel_degree", "4", *ckpt, ranks=4)
+    shutil.rmtree(folder / "step-6")
+    one = run_train(tmp_path / "run", text_file, "--model.flavor", "moe-debug", "--metrics.log_freq", "1",
+                    "--training.local_batch_size", "4", *ckpt)
+    for a, b, c in zip(full, one, four):
+        assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-5 and abs(a["loss"] - c["loss"]) / a["loss"] < 1e-5
+    # the weights saved by the expert-parallel run export to the transformers layout, every expert whole
+    from safetensors.torch import load_file
+
+    from mixprec.runs.export import export
+
+    export(folder / "step-3", tmp_path / "hf", dtype=torch.float32)
+    weights = {k: v for f in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(f).items()}
+    full = torch.distributed.checkpoint.format_utils
+    full.dcp_to_torch_save(folder / "step-3", tmp_path / "flat.pt")
+    saved = torch.load(tmp_path / "flat.pt")["model"]["layers.1.feed_forward.experts.down_proj"]  # (8, D, I)
+    assert saved.shape[0] == 8
+    exported = [v for k, v in weights.items() if "layers.1.mlp.experts." in k and "down_proj" in k]
+    assert len(exported) in (1, 8) and any(torch.equal(v, saved[7]) or torch.equal(v, saved) for v in exported)
+
+
+def test_a_hugging_face_model_is_refused_by_name(tmp_path, text_file):
+    pytest.importorskip("transformers")
+    config = tiny_qwen3_moe(tmp_path / "moe")
+    proc = torchrun(tmp_path / "run", text_file, "--model.hf_config", str(config), "--data.tokenizer", "byte",
+                    "--parallelism.expert_parallel_degree", "2", check_rc=False)
+    assert proc.returncode != 0 and "expert parallelism runs mixprec's own MoE flavors" in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
