@@ -34,7 +34,8 @@ SURFACE = """
 --loss_scale.fallback_to
 --parallelism.data_parallel_replicate_degree --parallelism.data_parallel_shard_degree
 --parallelism.tensor_parallel_degree --parallelism.pipeline_parallel_degree --parallelism.fsdp_reshard_after_forward
---parallelism.enable_cpu_offload --parallelism.lowp_all_gather --parallelism.timeout_s
+--parallelism.enable_cpu_offload --parallelism.lowp_all_gather --parallelism.expert_parallel_degree
+--parallelism.expert_dispatch --parallelism.timeout_s
 --activation_checkpoint.mode
 --compile.enable --compile.components
 --checkpoint.enable --checkpoint.folder --checkpoint.convert_optimizer_states --checkpoint.interval --checkpoint.keep_latest_k --checkpoint.load_step

@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--dp-shard", type=int, default=1, help="FSDP2 degree")
     memory.add_argument("--dp-replicate", type=int, default=1, help="DDP / HSDP replicas")
     memory.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    memory.add_argument("--ep", type=int, default=1, help="expert-parallel degree (an MoE flavor; divides --dp-shard): "
+                        "planned at the worst load, every rank's routed rows dispatched to one rank")
+    memory.add_argument("--expert-dispatch", default="base", help="base or fp8 (parallelism.expert_dispatch)")
     memory.add_argument("--attention", default="eager", help="eager or sdpa (model.attention)")
     memory.add_argument("--loss", default="full", help="full or chunked (model.loss)")
     memory.add_argument("--no-reshard", action="store_true", help="keep all-gathered parameters after forward")
@@ -351,6 +354,14 @@ def cmd_memory(args: argparse.Namespace) -> int:
     if args.hf_config:
         return _memory_hf(args)
     shape = model_args(args.flavor, args.vocab_size)
+    if args.ep != 1:
+        from mixprec.distributed.expert_parallel import check
+        from mixprec.distributed.parallel import ParallelDims
+
+        if args.expert_dispatch not in ("base", "fp8"):
+            raise UserError(f"--expert-dispatch {args.expert_dispatch!r}; accepted: base, fp8")
+        check(shape.n_experts, ParallelDims.resolve(args.dp_replicate, args.dp_shard, args.tp, args.dp_replicate *
+                                                    args.dp_shard * args.tp, args.ep), f"{args.flavor} flavor")
     if shape.n_experts:
         from mixprec.models.llama import construct
         from mixprec.precision import Policy
@@ -386,6 +397,9 @@ def _memory_hf(args: argparse.Namespace) -> int:
     """mixprec memory --hf-config: the model's step run on fake tensors (mixprec.plan_memory)."""
     from mixprec.models.hf import HFCausalLM, load_hf_config
 
+    if args.ep != 1:
+        raise UserError(f"mixprec memory --hf-config with --ep {args.ep}: expert parallelism runs mixprec's own MoE "
+                        "flavors; accepted: leave --ep out")
     config = load_hf_config(args.hf_config)
     title = f"{type(config).__name__.removesuffix('Config')} from {args.hf_config}"
     return _memory_fake(args, lambda: HFCausalLM(config), title, "--hf-config")
@@ -407,12 +421,14 @@ def _memory_fake(args: argparse.Namespace, build, title: str, flag: str) -> int:
                             f"AdamW, no checkpointing); accepted: leave {option} out")
     preset = resolve_preset_name(args.preset, "--preset")
     tokens = torch.zeros(args.batch, args.seq_len, dtype=torch.long)
-    result = plan_memory(build, preset, (tokens, tokens), dp_shard=args.dp_shard)
+    result = plan_memory(build, preset, (tokens, tokens), dp_shard=args.dp_shard, ep=args.ep,
+                         expert_dispatch=args.expert_dispatch)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
+    ep = f" x ep {args.ep} (the worst load: every rank's routed rows on this rank)" if args.ep > 1 else ""
     print(f"{title} ({result['parameters'] / 1e6:.1f}M parameters), {preset}, batch {args.batch} x {args.seq_len}, "
-          f"dp_shard {args.dp_shard}; per device, peak {result['peak_bytes'] / 2**30:.3f} GiB:")
+          f"dp_shard {args.dp_shard}{ep}; per device, peak {result['peak_bytes'] / 2**30:.3f} GiB:")
     for kind, value in result["by_kind"].items():
         print(f"  {kind:<10} {value / 2**30:10.3f} GiB")
     return 0

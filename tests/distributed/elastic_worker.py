@@ -6,6 +6,8 @@ lose the race on purpose and to kill a rank at a chosen moment.
 - MIXPREC_TEST_SLOW_SAVE=STEP:SECONDS: rank 1 of the first attempt sleeps on entering the
   sharded save of step STEP, while rank 0 waits inside it, so a test can kill it while that
   checkpoint is being written (its step-STEP.tmp folder exists, incomplete).
+- MIXPREC_TEST_SLOW_DISPATCH=CALL:SECONDS: rank 1 of the first attempt sleeps on entering its
+  CALL-th expert-parallel dispatch, while rank 0 waits inside that dispatch's all-to-all.
 Each rank writes its pid to DUMP/pids/attempt<N>-rank<R>.
 """
 
@@ -34,6 +36,22 @@ if slow and rank == 1 and attempt == 0:
         return save(*args, **kwargs)
 
     dcp.save = slow_save
+
+dispatch = os.environ.get("MIXPREC_TEST_SLOW_DISPATCH", "")
+if dispatch and rank == 1 and attempt == 0:
+    from mixprec.distributed.expert_parallel import ExpertParallel
+
+    call, seconds = (int(v) for v in dispatch.split(":"))
+    send, calls = ExpertParallel.send, []
+
+    def slow_send(self, *args):
+        calls.append(1)
+        if len(calls) == call:  # rank 0 waits inside this dispatch's all-to-all
+            (folder / "pids" / "dispatching").write_text(str(call))
+            time.sleep(seconds)
+        return send(self, *args)
+
+    ExpertParallel.send = slow_send
 
 from mixprec.cli import main  # noqa: E402
 

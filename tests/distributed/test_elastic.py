@@ -24,12 +24,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _command(folder: Path, source: Path, rdzv: str, restarts: int = 1) -> list[str]:
+def _command(folder: Path, source: Path, rdzv: str, restarts: int = 1, extra: tuple = ()) -> list[str]:
     launch = ["--standalone"] if rdzv == "c10d" else ["--rdzv-backend", "static", "--master-addr", "127.0.0.1",
                                                        "--master-port", str(_free_port())]
     args = tiny_args(folder, source, "--training.steps", str(STEPS), "--training.local_batch_size", "2",
                      "--training.eval_interval", "6", "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0",
-                     "--precision.preset", "fp32", "--parallelism.timeout_s", "30")
+                     "--precision.preset", "fp32", "--parallelism.timeout_s", "30", *extra)
     return [sys.executable, "-m", "torch.distributed.run", *launch, "--nproc-per-node", "2", "--max-restarts",
             str(restarts), str(WORKER), *args]
 
@@ -130,3 +130,35 @@ def test_max_restarts_without_checkpoints_warns_at_start(tmp_path, text_file, mo
     warned = [line for line in capsys.readouterr().out.splitlines() if "--max-restarts" in line]
     assert len(warned) == 1 and "torchrun --max-restarts 3 with checkpoint.enable false: a restart begins again " \
         "at step 0" in warned[0]
+
+
+EP = ("--model.flavor", "moe-debug", "--parallelism.expert_parallel_degree", "2")
+
+
+@pytest.mark.slow
+def test_a_rank_killed_inside_an_expert_parallel_dispatch_restarts_and_resumes_bit_for_bit(tmp_path, shards):
+    """moe-debug with its experts on two ranks: rank 1 killed while rank 0 waits in a dispatch's all-to-all
+    (step 6's first MoE layer, after the step-4 checkpoint); rank 0 ends within the collective timeout, torchrun
+    restarts both, the run resumes from step-4 with the uninterrupted run's numbers."""
+    whole = subprocess.run(_command(tmp_path / "whole", shards, "static", restarts=0, extra=EP), env=_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    folder = tmp_path / "run"
+    # two MoE layers: each training step dispatches twice; call 11 is step 6's first
+    proc = subprocess.Popen(_command(folder, shards, "static", extra=EP), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=_env(MIXPREC_TEST_SLOW_DISPATCH="11:60", MIXPREC_TEST_DELAY_RANK1="8"))
+    try:
+        _wait_for(folder / "pids" / "dispatching", proc)
+        time.sleep(1)  # rank 0 inside the all-to-all
+        os.kill(int((folder / "pids" / "attempt0-rank1").read_text()), signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0, err[-4000:]
+    assert (folder / "pids" / "attempt1-rank1").exists()
+    keys = ("step", "loss", "grad_norm", "val_loss", "router_load")
+    assert [[r.get(k) for k in keys] for r in _records(folder)] == \
+        [[r.get(k) for k in keys] for r in _records(tmp_path / "whole")]
+    assert "torchrun restart 1 of 1: resuming from step-4" in out + err

@@ -35,15 +35,18 @@ def _loss(model, batch):
     return model(*batch) if isinstance(batch, (tuple, list)) else model(**batch).loss
 
 
-def plan_memory(build_model, policy, batch, *, optimizer=None, loss_fn=None, dp_shard: int = 1) -> dict:
+def plan_memory(build_model, policy, batch, *, optimizer=None, loss_fn=None, dp_shard: int = 1, ep: int = 1,
+                expert_dispatch: str = "base") -> dict:
     """Plan one training step of the model `build_model()` returns under `policy` (a Policy
     or a preset name) on `batch` (a tuple for `model(*batch)`, or a dict for a Hugging Face
     `model(**batch).loss`; real tensors, only their shapes are used). optimizer(params):
     the optimizer (default AdamW, with the policy's moments dtype). loss_fn(model, batch):
     the loss (default as mixprec.audit). dp_shard: FSDP2 over that many ranks (each of the
     model's decoder layers, its longest nn.ModuleList, a unit, then the root; on a fake
-    process group), planned for one rank with `batch` as its micro-batch. Returns bytes
-    per kind and the peak, per device."""
+    process group), planned for one rank with `batch` as its micro-batch. ep: mixprec's MoE
+    experts spread over that many of those ranks (mixprec.distributed.expert_parallel), planned
+    at the worst load: every rank's routed rows dispatched to this rank (`expert_dispatch`:
+    base or fp8). Returns bytes per kind and the peak, per device."""
     from mixprec.optim import AdamW
     from mixprec.precision import Policy
 
@@ -59,8 +62,9 @@ def plan_memory(build_model, policy, batch, *, optimizer=None, loss_fn=None, dp_
         # no loss scaler: its scale is one number read on the host, which a fake tensor has not
         planned = Policy(dataclasses.replace(policy.spec, loss_scaling=False), emulate_matmul=False,
                          tf32=policy.tf32, fp8_exclude=policy.fp8_exclude, fp8_emulate=policy.fp8_emulate)
-        with _fake_ranks(dp_shard) as mesh:
-            return _plan(build_model, planned, policy.name, batch, optimizer, loss_fn or _loss, mesh)
+        with _fake_ranks(dp_shard, ep) as mesh:
+            return _plan(build_model, planned, policy.name, batch, optimizer, loss_fn or _loss, mesh,
+                         expert_dispatch)
 
 
 @contextlib.contextmanager
@@ -75,9 +79,10 @@ def _quiet():
 
 
 @contextlib.contextmanager
-def _fake_ranks(world: int):
+def _fake_ranks(world: int, ep: int = 1):
     """A fake process group of `world` ranks (this process is rank 0; collectives move no
-    data) and its mesh, for fully_shard to shard with; None for one rank."""
+    data) and its mesh, for fully_shard to shard with (ep > 1: the trainer's expert-parallel
+    mesh, mixprec.distributed.parallel); None for one rank."""
     if world == 1:
         yield None
         return
@@ -90,20 +95,37 @@ def _fake_ranks(world: int):
                         "job (or with dp_shard 1)")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        yield init_device_mesh("cpu", (world,))
+        if ep > 1:
+            from mixprec.distributed.parallel import ParallelDims
+
+            yield ParallelDims(1, world, 1, world, ep).mesh("cpu")
+        else:
+            yield init_device_mesh("cpu", (world,))
     finally:
         dist.destroy_process_group()
 
 
-def _shard(model: torch.nn.Module, planned, mesh) -> None:
-    """The trainer's FSDP2 layout (mixprec.distributed.fsdp), after FP8 conversion as parallelize does."""
+def _shard(model: torch.nn.Module, planned, mesh, expert_dispatch: str) -> None:
+    """The trainer's FSDP2 layout (mixprec.distributed.fsdp), after FP8 conversion as parallelize does,
+    and expert parallelism where the mesh has an "ep" dimension."""
+    from mixprec.distributed.expert_parallel import apply_expert_parallel
     from mixprec.distributed.fsdp import apply_fsdp
+    from mixprec.distributed.parallel import ParallelDims
 
     planned.prepare_model(model)
-    apply_fsdp(model, mesh, planned)
+    if "ep" in (mesh.mesh_dim_names or ()):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        apply_expert_parallel(model, mesh, expert_dispatch, worst_load=True)
+        # FSDP2 joins each experts unit's mesh to the experts' "ep" mesh (a DeviceMesh computed from real rank
+        # tensors, which the fake mode cannot compute with); the fake parameters stay fake outside the mode
+        with unset_fake_temporarily():
+            apply_fsdp(model, ParallelDims.dp_mesh(mesh), planned, experts_mesh=mesh["dp_mod_ep"])
+    else:
+        apply_fsdp(model, mesh, planned)
 
 
-def _plan(build_model, planned, name: str, batch, optimizer, loss_fn, mesh=None) -> dict:
+def _plan(build_model, planned, name: str, batch, optimizer, loss_fn, mesh=None, expert_dispatch="base") -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -123,7 +145,7 @@ def _plan(build_model, planned, name: str, batch, optimizer, loss_fn, mesh=None)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         model = build_model()
         if mesh is not None:
-            _shard(model, planned, mesh)
+            _shard(model, planned, mesh, expert_dispatch)
         opt = optimizer(model.parameters())
         model, opt = planned.setup(model, opt)
         if planned.updates is not None:  # Inductor's kernels do not run on fake tensors: the eager ones

@@ -74,8 +74,9 @@ def check(n_experts: int, dims, model: str) -> None:
                         f"a degree ep with n_experts / ep a multiple of {dims.dp_shard} / ep")
 
 
-def apply_expert_parallel(model: nn.Module, mesh, dispatch: str = "base") -> int:
-    """Spread every MoE layer's routed experts over mesh["ep"]; returns the number of layers."""
+def apply_expert_parallel(model: nn.Module, mesh, dispatch: str = "base", worst_load: bool = False) -> int:
+    """Spread every MoE layer's routed experts over mesh["ep"]; returns the number of layers. worst_load:
+    the memory plan's layers (`ExpertParallel`), which route every rank's rows to this rank."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from mixprec.models.moe import moe_layers
@@ -91,8 +92,8 @@ def apply_expert_parallel(model: nn.Module, mesh, dispatch: str = "base") -> int
             setattr(experts, name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None),
                                                 requires_grad=p.requires_grad))
         _slice_salts(experts.mixprec_experts, rank * local, (rank + 1) * local)
-        experts.ep = ExpertParallel(group, degree, local, dispatch)
-    if layers:
+        experts.ep = ExpertParallel(group, degree, local, dispatch, worst_load)
+    if layers and not worst_load:
         logger.info("parallelism: expert parallel over %d ranks: each holds %d of the %d experts of %d MoE layers; "
                     "tokens dispatched by all-to-all in %s, combined in the activations' dtype; the experts' weights "
                     "FSDP2-sharded over the %d ranks outside each group", degree, local,
@@ -112,14 +113,17 @@ def _slice_salts(layer: grouped.ExpertsLayer, start: int, end: int) -> None:
 
 
 class ExpertParallel:
-    """One MoE layer's dispatch and combine over an expert-parallel group."""
+    """One MoE layer's dispatch and combine over an expert-parallel group. worst_load (the memory plan, on fake
+    tensors, whose counts have no values): every rank sends all its rows to this rank's first expert, the most
+    rows a rank can receive (no token is dropped: ep x its own), with no count exchange and no host read."""
 
-    def __init__(self, group, degree: int, local: int, dispatch: str):
+    def __init__(self, group, degree: int, local: int, dispatch: str, worst_load: bool = False):
         self.group, self.degree, self.local, self.fp8 = group, degree, local, dispatch == "fp8"
+        self.worst_load = worst_load
 
     def forward(self, experts: nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The routed experts of tokens x (N, D) chosen by `index`, `weights` (N, k) -> (N, D)."""
-        perm, _, offs = grouped.dispatch(index, experts.num_experts)
+        perm, _, offs = grouped.dispatch(index, experts.num_experts, stable=True)
         rows = x[perm // index.shape[1]]  # (S, D), grouped by expert, so by the rank that owns it
         received, order, local_offs, sizes = self.send(rows, offs)
         # (E / ep, ...): this rank's experts, their gradients divided by the group's ranks (above)
@@ -137,10 +141,15 @@ class ExpertParallel:
         the order grouping them by local expert, its experts' row ends (E / ep,) int32, the split sizes)."""
         counts = torch.diff(offs, prepend=offs.new_zeros(1))  # (E,) rows for each expert from this rank
         got = torch.empty_like(counts)
-        dist.all_to_all_single(got, counts, group=self.group)  # block j: rank j's rows for each of my experts
-        got = got.view(self.degree, self.local)
-        sizes = torch.cat([counts.view(self.degree, self.local).sum(1), got.sum(1)]).tolist()  # the host read
-        send, recv = sizes[:self.degree], sizes[self.degree:]
+        if self.worst_load:
+            S = rows.shape[0]
+            got = got.new_tensor([[S] + [0] * (self.local - 1)] * self.degree)
+            send, recv = [S] + [0] * (self.degree - 1), [S] * self.degree
+        else:
+            dist.all_to_all_single(got, counts, group=self.group)  # block j: rank j's rows for each of my experts
+            got = got.view(self.degree, self.local)
+            sizes = torch.cat([counts.view(self.degree, self.local).sum(1), got.sum(1)]).tolist()  # the host read
+            send, recv = sizes[:self.degree], sizes[self.degree:]
         received = _fp8_all_to_all(rows, recv, send, self.group) if self.fp8 else _all_to_all(rows, recv, send,
                                                                                                 self.group)
         expert = torch.arange(self.local, device=rows.device).repeat(self.degree)
@@ -169,11 +178,11 @@ class _GradScale(torch.autograd.Function):
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """torch.distributed's autograd all-to-all with uneven splits (its backward sends back by the reverse)."""
-    from torch.distributed.nn.functional import all_to_all_single
+    """torch.distributed's functional all-to-all with uneven splits, differentiable (its backward sends back
+    by the reverse), as TorchTitan's dispatch calls it."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
-    out = x.new_empty(sum(out_splits), *x.shape[1:])
-    return all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return wait_tensor(all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group))
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

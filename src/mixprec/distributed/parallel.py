@@ -152,7 +152,7 @@ class ParallelDims:
         if self.ep_enabled:
             mesh = init_device_mesh(device_type, (self.dp_shard // self.ep, self.ep),
                                     mesh_dim_names=("dp_mod_ep", "ep"))
-            mesh["dp_mod_ep", "ep"]._flatten("dp")  # TorchTitan's way to a flattened dim; mesh["dp"] after it
+            mesh["dp_mod_ep", "ep"]._flatten("dp")  # TorchTitan's way to a flattened dim (dp_mesh)
             return mesh
         if self.dp_replicate > 1 and self.dp_shard > 1:  # HSDP: replicate across groups, shard within
             shape, names = (self.dp_replicate, self.dp_shard), ("dp_replicate", "dp_shard")
@@ -163,6 +163,6 @@ class ParallelDims:
     @staticmethod
     def dp_mesh(mesh):
         names = mesh.mesh_dim_names
-        if "ep" in names:
-            return mesh["dp"]
+        if "ep" in names:  # the flattened dim, kept by the root mesh (slicing it by name is deprecated)
+            return mesh["dp_mod_ep", "ep"]._flatten("dp")
         return mesh[names[:-1]] if len(names) > 2 else mesh[names[0]]

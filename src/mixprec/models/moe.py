@@ -96,7 +96,7 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.ep is not None:
             return self.ep.forward(self, x, index, weights)
-        perm, _, offs = grouped.dispatch(index, self.num_experts)
+        perm, _, offs = grouped.dispatch(index, self.num_experts, stable=True)
         rows = x[perm // index.shape[1]]  # (S, D), grouped by expert
         out = self.run(rows, self.gate_up_proj, self.down_proj, offs)
         return grouped.combine(out, weights, perm, x.dtype)

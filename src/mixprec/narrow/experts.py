@@ -338,10 +338,14 @@ def tokens_per_expert(top_k_index: torch.Tensor, n_experts: int) -> torch.Tensor
     return torch.bincount(top_k_index.detach().flatten().cpu(), minlength=n_experts)
 
 
-def dispatch(top_k_index: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dispatch(top_k_index: torch.Tensor, n_experts: int,
+             stable: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A router's choices (tokens, top_k) -> (perm, the sorted expert ids, offs): row r of the
-    grouped input is token perm[r] // top_k, each expert's rows ending at offs (int32)."""
-    expert_ids_g, perm = torch.sort(top_k_index.reshape(-1))  # (S,), S = tokens x top_k, grouped by expert
+    grouped input is token perm[r] // top_k, each expert's rows ending at offs (int32). stable: each
+    expert's rows in token order (mixprec's MoE: what lets an expert-parallel rank, which receives rank
+    0's rows then rank 1's, see one process's rows in one process's order); otherwise torch.sort's
+    order, as transformers' grouped_mm sorts."""
+    expert_ids_g, perm = torch.sort(top_k_index.reshape(-1), stable=stable)  # (S,) = tokens x top_k, by expert
     # histc, not bincount (whose size depends on the largest id: a device-to-host read), as grouped_mm counts
     ids = expert_ids_g.float() if top_k_index.device.type in ("cpu", "mps") else expert_ids_g.int()
     counts = torch.histc(ids, bins=n_experts, min=0, max=n_experts - 1)

@@ -55,6 +55,8 @@ def per_tile(op, x: torch.Tensor, values: torch.Tensor, tile: tuple[int, int]) -
     past the values, or wrote only the first tile of each row of an FP8 output;
     tests/narrow/test_scaling.py compiles every tile shape against the eager result.)"""
     (R, C), (nr, nc) = x.shape, values.shape
+    if not R or not C:  # no tiles (an expert-parallel rank that received no rows): op's dtype, x's shape
+        return op(x, values.new_zeros(()))
     tr, tc = (R if nr == 1 else tile[0]), (C if nc == 1 else tile[1])
     rows = []
     for r0, r1, rt, i0, i1 in _spans(R, tr):
