@@ -263,7 +263,7 @@ class Parallelism:
     expert_parallel_degree: int = 1
     """Expert parallelism for mixprec's mixture-of-experts flavors: each rank of an expert-parallel group of this many ranks holds n_experts / this many experts, and the tokens routed to another rank's experts travel there and back by all-to-all (torch.distributed); the ranks outside a group shard its experts' weights with FSDP2. Divides n_experts and data_parallel_shard_degree."""
     expert_dispatch: str = "base"
-    """What the expert-parallel dispatch sends: base (the tokens in the activations' dtype) or fp8 (e4m3 with a power-of-two scale per token and 128-element block, DeepSeek-V3's tiles; about half of bfloat16's bytes). The combine travels in the activations' dtype."""
+    """What the expert-parallel dispatch sends: base (the tokens in the activations' dtype) or fp8 (e4m3 with float32 scales, about half of bfloat16's bytes: cast as row- and block-wise experts cast their input, which take them as they arrive; else a power-of-two scale per token and 128-element block, cast again by the experts). The combine travels in the activations' dtype."""
     timeout_s: float = 300.0
     """Under torchrun, the longest wait of the process group (forming it, a collective, a store barrier) before the run ends with one line: a lost rank never hangs a job."""
 

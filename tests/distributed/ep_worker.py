@@ -104,6 +104,10 @@ CASES = {  # name: (preset, dispatch, skew, dtype, how)
     **{recipe: (recipe, "base", False, torch.float32) for recipe in
        ("fp8-tensorwise", "fp8-rowwise", "fp8-blockwise", "mxfp8", "nvfp4", "mxfp4")},
     **{f"{recipe} skew": (recipe, "base", True, torch.float32) for recipe in ("fp8-rowwise", "fp8-blockwise", "nvfp4")},
+    # FP8 dispatch: row- and block-wise experts take the rows as they arrived, the others cast them again
+    **{f"{recipe} fp8": (recipe, "fp8", False, torch.bfloat16) for recipe in
+       ("fp8-rowwise", "fp8-blockwise", "fp8-tensorwise", "mxfp8")},
+    "fp8-blockwise fp8 compiled": ("fp8-blockwise", "fp8", False, torch.bfloat16, "compiled"),
 }
 
 

@@ -32,7 +32,10 @@ def layers(tmp_path_factory):
 # draws are keyed by each row's place in its expert)
 EXACT = ["fp32", "fp32 skew", "bf16 base", "fp8-tensorwise", "fp8-rowwise", "fp8-blockwise", "mxfp8", "nvfp4", "mxfp4",
          "fp32 checkpointed", "fp32 compiled", "fp8-rowwise compiled", "fp8-rowwise skew", "fp8-blockwise skew",
-         "nvfp4 skew"]
+         "nvfp4 skew",
+         # FP8 dispatch cast as the row- and block-wise experts cast their input, which take the rows as they came:
+         # the FP8 dispatch costs nothing in accuracy there
+         "fp8-rowwise fp8", "fp8-blockwise fp8", "fp8-blockwise fp8 compiled"]
 
 
 @pytest.mark.parametrize("name", EXACT)
@@ -98,14 +101,25 @@ def test_mixprec_memory_plans_expert_parallelism_and_refuses_what_cannot_run(cap
         assert words in capsys.readouterr().err
 
 
-def test_fp8_dispatch_halves_the_bytes_and_keeps_the_tokens(layers):
+@pytest.mark.parametrize("name", ["bf16 fp8", "fp8-rowwise fp8", "fp8-blockwise fp8", "fp8-tensorwise fp8",
+                                  "mxfp8 fp8"])
+def test_fp8_dispatch_halves_the_bytes(layers, name):
     for rank in layers:
-        base, fp8 = rank["bf16 base"], rank["bf16 fp8"]
+        base, fp8 = rank["bf16 base"], rank[name]
         # each forward: the counts (8 int32), the dispatch, the combine (in the activations' dtype either way)
         counts, dispatch, combine = fp8["forward_a2a"]
         assert counts == base["forward_a2a"][0] == 32 and combine == base["forward_a2a"][2]
         assert dispatch / base["forward_a2a"][1] <= 0.55  # (64 e4m3 bytes + one float32 scale) / 128 bytes
-        assert fp8["out_rel"] < 0.06 and fp8["dx"] < 1e-3  # e4m3's 3 mantissa bits: ~2-4% per element
+
+
+@pytest.mark.parametrize("name, bound", [("bf16 fp8", 0.06), ("fp8-tensorwise fp8", 0.1), ("mxfp8 fp8", 0.06)])
+def test_fp8_dispatch_elsewhere_rounds_once_more(layers, name, bound):
+    # the base mode and the recipes whose input scales the dispatch cannot know (tensor-wise: each expert's amax
+    # over every rank's rows; microscaled: their own blocks) cast the dequantised rows again. Measured relative
+    # output error against one process: base mode 0.039 (e4m3's 3 mantissa bits), tensor-wise 0.078 (two
+    # roundings, at two scales), mxfp8 0 on this problem (its power-of-two 32-element blocks kept the bytes)
+    for rank in layers:
+        assert rank[name]["out_rel"] < bound and rank[name]["dx"] < 1e-3
 
 
 def test_the_dispatch_cast_is_exact_where_the_values_are_e4m3():

@@ -17,6 +17,7 @@ from mixprec.narrow.microscaling import E2M1, E4M3, E5M2
 
 CHECKED_ELSEWHERE = {"mixprec::blockwise_cast_transpose", "mixprec::blockwise_recast_transposed",  # on CUDA
                      "mixprec::experts_mm", "mixprec::experts_mm_backward",  # tests/narrow/test_experts.py
+                     "mixprec::experts_mm_cast_input", "mixprec::experts_mm_cast_input_backward",
                      # Triton kernels, in Triton's interpreter: tests/narrow/experts_blockwise_cases.py
                      "mixprec::grouped_blockwise_mm", "mixprec::grouped_blockwise_wgrad"}
 

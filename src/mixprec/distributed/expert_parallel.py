@@ -17,8 +17,11 @@ An MoE layer's pass on a rank (N local tokens, k experts each, S = N k routed ro
 2. each expert's row count sent to the rank that owns it (an all-to-all of E integers), then
    the send and receive sizes read on the host: **one host read per MoE layer and forward
    pass** (activation checkpointing's recompute reads again; the backward reads nothing);
-3. the rows sent by one all-to-all with uneven splits (`expert_dispatch` "fp8": e4m3 with a
-   power-of-two scale per token and 128-element block, sent as bytes with the scales);
+3. the rows sent by one all-to-all with uneven splits (`expert_dispatch` "fp8": e4m3 bytes with
+   their float32 scales, cast as a row- or block-wise up projection casts its input, whose GEMMs
+   then take them as they arrived (mixprec::experts_mm_cast_input: no second cast, one process's
+   bits); for the other recipes and the base mode, a power-of-two scale per token and
+   128-element block, dequantised on arrival and cast again by the experts);
 4. the received rows regrouped by local expert (a stable sort: each expert sees rank 0's rows,
    then rank 1's, ..., as one process sees the global batch) and run through the experts'
    grouped GEMMs in the layer's recipe, per-expert scales as without expert parallelism;
@@ -94,12 +97,16 @@ def apply_expert_parallel(model: nn.Module, mesh, dispatch: str = "base", worst_
         _slice_salts(experts.mixprec_experts, rank * local, (rank + 1) * local)
         experts.ep = ExpertParallel(group, degree, local, dispatch, worst_load)
     if layers and not worst_load:
+        how = "the activations' dtype"
+        if dispatch == "fp8":
+            direct = layers[0].experts.mixprec_experts.cast_input()
+            how = ("e4m3 cast as the experts' recipe casts its input, taken by their GEMMs as it arrives" if direct
+                   else "e4m3 with a power-of-two scale per token and 128-element block, cast again by the experts "
+                   "(only row- and block-wise experts take the dispatched bytes as they are)")
         logger.info("parallelism: expert parallel over %d ranks: each holds %d of the %d experts of %d MoE layers; "
                     "tokens dispatched by all-to-all in %s, combined in the activations' dtype; the experts' weights "
                     "FSDP2-sharded over the %d ranks outside each group", degree, local,
-                    layers[0].experts.num_experts, len(layers),
-                    "e4m3 with a power-of-two scale per token and 128-element block" if dispatch == "fp8" else
-                    "the activations' dtype", mesh["dp_mod_ep"].size())
+                    layers[0].experts.num_experts, len(layers), how, mesh["dp_mod_ep"].size())
     return len(layers)
 
 
@@ -125,20 +132,26 @@ class ExpertParallel:
         """The routed experts of tokens x (N, D) chosen by `index`, `weights` (N, k) -> (N, D)."""
         perm, _, offs = grouped.dispatch(index, experts.num_experts, stable=True)
         rows = x[perm // index.shape[1]]  # (S, D), grouped by expert, so by the rank that owns it
-        received, order, local_offs, sizes = self.send(rows, offs)
+        # FP8: cast as the up projection casts its input where its GEMMs take such rows as they are
+        # (row- and block-wise), else per token and 128-element block with power-of-two scales
+        cast = (experts.mixprec_experts.cast_input() or ((1, DISPATCH_BLOCK), True)) if self.fp8 else None
+        received, data, order, local_offs, sizes = self.send(rows, offs, cast)
         # (E / ep, ...): this rank's experts, their gradients divided by the group's ranks (above)
         up, down = (_GradScale.apply(getattr(experts, n).to_local(), self.degree) for n in ("gate_up_proj",
                                                                                              "down_proj"))
-        out = experts.run(received[order], up, down, local_offs)  # (R, D), grouped by local expert
+        direct = None if data is None or experts.mixprec_experts.cast_input() is None else \
+            tuple(t[order] for t in data)
+        out = experts.run(received[order], up, down, local_offs, direct)  # (R, D), grouped by local expert
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         out = self.receive(out[back], sizes)  # (S, D), in `rows`' order
         return grouped.combine(out, weights, perm, x.dtype)
 
     @torch.compiler.disable
-    def send(self, rows: torch.Tensor, offs: torch.Tensor):
-        """rows (S, D) grouped by expert, offs (E,) their ends -> (the rows this rank's experts received (R, D),
-        the order grouping them by local expert, its experts' row ends (E / ep,) int32, the split sizes)."""
+    def send(self, rows: torch.Tensor, offs: torch.Tensor, cast: tuple | None):
+        """rows (S, D) grouped by expert, offs (E,) their ends, cast: None (sent in their dtype) or the FP8 cast's
+        (tile, power_of_2) -> (the rows this rank's experts received (R, D), with FP8 their (data, scale_inv) else
+        None, the order grouping them by local expert, its experts' row ends (E / ep,) int32, the split sizes)."""
         counts = torch.diff(offs, prepend=offs.new_zeros(1))  # (E,) rows for each expert from this rank
         got = torch.empty_like(counts)
         if self.worst_load:
@@ -150,12 +163,14 @@ class ExpertParallel:
             got = got.view(self.degree, self.local)
             sizes = torch.cat([counts.view(self.degree, self.local).sum(1), got.sum(1)]).tolist()  # the host read
             send, recv = sizes[:self.degree], sizes[self.degree:]
-        received = _fp8_all_to_all(rows, recv, send, self.group) if self.fp8 else _all_to_all(rows, recv, send,
-                                                                                                self.group)
+        if cast is None:
+            received, data = _all_to_all(rows, recv, send, self.group), None
+        else:
+            received, *data = _FP8AllToAll.apply(rows, recv, send, self.group, *cast)
         expert = torch.arange(self.local, device=rows.device).repeat(self.degree)
         expert = expert.repeat_interleave(got.flatten(), output_size=sum(recv))  # (R,) each row's local expert
         order = torch.sort(expert, stable=True).indices
-        return received, order, torch.cumsum(got.sum(0), 0, dtype=torch.int32), (send, recv)
+        return received, data, order, torch.cumsum(got.sum(0), 0, dtype=torch.int32), (send, recv)
 
     @torch.compiler.disable
     def receive(self, out: torch.Tensor, sizes) -> torch.Tensor:
@@ -185,45 +200,46 @@ def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gr
     return wait_tensor(all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group))
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (S, D) -> (e4m3 (S, D), float32 scale_inv (S, ceil(D / 128))): a power-of-two scale per token and
-    128-element block, so that the dequantised values are exact in bfloat16 as in float32."""
+def quantize_rows(x: torch.Tensor, tile: tuple[int, int] = (1, DISPATCH_BLOCK),
+                  power_of_2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (S, D) -> (e4m3 (S, D), float32 scale_inv (S, D / tile's columns)): a scale per token and tile (0
+    columns: the whole row); with power-of-two scales the dequantised values are exact in bfloat16 as in float32."""
     if not x.shape[0]:
-        return x.new_empty(x.shape, dtype=E4M3), x.new_empty(0, -(-x.shape[1] // DISPATCH_BLOCK), dtype=torch.float32)
-    q, _ = quantize(x, E4M3, (1, DISPATCH_BLOCK), power_of_2=True)
+        columns = 1 if not tile[1] else -(-x.shape[1] // tile[1])
+        return x.new_empty(x.shape, dtype=E4M3), x.new_empty(0, columns, dtype=torch.float32)
+    q, _ = quantize(x, E4M3, tile, power_of_2=power_of_2)
     return q.data, q.scale_inv
 
 
-def dequantize_rows(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    from mixprec.narrow.scaling import Quantized
+def dequantize_rows(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
+                    tile: tuple[int, int] = (1, DISPATCH_BLOCK)) -> torch.Tensor:
+    from mixprec.narrow.scaling import Quantized, resolve_tile
 
     if not data.shape[0]:
         return data.new_empty(data.shape, dtype=dtype)
-    return Quantized(data, scale_inv, (1, DISPATCH_BLOCK)).dequantize().to(dtype)
+    return Quantized(data, scale_inv, resolve_tile(tile, data.shape)).dequantize().to(dtype)
 
 
 class _FP8AllToAll(torch.autograd.Function):
-    """The dispatch in FP8: each row's e4m3 bytes and its scales in one byte buffer, one all-to-all; the
+    """The dispatch in FP8: each row's e4m3 bytes and its scales in one byte buffer, one all-to-all. Returns the
+    rows dequantised in x's dtype, and the e4m3 data and scales as they arrived (not differentiable); the
     gradient goes back in its own dtype (the cast passes it straight through, as a recipe's casts do)."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
+    def forward(ctx, x, out_splits, in_splits, group, tile, power_of_2):
         ctx.sizes, ctx.group = (in_splits, out_splits), group
-        data, scale_inv = quantize_rows(x)
+        data, scale_inv = quantize_rows(x, tile, power_of_2)
         D = x.shape[1]
-        packed = torch.cat([data.view(torch.uint8), scale_inv.view(torch.uint8)], dim=1)  # (S, D + 4 blocks)
+        packed = torch.cat([data.view(torch.uint8), scale_inv.view(torch.uint8)], dim=1)  # (S, D + 4 x tiles)
         out = packed.new_empty(sum(out_splits), packed.shape[1])
         dist.all_to_all_single(out, packed, out_splits, in_splits, group=group)
         data, scale_inv = out[:, :D].view(E4M3), out[:, D:].contiguous().view(torch.float32)
-        return dequantize_rows(data, scale_inv, x.dtype)
+        ctx.mark_non_differentiable(data, scale_inv)
+        return dequantize_rows(data, scale_inv, x.dtype, tile), data, scale_inv
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, *_):
         (out_splits, in_splits), group = ctx.sizes, ctx.group
         back = grad.new_empty(sum(out_splits), grad.shape[1])
         dist.all_to_all_single(back, grad.contiguous(), out_splits, in_splits, group=group)
-        return back, None, None, None
-
-
-def _fp8_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    return _FP8AllToAll.apply(x, out_splits, in_splits, group)
+        return back, None, None, None, None, None

@@ -27,6 +27,8 @@ Balancing (`ModelArgs.balance`):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -101,10 +103,14 @@ class Experts(nn.Module):
         out = self.run(rows, self.gate_up_proj, self.down_proj, offs)
         return grouped.combine(out, weights, perm, x.dtype)
 
-    def run(self, rows: torch.Tensor, gate_up: torch.Tensor, down_proj: torch.Tensor, offs: torch.Tensor):
-        """rows (S, D) grouped by expert, each expert's ending at offs -> (S, D): the SwiGLU of each expert."""
+    def run(self, rows: torch.Tensor, gate_up: torch.Tensor, down_proj: torch.Tensor, offs: torch.Tensor,
+            cast: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """rows (S, D) grouped by expert, each expert's ending at offs -> (S, D): the SwiGLU of each expert.
+        cast: the rows as they arrived in FP8 (data, scale_inv), cast as the up projection casts its input."""
         up, down = self.mixprec_experts.projections(transposed=False)
-        gate, value = up(rows, gate_up, offs).chunk(2, dim=-1)  # (S, I) each
+        if cast is not None:
+            up = functools.partial(self.mixprec_experts.up_cast, x_data=cast[0], x_scale_inv=cast[1])
+        gate, value = up(rows, gate_up, offs=offs).chunk(2, dim=-1)  # (S, I) each
         return down(F.silu(gate) * value, down_proj, offs)  # (S, D)
 
 

@@ -237,6 +237,68 @@ def experts_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, key: i
     return torch.ops.mixprec.experts_mm(x, weight, offs, key)
 
 
+# ---- a projection whose input arrived cast (expert parallelism's FP8 dispatch) --------------------------------
+def takes_cast_input(g: ExpertsGemm) -> tuple[tuple[int, int], bool] | None:
+    """(tile, power_of_2) of the input cast of a row- or block-wise projection, whose GEMMs take rows cast so
+    as they are (one scale per token and K tile: nothing spans two experts); None for the other recipes."""
+    r = g.plan.recipe
+    if g.passes is not experts_fp8 or r.granularity not in (Granularity.ROWWISE, Granularity.BLOCKWISE):
+        return None
+    return g.plan.tiles.x, r.power_of_2_scales
+
+
+def _cast_input(x_data: torch.Tensor, x_scale_inv: torch.Tensor, g: ExpertsGemm):
+    from mixprec.narrow.scaling import Quantized, resolve_tile
+
+    return Quantized(x_data, x_scale_inv, resolve_tile(g.plan.tiles.x, x_data.shape))
+
+
+@torch.library.custom_op("mixprec::experts_mm_cast_input", mutates_args=())
+def _experts_mm_cast(x: torch.Tensor, x_data: torch.Tensor, x_scale_inv: torch.Tensor, weight: torch.Tensor,
+                     offs: torch.Tensor, key: int) -> torch.Tensor:
+    g = gemm_of(key)
+    with _no_autocast(x.device):
+        return g.passes.forward(x, _by_output(weight, g), offs, g, _cast_input(x_data, x_scale_inv, g))
+
+
+@_experts_mm_cast.register_fake
+def _(x, x_data, x_scale_inv, weight, offs, key):
+    g = gemm_of(key)
+    return x.new_empty(x.shape[0], _by_output(weight, g).shape[1], dtype=g.plan.compute_dtype)
+
+
+@torch.library.custom_op("mixprec::experts_mm_cast_input_backward", mutates_args=())
+def _experts_mm_cast_backward(x_data: torch.Tensor, x_scale_inv: torch.Tensor, weight: torch.Tensor,
+                              offs: torch.Tensor, dy: torch.Tensor, key: int,
+                              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = gemm_of(key)
+    with _no_autocast(dy.device):
+        dx, dw = g.passes.backward(None, _by_output(weight, g), offs, dy.contiguous(), g,
+                                   _cast_input(x_data, x_scale_inv, g), dtype)
+    return dx, (dw.transpose(1, 2) if g.transposed else dw)
+
+
+@_experts_mm_cast_backward.register_fake
+def _(x_data, x_scale_inv, weight, offs, dy, key, dtype):
+    return x_data.new_empty(x_data.shape, dtype=dtype), torch.empty_like(weight)
+
+
+def _cast_setup_context(ctx, inputs, output):
+    x, x_data, x_scale_inv, weight, offs, key = inputs
+    ctx.save_for_backward(x_data, x_scale_inv, weight, offs)  # the FP8 rows, not x: 1 byte an element
+    ctx.key, ctx.dtype = key, x.dtype
+
+
+def _cast_backward(ctx, dy):
+    x_data, x_scale_inv, weight, offs = ctx.saved_tensors
+    dx, dw = torch.ops.mixprec.experts_mm_cast_input_backward(x_data, x_scale_inv, weight, offs, dy, ctx.key,
+                                                               ctx.dtype)
+    return dx, None, None, dw, None, None
+
+
+_experts_mm_cast.register_autograd(_cast_backward, setup_context=_cast_setup_context)
+
+
 # ---- an experts module's forward: the routing around the two projections ---------------------------------------
 @dataclass
 class ExpertsLayer:
@@ -266,6 +328,15 @@ class ExpertsLayer:
             return
         self.up, self.down = (register(ExpertsGemm(g.name, p, g.transposed, g.salts, uses_grouped(p)))
                               for g, p in zip(self.gemms, plans))
+
+    def cast_input(self) -> tuple[tuple[int, int], bool] | None:
+        """How rows cast for the up projection (tile, power_of_2) go to its GEMMs as they are (`takes_cast_input`)."""
+        return takes_cast_input(gemm_of(self.up)) if self.narrow else None
+
+    def up_cast(self, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, x_data: torch.Tensor,
+                x_scale_inv: torch.Tensor) -> torch.Tensor:
+        """The up projection on rows x that arrived cast as `cast_input` says (x_data, x_scale_inv): no cast."""
+        return torch.ops.mixprec.experts_mm_cast_input(x, x_data, x_scale_inv, weight, offs, self.up)
 
     def projections(self, transposed: bool):
         """(up, down): each (x (S, K), weight, offs) -> (S, N)."""

@@ -178,27 +178,32 @@ def wgrad_mm(g_data, g_inv, x_data, x_inv, seg: Segments, rows: int, kernel: boo
 
 
 # ---- a projection's passes ------------------------------------------------------------------
-def forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, g) -> torch.Tensor:
+def forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, g, xq: Quantized | None = None) -> torch.Tensor:
     """x (S, K) @ each expert's W_e^T, w (E, N, K), under the projection `g` (mixprec.narrow.experts.ExpertsGemm):
-    (S, N) in the plan's compute dtype."""
+    (S, N) in the plan's compute dtype. xq: x already cast as this recipe casts it (expert parallelism's FP8
+    dispatch), used as it is."""
     plan = g.plan
     r, t = plan.recipe, plan.tiles
     seg = Segments(offs, x.shape[0])
-    xq, _ = cast_tokens(x, seg, t.x, E4M3, r.power_of_2_scales)
+    if xq is None:
+        xq, _ = cast_tokens(x, seg, t.x, E4M3, r.power_of_2_scales)
     wq = cast_stacked(w, t.w, E4M3, r.power_of_2_scales)
     return mm(xq, transposed(wq), seg, plan.compute_dtype, g.grouped)
 
 
-def backward(x, w, offs, dy, g) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx (S, K) in x's dtype, dW (E, N, K) in w's dtype): the dense Linear's backward for each expert."""
+def backward(x, w, offs, dy, g, xq: Quantized | None = None, x_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx (S, K) in x's dtype, dW (E, N, K) in w's dtype): the dense Linear's backward for each expert.
+    xq: the forward's cast of x, kept (x None, dx in x_dtype; row- and block-wise only)."""
     plan = g.plan
     r, t = plan.recipe, plan.tiles
     pow2 = r.power_of_2_scales
-    seg = Segments(offs, x.shape[0])
-    xq, x_inv = cast_tokens(x, seg, t.x, E4M3, pow2)  # the forward's cast again (deterministic)
+    seg = Segments(offs, dy.shape[0])
+    if xq is None:
+        xq, x_inv = cast_tokens(x, seg, t.x, E4M3, pow2)  # the forward's cast again (deterministic)
+        x_dtype = x.dtype
     gq, g_inv = cast_tokens(dy, seg, t.g, r.grad_dtype, pow2)
     wq_d = cast_stacked(w, t.w_dgrad or t.w, E4M3, pow2, BACKWARD if t.w_dgrad else FORWARD)  # summed over N
-    dx = mm(gq, wq_d, seg, plan.compute_dtype, g.grouped).to(x.dtype)
+    dx = mm(gq, wq_d, seg, plan.compute_dtype, g.grouped).to(x_dtype)
     if t.g_wgrad:  # scaled along the tokens: row-wise per expert, block-wise per 128-token tile
         rows = t.g_wgrad[0]
         g_data, g_inv = cast_along_tokens(dy, seg, rows, r.grad_dtype, pow2)
