@@ -3,7 +3,7 @@ step's all-to-alls (counted from outside the model by mixprec's comm-bytes count
 losses of moe-debug trained on two gloo ranks, several seeds, each seed once per dispatch.
 
     python benchmarks/expert_dispatch.py --bytes --flavor moe-small
-    python benchmarks/expert_dispatch.py --accuracy --seeds 0,1,2 --steps 200
+    python benchmarks/expert_dispatch.py --accuracy --seeds 0,1,2 --steps 300 [--preset fp8-rowwise]
 
 Bytes: one bf16-mixed step of the flavor on two ranks (ep 2), the all-to-alls by call: per MoE
 layer the counts, the dispatch and the combine in forward; the combine's and the dispatch's
@@ -68,11 +68,11 @@ def measure_bytes(flavor: str) -> dict:
         return json.loads(out.read_text())
 
 
-def train(folder: Path, seed: int, dispatch: str, steps: int, corpus: str) -> list[dict]:
+def train(folder: Path, seed: int, dispatch: str, steps: int, corpus: str, preset: str) -> list[dict]:
     args = ["train", "--model.flavor", "moe-debug", "--data.source", corpus, "--job.dump_folder", str(folder),
             "--training.steps", str(steps), "--training.seq_len", "64", "--training.local_batch_size", "4",
             "--training.warmup_steps", str(steps // 10), "--training.eval_interval", str(steps),
-            "--training.eval_batches", "8", "--training.seed", str(seed), "--precision.preset", "bf16-mixed",
+            "--training.eval_batches", "8", "--training.seed", str(seed), "--precision.preset", preset,
             "--checkpoint.enable", "false", "--metrics.progress_bar", "false", "--metrics.plot", "false",
             "--metrics.log_freq", "1", "--training.device", "cpu", "--parallelism.expert_parallel_degree", "2",
             "--parallelism.expert_dispatch", dispatch]
@@ -96,15 +96,15 @@ def corpus_file(folder: Path) -> str:
     return str(path)
 
 
-def accuracy(seeds: list[int], steps: int) -> None:
-    print(f"moe-debug, bf16-mixed, ep 2 on two gloo ranks, {steps} steps; loss = mean training loss of the last "
+def accuracy(seeds: list[int], steps: int, preset: str) -> None:
+    print(f"moe-debug, {preset}, ep 2 on two gloo ranks, {steps} steps; loss = mean training loss of the last "
           f"{steps // 4} steps; val = final validation loss")
     print(f"{'seed':>4} {'base loss':>10} {'fp8 loss':>10} {'gap %':>7} {'base val':>9} {'fp8 val':>9} {'gap %':>7}")
     gaps, val_gaps = [], []
     with tempfile.TemporaryDirectory() as tmp:
         corpus = corpus_file(Path(tmp))
         for seed in seeds:
-            runs = {d: train(Path(tmp) / f"{d}-{seed}", seed, d, steps, corpus) for d in ("base", "fp8")}
+            runs = {d: train(Path(tmp) / f"{d}-{seed}", seed, d, steps, corpus, preset) for d in ("base", "fp8")}
             tail = {d: [r["loss"] for r in rs if "loss" in r][-(steps // 4):] for d, rs in runs.items()}
             loss = {d: sum(v) / len(v) for d, v in tail.items()}
             val = {d: [r["val_loss"] for r in rs if "val_loss" in r][-1] for d, rs in runs.items()}
@@ -131,6 +131,7 @@ def main() -> None:
     p.add_argument("--accuracy", action="store_true", help="moe-debug losses, base vs fp8 dispatch")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--preset", default="bf16-mixed", help="for --accuracy")
     a = p.parse_args()
     if a.bytes:
         r = measure_bytes(a.flavor)
@@ -140,7 +141,7 @@ def main() -> None:
         for key in ("counts", "dispatch", "combine", "step"):
             print(f"{key:<22}{r['base'][key]:>12,}{r['fp8'][key]:>12,}{r['fp8'][key] / r['base'][key]:>10.3f}")
     if a.accuracy:
-        accuracy([int(s) for s in a.seeds.split(",")], a.steps)
+        accuracy([int(s) for s in a.seeds.split(",")], a.steps, a.preset)
 
 
 if __name__ == "__main__":

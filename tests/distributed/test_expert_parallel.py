@@ -203,6 +203,14 @@ def test_two_expert_parallel_ranks_train_as_fsdp_and_as_one_process(tmp_path, te
 
 
 @pytest.mark.slow
+def test_expert_parallel_blocks_compiled_and_recomputed_train_as_eager(tmp_path, text_file, one):
+    ep = ("--parallelism.expert_parallel_degree", "2")
+    compiled = torchrun(tmp_path / "compiled", text_file, *ep, "--compile.enable", "true",
+                        "--activation_checkpoint.mode", "full", *FP32)
+    close(compiled, one, 1e-5)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("ep", ["4", "2"])  # 2: two groups of two, each expert's weights FSDP2-sharded over 2
 def test_four_ranks_expert_parallel_train_as_one_process(tmp_path, text_file, one, ep):
     records = torchrun(tmp_path / "ep", text_file, "--parallelism.expert_parallel_degree", ep, *FP32, ranks=4)
