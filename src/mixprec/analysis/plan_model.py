@@ -105,7 +105,7 @@ def _fake_ranks(world: int, ep: int = 1):
         dist.destroy_process_group()
 
 
-def _shard(model: torch.nn.Module, planned, mesh, expert_dispatch: str) -> None:
+def _shard(model: torch.nn.Module, planned, mesh, expert_dispatch: str = "base") -> None:
     """The trainer's FSDP2 layout (mixprec.distributed.fsdp), after FP8 conversion as parallelize does,
     and expert parallelism where the mesh has an "ep" dimension."""
     from mixprec.distributed.expert_parallel import apply_expert_parallel

@@ -134,13 +134,13 @@ class ExpertParallel:
         rows = x[perm // index.shape[1]]  # (S, D), grouped by expert, so by the rank that owns it
         # FP8: cast as the up projection casts its input where its GEMMs take such rows as they are
         # (row- and block-wise), else per token and 128-element block with power-of-two scales
-        cast = (experts.mixprec_experts.cast_input() or ((1, DISPATCH_BLOCK), True)) if self.fp8 else None
+        takes = experts.mixprec_experts.cast_input()
+        cast = (takes or ((1, DISPATCH_BLOCK), True)) if self.fp8 else None
         received, data, order, local_offs, sizes = self.send(rows, offs, cast)
         # (E / ep, ...): this rank's experts, their gradients divided by the group's ranks (above)
         up, down = (_GradScale.apply(getattr(experts, n).to_local(), self.degree) for n in ("gate_up_proj",
                                                                                              "down_proj"))
-        direct = None if data is None or experts.mixprec_experts.cast_input() is None else \
-            tuple(t[order] for t in data)
+        direct = tuple(t[order] for t in data) if data is not None and takes is not None else None
         out = experts.run(received[order], up, down, local_offs, direct)  # (R, D), grouped by local expert
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
