@@ -162,7 +162,7 @@ def test_one_process_refuses_an_expert_parallel_degree_and_writes_nothing(tmp_pa
     assert not (tmp_path / "run").exists()
 
 
-def torchrun(folder, source, *extra, ranks: int = 2, check_rc: bool = True):
+def torchrun(folder, source, *extra, ranks: int = 2, check_rc: bool = True, log: list | None = None):
     args = tiny_args(folder, source, "--model.flavor", "moe-debug", "--metrics.log_freq", "1",
                      "--training.local_batch_size", str(4 // ranks), *extra)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -171,6 +171,8 @@ def torchrun(folder, source, *extra, ranks: int = 2, check_rc: bool = True):
     if not check_rc:
         return proc
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if log is not None:
+        log.append(proc.stdout + proc.stderr)
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -227,6 +229,22 @@ def test_expert_parallel_blocks_compiled_and_recomputed_train_as_eager(tmp_path,
 def test_four_ranks_expert_parallel_train_as_one_process(tmp_path, text_file, one, ep):
     records = torchrun(tmp_path / "ep", text_file, "--parallelism.expert_parallel_degree", ep, *FP32, ranks=4)
     close(records, one, 1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, dispatch, ratio", [("fp8-rowwise", "base", "0.54x"), ("fp8-blockwise", "fp8", "0.50x"),
+                                                     ("nvfp4", "base", "0.25x")])
+def test_expert_parallel_experts_all_gather_narrow_with_the_bits_of_bfloat16(tmp_path, text_file, preset, dispatch,
+                                                                              ratio):
+    # ep 2 on four ranks: each group's experts FSDP2-sharded over the 2 ranks outside it, gathered in their narrow
+    # format (each rank casting its own whole experts) against gathered in bfloat16 and cast after: the same losses
+    flags = ("--precision.preset", preset, "--checkpoint.enable", "false", "--parallelism.expert_parallel_degree",
+             "2", "--parallelism.expert_dispatch", dispatch)
+    log = []
+    narrow = torchrun(tmp_path / "narrow", text_file, *flags, ranks=4, log=log)
+    wide = torchrun(tmp_path / "wide", text_file, *flags, "--parallelism.lowp_all_gather", "false", ranks=4)
+    assert [r.get("loss") for r in narrow] == [r.get("loss") for r in wide]
+    assert "experts projections all-gather their experts in float" in log[0] and f"{ratio} the bytes" in log[0]
 
 
 @pytest.mark.slow

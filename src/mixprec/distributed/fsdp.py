@@ -49,7 +49,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, policy: Policy, *, reshard_af
     cast_parameters(model, policy.storage_dtype)
     blocks = list(getattr(model, "layers", None) or decoder_layers(model))
     policy.narrow_gathers = _narrow_gathers(model, blocks, mesh.shape[-1], reshard_after_forward, lowp_all_gather,
-                                            mp_policy.param_dtype)
+                                            mp_policy.param_dtype, experts_mesh.size() if experts_mesh else 1)
     kwargs = dict(mesh=mesh, mp_policy=mp_policy,
                   reshard_after_forward=reshard_after_forward != "never",
                   offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
@@ -95,7 +95,7 @@ def _shard_experts(model: nn.Module, mesh: DeviceMesh, kwargs: dict) -> None:
 
 
 def _narrow_gathers(model: nn.Module, blocks: list[nn.Module], world: int, reshard_after_forward: str, enabled: bool,
-                    param_dtype) -> str:
+                    param_dtype, experts_world: int = 1) -> str:
     """Low-precision all-gathers for the FP8 and microscaled Linear layers, or the line that says they gather
     in param_dtype. Returns what the startup line says of them."""
     narrow = [fqn for fqn, m in model.named_modules() if isinstance(m, FP8Linear)]
@@ -124,7 +124,8 @@ def _narrow_gathers(model: nn.Module, blocks: list[nn.Module], world: int, resha
 
     decided = all_gather.shard_narrow(model, world, reshards=reshards, recomputes=recomputes)
     all_gather.log_decisions(model, decided, base)
-    experts_decided = experts_gather.shard(model, world, reshards=reshards, recomputes=recomputes)
+    experts_decided = experts_gather.shard(model, world, reshards=reshards, recomputes=recomputes,
+                                           experts_world=experts_world)
     experts_gather.log_decisions(model, experts_decided, base)
     formats = sorted({dtype_name(all_gather.element_format(model.get_submodule(f).plan.recipe))
                       for f, why in decided.items() if why is None})

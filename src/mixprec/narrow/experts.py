@@ -253,12 +253,18 @@ def _cast_input(x_data: torch.Tensor, x_scale_inv: torch.Tensor, g: ExpertsGemm)
     return Quantized(x_data, x_scale_inv, resolve_tile(g.plan.tiles.x, x_data.shape))
 
 
-@torch.library.custom_op("mixprec::experts_mm_cast_input", mutates_args=())
-def _experts_mm_cast(x: torch.Tensor, x_data: torch.Tensor, x_scale_inv: torch.Tensor, weight: torch.Tensor,
-                     offs: torch.Tensor, key: int) -> torch.Tensor:
+def experts_mm_cast_input(x: torch.Tensor, x_data: torch.Tensor, x_scale_inv: torch.Tensor, weight: torch.Tensor,
+                          offs: torch.Tensor, key: int) -> torch.Tensor:
+    """The forward of mixprec::experts_mm_cast_input (also what a narrow-gathered weight runs)."""
     g = gemm_of(key)
     with _no_autocast(x.device):
         return g.passes.forward(x, _by_output(weight, g), offs, g, _cast_input(x_data, x_scale_inv, g))
+
+
+@torch.library.custom_op("mixprec::experts_mm_cast_input", mutates_args=())
+def _experts_mm_cast(x: torch.Tensor, x_data: torch.Tensor, x_scale_inv: torch.Tensor, weight: torch.Tensor,
+                     offs: torch.Tensor, key: int) -> torch.Tensor:
+    return experts_mm_cast_input(x, x_data, x_scale_inv, weight, offs, key)
 
 
 @_experts_mm_cast.register_fake
@@ -267,15 +273,22 @@ def _(x, x_data, x_scale_inv, weight, offs, key):
     return x.new_empty(x.shape[0], _by_output(weight, g).shape[1], dtype=g.plan.compute_dtype)
 
 
-@torch.library.custom_op("mixprec::experts_mm_cast_input_backward", mutates_args=())
-def _experts_mm_cast_backward(x_data: torch.Tensor, x_scale_inv: torch.Tensor, weight: torch.Tensor,
-                              offs: torch.Tensor, dy: torch.Tensor, key: int,
-                              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def experts_mm_cast_input_backward(x_data: torch.Tensor, x_scale_inv: torch.Tensor, weight: torch.Tensor,
+                                   offs: torch.Tensor, dy: torch.Tensor, key: int,
+                                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of mixprec::experts_mm_cast_input: (dx in `dtype`, dW)."""
     g = gemm_of(key)
     with _no_autocast(dy.device):
         dx, dw = g.passes.backward(None, _by_output(weight, g), offs, dy.contiguous(), g,
                                    _cast_input(x_data, x_scale_inv, g), dtype)
     return dx, (dw.transpose(1, 2) if g.transposed else dw)
+
+
+@torch.library.custom_op("mixprec::experts_mm_cast_input_backward", mutates_args=())
+def _experts_mm_cast_backward(x_data: torch.Tensor, x_scale_inv: torch.Tensor, weight: torch.Tensor,
+                              offs: torch.Tensor, dy: torch.Tensor, key: int,
+                              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return experts_mm_cast_input_backward(x_data, x_scale_inv, weight, offs, dy, key, dtype)
 
 
 @_experts_mm_cast_backward.register_fake

@@ -40,10 +40,6 @@ logger = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 
-EXPERT_PARALLEL = ("expert parallel: its weights are DTensors over the expert-parallel ranks, which the narrow "
-                   "gather does not take yet")
-
-
 def why_not(g: experts.ExpertsGemm, shape: tuple[int, int, int], world: int, *, recomputes: bool,
             reshards: bool) -> str | None:
     """Why an experts projection of `shape` (E, N, K) gathers in bfloat16 over `world` shards, or None."""
@@ -112,7 +108,7 @@ class GatheredExperts(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        w = args[0] if isinstance(args[0], GatheredExperts) else args[1]
+        w = next(a for a in args if isinstance(a, GatheredExperts))
         if func in (aten.detach.default, aten.alias.default) or (
                 func in (aten.as_strided.default, aten.view.default) and tuple(args[1]) == tuple(w.shape)):
             return GatheredExperts(w._data, w._scale, w._meta, w._how, w.shape[0], w._meta_shape, w.dtype)
@@ -131,6 +127,12 @@ class GatheredExperts(torch.Tensor):
             if is_fake(x):
                 return torch.empty_like(x), x.new_empty(w.shape, dtype=w.dtype)
             return experts.backward(x, w, offs, dy, experts.gemm_of(key))
+        if func is torch.ops.mixprec.experts_mm_cast_input.default:  # rows that arrived cast (expert parallel)
+            x, x_data, x_scale_inv, _, offs, key = args
+            return experts.experts_mm_cast_input(x, x_data, x_scale_inv, w, offs, key)
+        if func is torch.ops.mixprec.experts_mm_cast_input_backward.default:
+            x_data, x_scale_inv, _, offs, dy, key, dtype = args
+            return experts.experts_mm_cast_input_backward(x_data, x_scale_inv, w, offs, dy, key, dtype)
         raise RuntimeError(f"{func} on expert weights all-gathered in their narrow format: only mixprec's experts "
                            "operators read them (set parallelism.lowp_all_gather = false to gather in bfloat16)")
 
@@ -220,23 +222,32 @@ def stacked_copy(r, k: str, w: torch.Tensor, which: str):
     return (data.view(E, N, fwd_cols).view(q.data.dtype), scale.view(E, N, K // r.block).view(E8M0)), None, None
 
 
-def shard(model: nn.Module, world: int, *, reshards, recomputes) -> dict[str, str | None]:
+def shard(model: nn.Module, world: int, *, reshards, recomputes, experts_world: int = 1) -> dict[str, str | None]:
     """Before fully_shard: each narrow experts projection's weight a NarrowShard where it can be gathered
-    narrow. Returns {projection FQN: None (narrow) or why it gathers in bfloat16}."""
+    narrow. Returns {projection FQN: None (narrow) or why it gathers in bfloat16}. Expert-parallel experts
+    (their weights DTensors of this rank's experts, mixprec.distributed.expert_parallel) gather over the
+    `experts_world` ranks outside their group: the DTensor's local tensor becomes the NarrowShard."""
+    from torch.distributed.tensor import DTensor
+
     decided = {}
     for fqn, m in model.named_modules():
         if not runs_narrow(m):
             continue
         for proj, g in zip(projections(m), m.mixprec_experts.gemms):
             p = getattr(m, proj)
-            why = EXPERT_PARALLEL if getattr(m, "ep", None) is not None else \
-                why_not(g, tuple(p.shape), world, recomputes=recomputes(fqn), reshards=reshards(fqn))
+            local = p.detach().to_local() if isinstance(p, DTensor) else p.data
+            why = why_not(g, tuple(local.shape), experts_world if isinstance(p, DTensor) else world,
+                          recomputes=recomputes(fqn), reshards=reshards(fqn))
             decided[f"{fqn}.{proj}"] = why
             if why is None:
                 # the shard carries its gather: two projections of one shape (up_proj and down_proj where
                 # I == H) are told apart
-                gather = ExpertsGather(m, proj, tuple(p.shape), g.plan.recipe)
-                setattr(m, proj, nn.Parameter(NarrowShard(p.data, gather), requires_grad=p.requires_grad))
+                gather = ExpertsGather(m, proj, tuple(local.shape), g.plan.recipe)
+                data = NarrowShard(local, gather)
+                if isinstance(p, DTensor):
+                    data = DTensor.from_local(data, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                              stride=p.stride())
+                setattr(m, proj, nn.Parameter(data, requires_grad=p.requires_grad))
                 m.__dict__.setdefault("experts_gathers", {})[proj] = gather
     return decided
 
