@@ -34,21 +34,20 @@ class CommBytes(TorchDispatchMode):
         name = func.name() if hasattr(func, "name") else str(func)
         if name.startswith("_c10d_functional::all_to_all_single"):  # functional: its result is what came in
             out = func(*args, **(kwargs or {}))
-            size = out.numel() * out.element_size()
-            self.bytes["all_to_all"] += size
-            self.calls["all_to_all"] += 1
-            self.log.append(("all_to_all", size))
+            self._count("all_to_all", out.numel() * out.element_size())
             return out
         if name.startswith("c10d::"):
             op = name.split("::")[1]
             kind = next((k for frag, k in _KINDS if frag in op), None)
             if kind is not None:
                 tensors = _tensors(args[1] if kind == "reduce_scatter" else args[0])
-                size = sum(t.numel() * t.element_size() for t in tensors)
-                self.bytes[kind] += size
-                self.calls[kind] += 1
-                self.log.append((kind, size))
+                self._count(kind, sum(t.numel() * t.element_size() for t in tensors))
         return func(*args, **(kwargs or {}))
+
+    def _count(self, kind: str, size: int) -> None:
+        self.bytes[kind] += size
+        self.calls[kind] += 1
+        self.log.append((kind, size))
 
 
 def _tensors(arg) -> list[torch.Tensor]:
