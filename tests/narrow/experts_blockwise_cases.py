@@ -57,7 +57,7 @@ def test_the_operators_opcheck():
     xq, _ = experts_fp8.cast_tokens(x, seg, (1, 128), torch.float8_e4m3fn, False)
     wq = experts_fp8.transposed(experts_fp8.cast_stacked(w, (128, 128), torch.float8_e4m3fn, False))
     tile_expert = torch.searchsorted(ends.long(), torch.arange(0, P, 128), right=True).to(torch.int32)
-    a = experts_blockwise._contiguous_layout(xq.data, pos, P)
+    a = Segments.place(xq.data, pos, P)
     utils = ("test_autograd_registration", "test_faketensor")  # FP8 inputs: no schema test's copies (test_custom_ops)
     torch.library.opcheck(torch.ops.mixprec.grouped_blockwise_mm,
                           (a, Segments.place(xq.scale_inv, pos, P), wq.data, wq.scale_inv, tile_expert),
@@ -65,5 +65,5 @@ def test_the_operators_opcheck():
     g_data, g_inv = experts_fp8.cast_along_tokens(dy, seg, 128, torch.float8_e4m3fn, False)
     tile_start = torch.cat([ends.new_zeros(1), ends // 128]).to(torch.int32)
     torch.library.opcheck(torch.ops.mixprec.grouped_blockwise_wgrad,
-                          (experts_blockwise._contiguous_layout(g_data, pos, P), g_inv, a, g_inv[:, :256].contiguous(),
+                          (Segments.place(g_data, pos, P), g_inv, a, g_inv[:, :256].contiguous(),
                            tile_start), test_utils=utils)

@@ -43,7 +43,8 @@ MXFP4_HADAMARD = RECIPES["mxfp4"].with_options(hadamard="random", stochastic_gra
 
 
 @pytest.mark.parametrize("transposed,sizes,K,N", [(False, (37, 0, 64, 19), 48, 80), (True, (37, 0, 64, 19), 48, 80),
-                                                  (False, (1, 130, 0, 33), 40, 56), (False, (0, 0, 17, 0), 24, 20)])
+                                                  (False, (1, 130, 0, 33), 40, 56), (False, (0, 0, 17, 0), 24, 20),
+                                                  (False, (0, 1, 0, 0), 20, 12)])
 @pytest.mark.parametrize("name", CURRENT + [MXFP4_HADAMARD])
 def test_experts_equal_each_expert_alone(name, transposed, sizes, K, N):
     """Every expert's outputs and gradients are its dense Linear's, alone on its tokens: empty experts,
@@ -96,6 +97,17 @@ def test_rows_past_the_last_offset_are_zero():
     out = experts.experts_mm(x, w, offs, experts.register(gemm("rowwise")))
     out.backward(dy)
     assert torch.count_nonzero(out[15:]) == 0 and torch.count_nonzero(x.grad[15:]) == 0
+
+
+def test_an_empty_expert_after_one_holding_an_inf_gets_a_zero_gradient():
+    """NVFP4's weight gradient reads each expert's tensor scale at its last block: an empty expert has none (it
+    read the expert before's, inf there, and its zero sums became NaN). Zeros, as its dense Linear gives."""
+    g = gemm("nvfp4")
+    x, w, offs, dy = problem(sizes=(37, 0, 64, 19), seed=1)
+    dy[5, 3] = float("inf")
+    experts.experts_mm(x, w, offs, experts.register(g)).backward(dy)
+    assert torch.count_nonzero(w.grad[1]) == 0
+    assert torch.isfinite(w.grad[2:]).all()
 
 
 def test_delayed_scaling_is_refused_for_experts():

@@ -7,6 +7,7 @@ here, so a new kernel cannot go untested."""
 
 import importlib
 import pkgutil
+import re
 
 import pytest
 
@@ -59,3 +60,10 @@ def test_the_kernel_compiles_to_a_cubin(kernel, signature, constexprs, arch):
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", arch, 32))
     assert len(compiled.asm["cubin"]) > 1000
+    # addresses in 64 bits: a product of two values known only at launch (a program id, a loop index, a size,
+    # a stride) in 32 bits wraps past 2^31 elements (an experts stack of 256 x 4096 x 7168 on one rank); a
+    # tile's first index, a program id times a constant BLOCK, stays far below
+    wrapping = [line.strip() for line in compiled.asm["ttir"].splitlines()
+                if (m := re.search(r"arith\.muli (%\w+), (%\w+) : (tensor<\S*xi32>|i32)\b", line))
+                and not any(operand.startswith("%c") for operand in m.group(1, 2))]
+    assert not wrapping, wrapping

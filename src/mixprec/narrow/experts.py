@@ -372,7 +372,10 @@ def base_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, transpose
     grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
     with _no_autocast(x.device):
         if grouped_mm is not None and dtype == torch.bfloat16:
-            return grouped_mm(x.to(dtype), w, offs=offs)
+            (K, N), x = w.shape[1:], x.to(dtype)
+            if K % 8 or N % 8:  # CUDA's grouped GEMM takes rows of 16 bytes: K and N padded with zeros (exact)
+                x, w = F.pad(x, (0, -K % 8)), F.pad(w, (0, -N % 8, 0, -K % 8))
+            return grouped_mm(x, w, offs=offs)[:, :N]
         return torch.ops.mixprec.experts_mm_loop(x.to(dtype), w, offs)
 
 
@@ -430,10 +433,11 @@ def dispatch(top_k_index: torch.Tensor, n_experts: int,
     0's rows then rank 1's, see one process's rows in one process's order); otherwise torch.sort's
     order, as transformers' grouped_mm sorts."""
     expert_ids_g, perm = torch.sort(top_k_index.reshape(-1), stable=stable)  # (S,) = tokens x top_k, by expert
-    # histc, not bincount (whose size depends on the largest id: a device-to-host read), as grouped_mm counts
-    ids = expert_ids_g.float() if top_k_index.device.type in ("cpu", "mps") else expert_ids_g.int()
-    counts = torch.histc(ids, bins=n_experts, min=0, max=n_experts - 1)
-    return perm, expert_ids_g, torch.cumsum(counts, 0, dtype=torch.int32)
+    # each expert's end found in the sorted ids: no bincount (its size depends on the largest id: a read of
+    # the device), no histc (CUDA's refuses torch.use_deterministic_algorithms)
+    experts = torch.arange(n_experts, device=expert_ids_g.device, dtype=expert_ids_g.dtype)
+    offs = torch.searchsorted(expert_ids_g, experts, right=True, out_int32=True)
+    return perm, expert_ids_g, offs
 
 
 def combine(out: torch.Tensor, top_k_weights: torch.Tensor, perm: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -23,7 +23,6 @@ import functools
 
 import torch
 
-from mixprec.narrow.recipe import E4M3
 from mixprec.narrow.scaling import Quantized
 from mixprec.narrow.segments import Segments
 
@@ -73,17 +72,12 @@ def _(g, sg, x, sx, tile_start):
     return g.new_empty(tile_start.shape[0] - 1, g.shape[1], x.shape[1], dtype=torch.float32)
 
 
-def _contiguous_layout(t: torch.Tensor, pos: torch.Tensor, P: int) -> torch.Tensor:
-    """t (S, C) e4m3 moved to rows `pos` of a zero (P, C) tensor (the bytes: FP8 has no index_copy)."""
-    return Segments.place(t.contiguous().view(torch.uint8), pos, P).view(E4M3)
-
-
 def mm(a: Quantized, b: Quantized, seg: Segments, out_dtype: torch.dtype) -> torch.Tensor:
     """experts_fp8.mm's block-wise GEMM on the kernel: a (S, SUM) per token, b stacked (E, SUM, OUT)."""
     pos, ends, P = seg.aligned(BLOCK)
     tile_expert = torch.searchsorted(ends.long(), torch.arange(0, P, BLOCK, device=pos.device), right=True)
     out = torch.ops.mixprec.grouped_blockwise_mm(
-        _contiguous_layout(a.data, pos, P), Segments.place(a.scale_inv, pos, P), b.data, b.scale_inv,
+        Segments.place(a.data, pos, P), Segments.place(a.scale_inv, pos, P), b.data, b.scale_inv,
         tile_expert.to(torch.int32))
     return out[pos.clamp(max=P - 1)].to(out_dtype)
 
@@ -94,7 +88,7 @@ def wgrad(g_data, g_inv, x_data, x_inv, seg: Segments) -> torch.Tensor:
     pos, ends, P = seg.aligned(BLOCK)
     tile_start = torch.cat([ends.new_zeros(1), ends // BLOCK]).to(torch.int32)
     return torch.ops.mixprec.grouped_blockwise_wgrad(
-        _contiguous_layout(g_data, pos, P), g_inv.contiguous(), _contiguous_layout(x_data, pos, P),
+        Segments.place(g_data, pos, P), g_inv.contiguous(), Segments.place(x_data, pos, P),
         x_inv.contiguous(), tile_start)
 
 

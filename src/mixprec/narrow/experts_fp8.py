@@ -33,42 +33,64 @@ from mixprec.narrow.scaling import Quantized, amax_to_scale, cast, quantize
 from mixprec.narrow.segments import Segments, pad_to, segment_amax
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """t, or a copy whose strides are multiples of 16 bytes (torch's grouped GEMMs refuse others), same values."""
-    size = t.element_size()
-    if all((s * size) % 16 == 0 for s, n in zip(t.stride(), t.shape) if s != 1 and n > 1):
-        return t
+ALIGN = 8  # elements in 16 bytes of bfloat16, what torch's grouped GEMM takes on CUDA (its TMA loads' alignment)
+
+
+def _laid_out(t: torch.Tensor, column_major: bool) -> torch.Tensor:
+    """t, or a copy of it with the same values, laid out as torch's grouped GEMM takes an operand on CUDA
+    (check_valid_strides_and_return_transposed, at bfloat16's size): row-major, a unit last stride and a
+    row stride of at least the row's length, a multiple of 16 bytes; or column-major, the same of its
+    transpose; a 3-D operand's batch stride and the first element on 16 bytes too. The CPU runs the same
+    layout, so that tests see the calls CUDA gets."""
+    if column_major:
+        return _laid_out(t.transpose(-2, -1), False).transpose(-2, -1)
     C = t.shape[-1]
-    buf = t.new_zeros(*t.shape[:-1], -(-C * size // 16) * 16 // size)
+    if (t.stride(-1) == 1 and t.stride(-2) >= max(1, C) and t.stride(-2) % ALIGN == 0
+            and t.storage_offset() % ALIGN == 0 and (t.dim() == 2 or t.stride(0) % ALIGN == 0)):
+        return t
+    buf = t.new_zeros(*t.shape[:-1], -(-C // ALIGN) * ALIGN)
     buf[..., :C] = t
     return buf[..., :C]
 
 
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, a_elements: torch.Tensor,
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None, a_elements: torch.Tensor,
                b_elements: torch.Tensor) -> torch.Tensor:
     """torch's grouped GEMM on exact operands (FP8 elements, widened inside; dequantised values), FP32
     out: a (S, K) @ b (E, K, N) -> (S, N) by groups of rows, or a (N, S) @ b (S, K) -> (E, N, K) by groups
-    of the summed dimension; rows past offs[-1] of a 2-D x 3-D result are zero. a and b are the narrow
-    elements a_elements and b_elements widened or dequantised: they ride along so that `mixprec audit`
-    reads each grouped GEMM's formats at the dispatcher (one operator, mixprec::grouped_mm, as a
+    of the summed dimension (offs), or a (T, N, M) @ b (T, M, K) -> (T, N, K) batched (offs None); rows past
+    offs[-1] of a 2-D x 3-D result are zero, and so is an empty group's (E, N, K) slice. a and b are the
+    narrow elements a_elements and b_elements widened or dequantised: they ride along so that `mixprec
+    audit` reads each grouped GEMM's formats at the dispatcher (one operator, mixprec::grouped_mm, as a
     microscaled Linear's mixprec::mx_mm)."""
     return torch.ops.mixprec.grouped_mm(a, b, offs, a_elements, b_elements)
 
 
 @torch.library.custom_op("mixprec::grouped_mm", mutates_args=())
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, a_elements: torch.Tensor,
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None, a_elements: torch.Tensor,
                 b_elements: torch.Tensor) -> torch.Tensor:
     # On the CPU in FP32: a loop of mm over the groups, each group's sum the dense GEMM's. Elsewhere
     # torch's grouped GEMM takes and writes bfloat16 only (its CUDA kernel and meta function): the
     # operands are exact in bfloat16, and each group's FP32 sum is rounded to bfloat16 once before
     # the scales (as torchao's MoE training writes its grouped GEMMs).
     dtype = torch.float32 if a.device.type == "cpu" else torch.bfloat16
-    out = torch._grouped_mm(_aligned(a.to(dtype)), _aligned(b.to(dtype)), offs=offs).float().contiguous()
-    return valid_rows(out, offs) if b.dim() == 3 else out
+    a, b = a.to(dtype), b.to(dtype)
+    if offs is None:  # batched: no groups, so no limit on their number (CUDA's grouped GEMM takes < 1,024)
+        return torch.bmm(a, b).float()
+    if b.dim() == 3:  # a's rows split by offs: a row-major, b as it comes (both take any group sizes)
+        out = torch._grouped_mm(_laid_out(a, False), _laid_out(b, b.stride(-2) == 1), offs=offs)
+        return valid_rows(out.float().contiguous(), offs)
+    # the summed dimension split by offs: CUDA takes any group sizes (empty ones included) only with a
+    # column-major and b row-major; other layouts assert every group but the last a positive multiple of
+    # 16 bytes, on the device, which ends the process
+    out = torch._grouped_mm(_laid_out(a, True), _laid_out(b, False), offs=offs).float().contiguous()
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))  # (E,) each group's rows
+    return torch.where(sizes[:, None, None] > 0, out, torch.zeros((), device=out.device))
 
 
 @_grouped_mm.register_fake
 def _(a, b, offs, a_elements, b_elements):
+    if offs is None:
+        return a.new_empty(a.shape[0], a.shape[1], b.shape[2], dtype=torch.float32)
     if b.dim() == 3:
         return a.new_empty(a.shape[0], b.shape[2], dtype=torch.float32)
     return a.new_empty(offs.shape[0], a.shape[0], b.shape[1], dtype=torch.float32)
@@ -169,12 +191,20 @@ def wgrad_mm(g_data, g_inv, x_data, x_inv, seg: Segments, rows: int, kernel: boo
         return out * g_inv[:seg.n, :, None] * x_inv[:seg.n, None, :]
     if kernel:  # block-wise: mixprec's Triton kernel
         return experts_blockwise.wgrad(g_data, g_inv, x_data, x_inv, seg)
-    _, expert_of_tile, ends = seg.tiles(rows)
-    T = ends.shape[0]
-    partial = grouped_mm(g_data.t(), x_data, ends, g_data, x_data)  # (T, N, K): each tile's sum
-    partial = partial * g_inv[:T, :, None] * x_inv[:T, None, :]
+    # each expert's tokens from a multiple of `rows` (zero rows between), so tile t is rows t*rows:(t+1)*rows,
+    # the t-th of Segments.tiles, and the tiles' sums are one batched GEMM: no groups (a grouped GEMM with a
+    # group per tile passes CUDA's 1,024 groups at 131,072 rows)
+    pos, ends, P = seg.aligned(rows)
+    T = P // rows
+    g_tiles = Segments.place(g_data, pos, P).view(T, rows, -1)  # (T, rows, N)
+    x_tiles = Segments.place(x_data, pos, P).view(T, rows, -1)  # (T, rows, K)
+    partial = grouped_mm(g_tiles.transpose(1, 2), x_tiles, None, g_data, x_data)  # (T, N, K): each tile's sum
+    partial = partial * g_inv.narrow(0, 0, T)[:, :, None] * x_inv.narrow(0, 0, T)[:, None, :]  # (narrow: one op
+    # whether or not T is all the tiles the casts counted)
+    expert_of_tile = torch.searchsorted(ends.long(), torch.arange(0, P, rows, device=ends.device), right=True)
     out = partial.new_zeros(seg.n + 1, *partial.shape[1:])
-    return out.index_add_(0, expert_of_tile[:T], partial)[:seg.n]
+    # in tile order: sequential on the CPU, deterministic on CUDA under torch.use_deterministic_algorithms
+    return out.index_add_(0, expert_of_tile, partial)[:seg.n]
 
 
 # ---- a projection's passes ------------------------------------------------------------------

@@ -166,9 +166,12 @@ def _wgrad(r, x: torch.Tensor, dy: torch.Tensor, seg: Segments, salts) -> torch.
         at = (starts[expert16] + at - torch.cat([offs.new_zeros(1), offs]).long()[expert16]).clamp(max=P - 1)
     else:  # the GEMM sums each expert's own tokens: back to the sorted rows
         offs, at = seg.offs, pos.clamp(max=P - 1)
-    g_values, x_values = gt.values[:, at], xt.values[:, at]
-    out = grouped_mm(g_values, x_values.t(), offs, _elements(gt), _elements(xt))  # (E, N, K)
-    if r.nv:
-        last = ends.long() // r.block - 1  # each expert's tensor scale, read at its last block
-        out = out * gt.tensor_scale.reshape(-1)[last][:, None, None] * xt.tensor_scale.reshape(-1)[last][:, None, None]
+    # dy^T column-major (N, tokens) and x row-major (tokens, K): the layout torch's grouped GEMM takes with
+    # any group sizes on CUDA (mixprec.narrow.experts_fp8.grouped_mm)
+    g_values, x_values = gt.values.t()[at].t(), xt.values.t()[at]
+    out = grouped_mm(g_values, x_values, offs, _elements(gt), _elements(xt))  # (E, N, K)
+    if r.nv:  # each expert's tensor scale, read at its last block; an empty expert has none: zeros
+        last = (ends.long() // r.block - 1).clamp(min=0)
+        g_ts, x_ts = (q.tensor_scale.reshape(-1)[last][:, None, None] for q in (gt, xt))
+        out = torch.where(seg.sizes[:, None, None] > 0, out * g_ts * x_ts, torch.zeros((), device=out.device))
     return out

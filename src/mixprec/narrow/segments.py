@@ -85,5 +85,7 @@ class Segments:
     @staticmethod
     def place(t: torch.Tensor, pos: torch.Tensor, length: int) -> torch.Tensor:
         """t (rows, C) scattered to rows `pos` of a zero (length, C) tensor (pos == length: dropped)."""
+        if t.element_size() == 1 and t.is_floating_point():  # FP8 has no index_copy: its bytes
+            return Segments.place(t.contiguous().view(torch.uint8), pos, length).view(t.dtype)
         out = t.new_zeros(length + 1, *t.shape[1:])
         return out.index_copy_(0, pos, t)[:length]
