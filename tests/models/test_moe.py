@@ -144,3 +144,46 @@ def test_kill_9_mid_run_then_resume_gives_the_uninterrupted_moe_run(tmp_path, te
     assert again.returncode == 0, again.stderr[-2000:]
     keys = ("step", "loss", "grad_norm", "router_load", "expert_bias_min", "expert_bias_max", "val_loss")
     assert [[r.get(k) for k in keys] for r in records(run)] == [[r.get(k) for k in keys] for r in records(full)]
+
+
+def _refused_by_deterministic_cuda(func, args, kwargs) -> bool:
+    """Whether CUDA's kernel of this op raises under torch.use_deterministic_algorithms(True) (torch's list:
+    histc, bincount with weights, put_, median with indices, floating-point cumsum, scatter_reduce's prod)."""
+    name, kwargs = func.overloadpacket.__name__, kwargs or {}
+    floating = any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in args[:1])
+    return (name in ("histc", "put_", "put") or (name == "bincount" and (len(args) > 1 or "weights" in kwargs))
+            or (name == "median" and len(args) > 1) or (name == "cumsum" and floating)
+            or (name.startswith("scatter_reduce") and "prod" in args))
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp8-blockwise", "fp8-rowwise", "mxfp8", "nvfp4"])
+def test_an_moe_step_runs_no_op_deterministic_cuda_refuses(preset):
+    """Users chasing bit-for-bit runs set torch.use_deterministic_algorithms(True) (TorchTitan's
+    debug.deterministic); CUDA's histc raises there, and the dispatch counted the experts' rows with it. The
+    model's ops and the experts' passes (opened: the operator's insides), checked against torch's list."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mixprec.narrow import experts
+
+    class Refused(TorchDispatchMode):
+        seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if _refused_by_deterministic_cuda(func, args, kwargs):
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model, policy = built(preset)
+    tokens = torch.randint(0, 256, (2, 16))
+    with policy.autocast(), Refused() as mode:
+        model(tokens, tokens).backward()
+    layer = model.layers[0].feed_forward.experts.mixprec_experts
+    if layer.narrow:
+        g, w = layer.gemms[0], model.layers[0].feed_forward.experts.gate_up_proj.detach()  # (8, 64, 64)
+        x = torch.randn(40, 64).bfloat16()
+        offs = torch.tensor([5, 5, 12, 20, 20, 31, 39, 40], dtype=torch.int32)
+        with Refused():
+            experts.forward(x, w, offs, g)
+            experts.backward(x, w, offs, torch.randn(40, 64).bfloat16(), g)
+    assert mode.seen == [], mode.seen
+    assert _refused_by_deterministic_cuda(torch.ops.aten.histc.default, (torch.zeros(3),), {})  # the check can fail
