@@ -4,6 +4,7 @@ trained under torchrun against one process and against FSDP2 alone; checkpoints 
 the layouts it refuses."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -214,6 +215,20 @@ def test_without_clipping_two_expert_parallel_ranks_are_one_process_within_1e_6(
     close(ep, one, 1e-6)
     for a, b in zip(ep, one):
         assert abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] < 1e-6
+
+
+def test_a_non_finite_step_under_expert_parallelism_is_located_and_skipped(tmp_path, text_file):
+    """The stability guard's drill under expert parallelism: the locator's checks read each DTensor's local shard
+    (a reduction to a bool of one sharded over the expert-parallel mesh has no sharding rule, and every rank died
+    there), the ranks agree on the finding, the step is skipped and training goes on, as with FSDP2 alone."""
+    proc = torchrun(tmp_path / "run", text_file, "--parallelism.expert_parallel_degree", "2", "--precision.preset",
+                    "bf16-mixed", "--checkpoint.enable", "false", "--stability.inject", "nan@3:layers.0.attention:1",
+                    check_rc=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "first non-finite value in layers.0.attention (forward" in proc.stdout + proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("skipped")] == [3]
+    assert all(math.isfinite(r["loss"]) for r in records if r["step"] > 3)
 
 
 @pytest.mark.slow
