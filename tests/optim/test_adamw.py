@@ -148,6 +148,40 @@ def test_options_it_does_not_implement_are_refused_in_one_line():
             AdamW([{"params": [torch.zeros(2, requires_grad=True)], option: True}])
 
 
+@pytest.mark.parametrize("states", ["8bit", "fp8"])
+def test_a_group_added_later_gets_the_rules_of_one_given_at_construction(states):
+    """The FP32-moment rules (1-D tensors, small tensors, embeddings) apply to a group added by add_param_group
+    as to one given at construction: the same formats, and each optimizer loads the other's checkpoint."""
+    torch.manual_seed(0)
+    first = [torch.randn(64, 128, requires_grad=True)]
+    later = [torch.randn(8192, requires_grad=True), torch.randn(8, 64, requires_grad=True),
+             torch.randn(256, 64, requires_grad=True), torch.randn(512, 64, requires_grad=True)]
+    added = AdamW(first, lr=1e-2, states=states, embeddings=later[3:], compile=False)
+    added.add_param_group({"params": iter(later), "weight_decay": 0.0})  # a generator, as model.parameters()
+    built = AdamW([{"params": first}, {"params": later, "weight_decay": 0.0}], lr=1e-2, states=states,
+                  embeddings=later[3:], compile=False)
+    assert [added.format_of(p).label for p in first + later] == [built.format_of(p).label for p in first + later]
+    assert [added.format_of(p).quantized for p in later] == [False, False, True, False]
+    for p in first + later:
+        p.grad = torch.randn_like(p)
+    added.step()
+    built.load_state_dict(added.state_dict())  # refused where a parameter's format differed
+    built.step()
+    added.step()
+    bits = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t  # noqa: E731 - FP8 has no torch.equal
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert all(torch.equal(bits(added.state[p][key]), bits(built.state[p][key])) for p in first + later)
+
+
+def test_a_parameter_listed_twice_is_refused_in_one_line():
+    w = torch.zeros(4, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="lists a tensor more than once; accepted: each parameter once"):
+        AdamW([w, w], states="8bit")
+    opt = AdamW([torch.zeros(2, requires_grad=True)])
+    with pytest.raises(ValueError, match="more than once"):
+        opt.add_param_group({"params": [w, w]})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["permuted", "channels_last"])
 def test_non_contiguous_weights_step_on_the_compiled_kernel_as_contiguous_ones(layout):

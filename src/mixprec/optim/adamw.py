@@ -133,27 +133,42 @@ class AdamW(torch.optim.Optimizer):
         self._kernels, self._said_eager = {}, False
         self._embeddings = {id(p) for p in embeddings}
         self.kept_fp32 = {}  # id(parameter) -> why its moments stay FP32 in a quantized format
-        if self.states.quantized:
-            # the code tables, built and copied to each parameter's device here, at setup: not inside a step
-            for device in {_local(p).device for group in self.param_groups for p in group["params"]}:
-                for signed in (True, False):
-                    code_on(signed, device), lookup_on(signed, device)
-            for group in self.param_groups:
-                for p in group["params"]:
-                    last_sharded = any(getattr(pl, "dim", None) == p.dim() - 1 for pl in getattr(p, "placements", ()))
-                    why = ("sharded along its last dimension (the blocks')" if last_sharded else
-                           self.states.keeps_fp32(p.numel(), id(p) in self._embeddings, p.dim()))
-                    if why:
-                        self.kept_fp32[id(p)] = why
+        for group in self.param_groups:
+            self._keep_fp32(group)
+
+    def _keep_fp32(self, group: dict) -> None:
+        """The FP32-moment rules of a quantized format for a group's parameters (at construction, or when
+        the group is added later: the same either way), and its devices' code tables, built and copied
+        there now, at setup: not inside a step."""
+        if not self.states.quantized:
+            return
+        for device in {_local(p).device for p in group["params"]}:
+            for signed in (True, False):
+                code_on(signed, device), lookup_on(signed, device)
+        for p in group["params"]:
+            last_sharded = any(getattr(pl, "dim", None) == p.dim() - 1 for pl in getattr(p, "placements", ()))
+            why = ("sharded along its last dimension (the blocks')" if last_sharded else
+                   self.states.keeps_fp32(p.numel(), id(p) in self._embeddings, p.dim()))
+            if why:
+                self.kept_fp32[id(p)] = why
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, refusing the options of torch.optim.AdamW this one does not implement (a group handed
-        on from torch's AdamW carries them) rather than ignoring them."""
+        on from torch's AdamW carries them) rather than ignoring them, and a parameter listed twice (torch
+        deprecates it; stepped twice, its result would depend on how the steps are batched)."""
         for option in NOT_IMPLEMENTED:
             if param_group.get(option):
                 raise ValueError(f"mixprec.optim.AdamW: {option}=True is not implemented; accepted: {option}=False "
                                  f"(implemented: lr, betas, eps, weight_decay, maximize)")
+        params = param_group["params"]
+        if not isinstance(params, (torch.Tensor, set)):
+            param_group["params"] = params = list(params)  # a generator read once, here
+            if len({id(p) for p in params}) != len(params):
+                raise ValueError("mixprec.optim.AdamW: a parameter group lists a tensor more than once; accepted: "
+                                 "each parameter once")
         super().add_param_group(param_group)
+        if hasattr(self, "states"):  # a group added after construction gets the rules of one given at it
+            self._keep_fp32(self.param_groups[-1])
 
     def replaced(self, pairs) -> None:
         """Its records of parameters follow `pairs` of (old, new) parameter objects that another part put in
