@@ -351,6 +351,10 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from mixprec.models.llama import model_args
     from mixprec.precision.presets import resolve_preset_name
 
+    for flag, value in (("--batch", args.batch), ("--seq-len", args.seq_len), ("--dp-shard", args.dp_shard),
+                        ("--dp-replicate", args.dp_replicate), ("--tp", args.tp), ("--ep", args.ep)):
+        if value < 1:  # every route (the formula, the fake step of an MoE flavor or a transformers model)
+            raise UserError(f"{flag} {value}: accepted: a positive integer")
     if args.hf_config:
         return _memory_hf(args)
     shape = model_args(args.flavor, args.vocab_size)

@@ -97,9 +97,13 @@ def test_mixprec_memory_plans_expert_parallelism_and_refuses_what_cannot_run(cap
     for argv, words in ((["--flavor", "debug", "--dp-shard", "2", "--ep", "2"], "a dense model"),
                         (["--flavor", "moe-debug", "--dp-shard", "2", "--ep", "3"], "divides"),
                         (["--flavor", "moe-debug", "--dp-shard", "2", "--ep", "2", "--expert-dispatch", "fp4"],
-                         "accepted: base, fp8")):
+                         "accepted: base, fp8"),
+                        (["--flavor", "moe-debug", "--ep", "0"], "--ep 0: accepted: a positive integer"),
+                        (["--flavor", "moe-debug", "--ep", "-1"], "--ep -1: accepted: a positive integer"),
+                        (["--flavor", "moe-debug", "--dp-shard", "0"], "--dp-shard 0: accepted: a positive integer")):
         assert main(["memory", *argv]) == 2
-        assert words in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("name", ["bf16 fp8", "fp8-rowwise fp8", "fp8-blockwise fp8", "fp8-tensorwise fp8",
