@@ -5,6 +5,8 @@ reference), bit for bit: the elements, the scales and the dequantised bfloat16 o
 every recipe's casts (E8M0 rounded up, down and to even; e5m2 gradients; NVFP4 with 2-D
 blocks, stochastic rounding and 4-over-6; NVFP4's 1-D casts run compiled in the last test)."""
 
+import logging
+
 import pytest
 import torch
 import torch._dynamo
@@ -112,3 +114,23 @@ def test_each_argument_variant_compiles_apart():
             got = mx.compiled_variant(_scaled, x, factor, key, square)
             assert torch.equal(got, _scaled(x, factor, key, square))
     assert sum(fn is _scaled for fn, _ in mx._COMPILED) == len(variants)
+
+
+def test_any_row_count_runs_on_the_first_graph_and_a_recompile_is_said(caplog, monkeypatch):
+    """An expert-parallel rank receives any number of rows, 0 and 1 included, which Dynamo specialises: those
+    run eagerly (said once), so one compiled graph serves every other count with no recompile (refused here at
+    a limit of 1); a recompile, forced by calling the compiled copy on one row, is logged with the limit."""
+    monkeypatch.setattr(mx, "_COMPILED", {})
+    monkeypatch.setattr(mx, "_SAID_EAGER", [])
+    torch._dynamo.reset()
+    caplog.set_level(logging.INFO, logger="mixprec.narrow.mx")
+    factor = torch.tensor(2.0)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=1):
+        for rows in (5, 7, 0, 1, 130, 2):
+            x = torch.randn(rows, 16)
+            assert torch.equal(mx.compiled_variant(_scaled, x, factor, None, False), _scaled(x, factor, None, False))
+    assert len(mx._COMPILED) == 1
+    assert "a tensor of 0 rows cast eagerly" in caplog.text and "compiled again" not in caplog.text
+    (copy,) = mx._COMPILED.values()
+    copy(torch.randn(1, 16), factor, None, False)  # what the eager route keeps away: Dynamo's size-1 graph
+    assert "compiled again (2 times; past 8 it runs eagerly)" in caplog.text

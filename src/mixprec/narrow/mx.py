@@ -38,6 +38,7 @@ reproducible, the same after a resume, and fresh at every step as the gradient c
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import types
 import zlib
@@ -53,6 +54,7 @@ from mixprec.narrow.microscaling import (E2M1, E4M3, E5M2, E8M0, ROUNDINGS, Bloc
                                       quantize_mx_bits, quantize_nvfp4_bits, rotate)
 from mixprec.narrow.recipe import GEMMS, FP8Recipe, Granularity, Tiles, register_recipe
 
+logger = logging.getLogger(__name__)
 HADAMARDS = ("none", "random", "deterministic")
 SCALE_FORMATS = ("e8m0", "e4m3")
 HADAMARD_SIZE = 16
@@ -232,6 +234,7 @@ def _transpose(data, scale) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _COMPILED: dict = {}  # (fn, its arguments' variant) -> fn compiled for that variant alone
+_SAID_EAGER: list = []  # the eager casts of 0 or 1 rows, said once a process
 
 
 def _variant(a):
@@ -244,16 +247,42 @@ def _variant(a):
     return a
 
 
+def _counted(name: str):
+    """Inductor, saying each compile of `name` past its first: a recompile (a guard failed) costs seconds
+    on the step that meets it, and past Dynamo's recompile limit the function runs eagerly."""
+    inductor = torch._dynamo.lookup_backend("inductor")
+    compiles = [0]
+
+    def backend(gm, example_inputs):
+        compiles[0] += 1
+        if compiles[0] > 1:
+            limit = torch._dynamo.config.recompile_limit
+            logger.warning("narrow casts: %s compiled again (%d times; past %d it runs eagerly)", name, compiles[0],
+                           limit)
+        return inductor(gm, example_inputs)
+    return backend
+
+
 def compiled_variant(fn, *args):
     """fn(*args) compiled (dynamic shapes), one compiled copy of fn per variant of its arguments: Dynamo
     keeps at most 8 graphs per function (its recompile limit) and runs it eagerly past them, and a
     recipe's casts (input, weight, gradient; dense and grouped; rounding keys and tensor amaxes present
-    or not) are more variants than that. A copy is fn with its own code object, which Dynamo caches apart."""
+    or not) are more variants than that. A copy is fn with its own code object, which Dynamo caches apart.
+    A tensor of 0 or 1 rows (an expert-parallel rank that received none or one) runs eagerly: Dynamo
+    specialises sizes 0 and 1, so compiling for it would be another graph, compiled mid-run while the other
+    ranks wait, and the variant's first graph is then the one for every row count (>= 2)."""
+    rows = next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim()), 2)
+    if rows < 2:
+        if not _SAID_EAGER:
+            _SAID_EAGER.append(True)
+            logger.info("narrow casts: a tensor of %d rows cast eagerly (compiled, sizes 0 and 1 would each be a "
+                        "graph of their own)", rows)
+        return fn(*args)
     key = (fn, tuple(_variant(a) for a in args))
     if key not in _COMPILED:
         code = fn.__code__.replace(co_name=f"{fn.__name__}_variant{len(_COMPILED)}")
         copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-        _COMPILED[key] = torch.compile(copy, dynamic=True)
+        _COMPILED[key] = torch.compile(copy, dynamic=True, backend=_counted(code.co_name))
     return _COMPILED[key](*args)
 
 
