@@ -15,8 +15,11 @@ counted from each expert's first row. The emulated GEMM is the dense one's
 scales) with each mm a grouped mm: torch's CPU grouped GEMM is a loop of mm over the groups,
 so every expert's output and gradients equal its Linear run alone, bit for bit
 (tests/narrow/test_experts.py). The block-wise weight gradient sums 128-token tiles: each
-tile is a group of one grouped GEMM, and the scaled partial sums are added into their
-expert's in order (index_add_, sequential on the CPU). On CUDA the row- and tensor-wise forward and
+expert's tokens moved to a multiple of 128, the tiles are one batched GEMM, and the scaled
+partial sums are added into their expert's in order (index_add_: sequential on the CPU,
+deterministic on CUDA under torch.use_deterministic_algorithms). Every grouped GEMM is laid
+out as torch's CUDA kernel takes it with any group sizes (`_grouped_mm` below;
+tests/narrow/cuda_grouped_rules.py checks every call). On CUDA the row- and tensor-wise forward and
 e4m3 input gradient run on torch's grouped row-wise kernel, and all three block-wise GEMMs on
 mixprec's grouped block-wise kernels (mixprec.narrow.experts_blockwise), where their probes admit them.
 """
