@@ -22,6 +22,7 @@ def router_sizes(E: int, rows: int, seed: int = 0) -> tuple[int, ...]:
 CASES = {  # name: (sizes, K, N)
     "empty expert": ((37, 0, 64, 19), 48, 80),
     "one row in the layer": ((0, 1, 0, 0), 48, 80),
+    "no rows (an expert-parallel rank)": ((0, 0, 0, 0), 48, 80),
     "K, N off 8": ((37, 0, 64, 19), 20, 12),
     "K, N off 16": ((5, 30, 0, 9), 24, 40),
     "256 experts": (router_sizes(256, 3000), 32, 48),
