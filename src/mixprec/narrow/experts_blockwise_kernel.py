@@ -36,8 +36,8 @@ def m_grouped(a_ptr, sa_ptr, b_ptr, sb_ptr, tile_expert_ptr, out_ptr, E, SUM, OU
                         mask=(ks[:, None] < SUM) & (cols[None, :] < OUT), other=0.0)
             partial = tl.dot(a, b, out_dtype=tl.float32)  # (BLOCK, BLOCK): FP8 products, FP32 sums
             s_a = tl.load(sa_ptr + rows * ST + st)
-            s_b = tl.load(sb_ptr + e * sb_stride_e + st.to(tl.int64) * sb_stride_sum
-                          + pn.to(tl.int64) * sb_stride_out)
+            s_b = tl.load(sb_ptr + e * sb_stride_e + tl.cast(st, tl.int64) * sb_stride_sum
+                          + tl.cast(pn, tl.int64) * sb_stride_out)
             acc += partial * s_a[:, None] * s_b
     tl.store(out_ptr + rows[:, None] * OUT + cols[None, :], acc, mask=cols[None, :] < OUT)
 
@@ -47,7 +47,7 @@ def k_grouped(g_ptr, sg_ptr, x_ptr, sx_ptr, tile_start_ptr, out_ptr, N, K, BLOCK
     """One 128 x 128 tile (program_id(1), program_id(2)) of expert program_id(0)'s dW (N, K): the sum over
     its 128-token tiles tile_start[e]:tile_start[e + 1] of g_t^T x_t times sg[t] (per column n) and sx[t]
     (per column k), in order. g (P, N), x (P, K) in the contiguous layout; sg (., N), sx (., K) per tile."""
-    e, pn, pk = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # e * N * K passes 2^31
+    e, pn, pk = tl.cast(tl.program_id(0), tl.int64), tl.program_id(1), tl.program_id(2)  # e*N*K: past 2^31
     t0, t1 = tl.load(tile_start_ptr + e).to(tl.int64), tl.load(tile_start_ptr + e + 1).to(tl.int64)
     ns = (pn * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     ks = (pk * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
