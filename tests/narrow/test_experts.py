@@ -170,6 +170,29 @@ def test_compiled_equals_eager_without_graph_breaks(name):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "blockwise"])
+def test_the_fp8_casts_compiled_as_on_cuda_equal_the_eager_ones(name, monkeypatch):
+    """On CUDA each FP8 experts cast is one compiled function (mx.compiled: Inductor fuses its amax, scale and
+    cast): compiled here by Inductor's CPU backend, the forward and backward are the eager ones, bit for bit."""
+    import functools
+
+    from mixprec.narrow import mx
+
+    g = gemm(name)
+    x, w, offs, dy = problem(sizes=(37, 0, 64, 19), K=48, N=80)
+    x, w = x.detach(), w.detach()
+    eager = (experts.forward(x, w, offs, g), *experts.backward(x, w, offs, dy, g))
+    monkeypatch.setattr(mx, "_COMPILED", {})
+    monkeypatch.setattr(mx, "compiled", lambda fn, device_type: functools.partial(mx.compiled_variant, fn))
+    compiled = (experts.forward(x, w, offs, g), *experts.backward(x, w, offs, dy, g))
+    # tensor-wise's weight gradient reuses the forward's and the input gradient's casts
+    assert {fn.__name__ for fn, _ in mx._COMPILED} == {"_stacked"} | (
+        {"_by_expert"} if name == "tensorwise" else {"_by_token", "_along"})
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b), name
+
+
 def test_cuda_route_traced_on_meta():
     """What CUDA runs, traced on the meta device: the operators' fake functions give the sizes and dtypes."""
     g = gemm("rowwise")

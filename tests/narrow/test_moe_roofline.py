@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import moe_roofline  # noqa: E402
 
 # non-GEMM bytes of both projections, forward and backward, at Qwen3-30B-A3B's layer (16,384 tokens, top-8)
-BOUNDS_GB = {"tensorwise": 154, "rowwise": 179, "blockwise": 176, "mxfp8": 79, "nvfp4": 289, "mxfp4": 78}
+BOUNDS_GB = {"tensorwise": 58, "rowwise": 38, "blockwise": 35, "mxfp8": 79, "nvfp4": 289, "mxfp4": 78}
 
 
 def test_the_estimate_of_each_recipe_stays_under_its_bound():
@@ -20,7 +20,7 @@ def test_the_estimate_of_each_recipe_stays_under_its_bound():
     for name, bound in BOUNDS_GB.items():
         c = table[name]
         assert c["bytes"] / 1e9 <= bound, (name, c["bytes"] / 1e9)
-        assert c["ms"] > c["gemm_ms"] > 0 and c["ops"] > 100  # every cast counted, none free
+        assert c["ms"] > c["gemm_ms"] > 0 and c["ops"] > 20  # every cast counted, none free
     assert table["rowwise"]["fp8_flops"] == 2 / 3 * bf16["bf16_flops"]  # forward and input gradient at FP8's rate
 
 

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import torch
 
-from mixprec.narrow import experts_blockwise
+from mixprec.narrow import experts_blockwise, mx
 from mixprec.narrow.experts_blockwise import BLOCK
 from mixprec.narrow.gathered import BACKWARD, FORWARD, gathered_experts
 from mixprec.narrow.recipe import E4M3
-from mixprec.narrow.scaling import Quantized, amax_to_scale, cast, quantize
+from mixprec.narrow.scaling import Quantized, amax_to_scale, cast, quantize, resolve_tile
 from mixprec.narrow.segments import Segments, pad_to, segment_amax
 
 
@@ -100,23 +100,63 @@ def _(a, b, offs, a_elements, b_elements):
 
 
 # ---- the casts ------------------------------------------------------------------------------
+# Each cast is one function of tensors that CUDA runs compiled (mixprec.narrow.mx.compiled: Inductor fuses the
+# amax, the scale and the cast into a kernel or two that read the input once; eagerly each op is a pass over
+# the tensor in FP32); the same functions run eagerly elsewhere, so the CPU's numbers are the eager ones.
+def _by_token(t, c: int, dtype, pow2: bool):
+    """t (S, C) in (1, c) tiles (c 0: the whole row): (data, scale_inv)."""
+    q, _ = quantize(t, dtype, (1, c), power_of_2=pow2)
+    return q.data, q.scale_inv
+
+
+def _by_expert(t, ids, n: int, dtype, pow2: bool):
+    """t (S, C) with one scale per expert (ids: each row's, n of them), held per row: (data, the rows' scale_inv
+    (S, 1), each expert's scale_inv (n,))."""
+    scale = amax_to_scale(segment_amax(t.abs().float(), ids, n).amax(dim=1), dtype, pow2)  # (n,)
+    q = cast(t, scale[ids][:, None], (1, t.shape[1]), dtype)
+    return q.data, q.scale_inv, scale.reciprocal()
+
+
+def _along(t, group, n: int, dtype, pow2: bool, t_scale_inv=None, t_tile=(1, 1)):
+    """t (S, C) with one scale per column over each group of rows (ids `group`, n groups): (data, scale_inv
+    (n, C)). t_scale_inv: t is FP8 in t_tile tiles, dequantised first (in the same kernel on CUDA)."""
+    if t_scale_inv is not None:
+        t = Quantized(t, t_scale_inv, t_tile).dequantize()
+    scale = amax_to_scale(segment_amax(t.abs().float(), group, n), dtype, pow2)  # (groups, C)
+    return cast(t, scale[group], (1, 1), dtype).data, scale.reciprocal()
+
+
+def _stacked(w, tile: tuple[int, int], dtype, pow2: bool):
+    """w (E, R, C) per expert in (tr, tc) tiles (0: the whole dimension), each expert's rows padded to whole
+    tiles: (data (E, R, C), scale_inv (E, ceil(R/tr), ceil(C/tc)))."""
+    E, R, C = w.shape
+    tr, tc = tile[0] or R, tile[1] or C
+    q, _ = quantize(pad_to(w, tr, dim=1).reshape(-1, C), dtype, (tr, tc), power_of_2=pow2)
+    return q.data.view(E, -1, C)[:, :R], q.scale_inv.view(E, -1, q.scale_inv.shape[1])
+
+
 def cast_tokens(t: torch.Tensor, seg: Segments, tile: tuple[int, int], dtype, pow2: bool):
     """t (S, C) cast along C: per token in (1, c) tiles (row- and block-wise), or with one scale per
     expert (tensor-wise, tile (0, 0)) held as a scale per row. Returns it and, tensor-wise, each
     expert's inverse scale (E + 1,) (the weight gradient's), else None."""
+    device = t.device.type
     if tile[0] == 1:
-        return quantize(t, dtype, tile, power_of_2=pow2)[0], None
-    scale = amax_to_scale(seg.amax(t).amax(dim=1), dtype, pow2)  # (E + 1,)
-    return cast(t, seg.per_row(scale)[:, None], (1, t.shape[1]), dtype), scale.reciprocal()
+        data, inv = mx.compiled(_by_token, device)(t, tile[1], dtype, pow2)
+        return Quantized(data, inv, resolve_tile(tile, t.shape)), None
+    data, rows_inv, inv = mx.compiled(_by_expert, device)(t, seg.ids, seg.n + 1, dtype, pow2)
+    return Quantized(data, rows_inv, (1, t.shape[1])), inv
 
 
-def cast_along_tokens(t: torch.Tensor, seg: Segments, rows: int, dtype, pow2: bool):
+def cast_along_tokens(t: torch.Tensor | Quantized, seg: Segments, rows: int, dtype, pow2: bool):
     """t (S, C) cast along the tokens for a weight-gradient GEMM: one scale per column over each
-    expert's tokens (rows 0) or over each `rows`-token tile of an expert (`Segments.tiles`).
-    Returns the FP8 data (S, C) and the inverse scales (groups, C), groups indexed as the tiles or experts."""
+    expert's tokens (rows 0) or over each `rows`-token tile of an expert (`Segments.tiles`); an FP8 t
+    (Quantized) is dequantised first. Returns the FP8 data (S, C) and the inverse scales (groups, C),
+    groups indexed as the tiles or experts."""
     group, n = (seg.tiles(rows)[0], seg.rows // rows + seg.n + 1) if rows else (seg.ids, seg.n + 1)
-    scale = amax_to_scale(segment_amax(t.abs().float(), group, n), dtype, pow2)  # (groups, C)
-    return cast(t, scale[group], (1, 1), dtype).data, scale.reciprocal()
+    cast_ = mx.compiled(_along, seg.offs.device.type)
+    if isinstance(t, Quantized):
+        return cast_(t.data, group, n, dtype, pow2, t.scale_inv, t.tile)
+    return cast_(t, group, n, dtype, pow2)
 
 
 def cast_stacked(w: torch.Tensor, tile: tuple[int, int], dtype, pow2: bool, which: str = FORWARD) -> Quantized:
@@ -128,10 +168,8 @@ def cast_stacked(w: torch.Tensor, tile: tuple[int, int], dtype, pow2: bool, whic
     if gathered is not None:
         return gathered
     E, R, C = w.shape
-    tr, tc = tile[0] or R, tile[1] or C
-    q, _ = quantize(pad_to(w, tr, dim=1).reshape(-1, C), dtype, (tr, tc), power_of_2=pow2)
-    data = q.data.view(E, -1, C)[:, :R]
-    return Quantized(data, q.scale_inv.view(E, -1, q.scale_inv.shape[1]), (tr, tc))
+    data, inv = mx.compiled(_stacked, w.device.type)(w, tile, dtype, pow2)
+    return Quantized(data, inv, (tile[0] or R, tile[1] or C))
 
 
 def transposed(q: Quantized) -> Quantized:
@@ -240,7 +278,7 @@ def backward(x, w, offs, dy, g, xq: Quantized | None = None, x_dtype=None) -> tu
     if t.g_wgrad:  # scaled along the tokens: row-wise per expert, block-wise per 128-token tile
         rows = t.g_wgrad[0]
         g_data, g_inv = cast_along_tokens(dy, seg, rows, r.grad_dtype, pow2)
-        x_data, x_inv = cast_along_tokens(xq.dequantize(), seg, rows, E4M3, pow2)
+        x_data, x_inv = cast_along_tokens(xq, seg, rows, E4M3, pow2)  # the forward's FP8 x, dequantised
     else:  # tensor-wise: the casts of the forward and the input gradient, one scale per expert
         rows, g_data, x_data = 0, gq.data, xq.data
         g_inv, x_inv = g_inv[:, None], x_inv[:, None]
