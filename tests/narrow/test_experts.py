@@ -186,9 +186,12 @@ def test_the_fp8_casts_compiled_as_on_cuda_equal_the_eager_ones(name, monkeypatc
     monkeypatch.setattr(mx, "_COMPILED", {})
     monkeypatch.setattr(mx, "compiled", lambda fn, device_type: functools.partial(mx.compiled_variant, fn))
     compiled = (experts.forward(x, w, offs, g), *experts.backward(x, w, offs, dy, g))
-    # tensor-wise's weight gradient reuses the forward's and the input gradient's casts
-    assert {fn.__name__ for fn, _ in mx._COMPILED} == {"_stacked"} | (
-        {"_by_expert"} if name == "tensorwise" else {"_by_token", "_along"})
+    # tensor-wise's weight gradient reuses the forward's and the input gradient's casts; the grouped GEMMs'
+    # epilogues (FP32 out, rows and groups without tokens zeroed, the weight gradient's scales) compiled too
+    casts = {"_stacked"} | ({"_by_expert"} if name == "tensorwise" else {"_by_token", "_along"})
+    per_expert = {"_groups_present", "_scaled_groups"}  # block-wise sums 128-token tiles: a batched GEMM
+    epilogues = {"_rows_present"} | (per_expert if name != "blockwise" else set())
+    assert {fn.__name__ for fn, _ in mx._COMPILED} == casts | epilogues
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b), name
 

@@ -81,13 +81,28 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None, a_e
         return torch.bmm(a, b).float()
     if b.dim() == 3:  # a's rows split by offs: a row-major, b as it comes (both take any group sizes)
         out = torch._grouped_mm(_laid_out(a, False), _laid_out(b, b.stride(-2) == 1), offs=offs)
-        return valid_rows(out.float().contiguous(), offs)
+        return mx.compiled(_rows_present, out.device.type)(out, offs)
     # the summed dimension split by offs: CUDA takes any group sizes (empty ones included) only with a
     # column-major and b row-major; other layouts assert every group but the last a positive multiple of
     # 16 bytes, on the device, which ends the process
-    out = torch._grouped_mm(_laid_out(a, True), _laid_out(b, False), offs=offs).float().contiguous()
+    out = torch._grouped_mm(_laid_out(a, True), _laid_out(b, False), offs=offs)
+    return mx.compiled(_groups_present, out.device.type)(out, offs)
+
+
+def _rows_present(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """A 2-D x 3-D grouped GEMM's (S, N) output in FP32, the rows past offs[-1] zero (one kernel on CUDA)."""
+    return valid_rows(out.float().contiguous(), offs)
+
+
+def _groups_present(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """A 2-D x 2-D grouped GEMM's (E, N, K) output in FP32, an empty group's slice zero (one kernel on CUDA)."""
     sizes = torch.diff(offs, prepend=offs.new_zeros(1))  # (E,) each group's rows
-    return torch.where(sizes[:, None, None] > 0, out, torch.zeros((), device=out.device))
+    return torch.where(sizes[:, None, None] > 0, out.float().contiguous(), torch.zeros((), device=out.device))
+
+
+def _scaled_groups(out: torch.Tensor, g_inv: torch.Tensor, x_inv: torch.Tensor) -> torch.Tensor:
+    """Each expert's (N, K) sum times its scales along N and along K (one kernel on CUDA)."""
+    return out * g_inv[:, :, None] * x_inv[:, None, :]
 
 
 @_grouped_mm.register_fake
@@ -229,7 +244,7 @@ def wgrad_mm(g_data, g_inv, x_data, x_inv, seg: Segments, rows: int, kernel: boo
     (g_inv, x_inv (groups, N) and (groups, K)), the tiles' sums added in order."""
     if not rows:
         out = grouped_mm(g_data.t(), x_data, seg.offs, g_data, x_data)  # (E, N, K)
-        return out * g_inv[:seg.n, :, None] * x_inv[:seg.n, None, :]
+        return mx.compiled(_scaled_groups, out.device.type)(out, g_inv[:seg.n], x_inv[:seg.n])
     if kernel:  # block-wise: mixprec's Triton kernel
         return experts_blockwise.wgrad(g_data, g_inv, x_data, x_inv, seg)
     # each expert's tokens from a multiple of `rows` (zero rows between), so tile t is rows t*rows:(t+1)*rows,
