@@ -13,7 +13,8 @@
 #             RES=gpu-speed1 SPEED_PRESETS="bf16-mixed fp8-tensorwise fp8-rowwise fp8-rowwise:kernel" ... speed
 #             RES=gpu-speed2 SPEED_BASELINES=0 SPEED_PRESETS="bf16-mixed fp8-blockwise mxfp8 nvfp4" ... speed
 #   moe     one MoE layer (Qwen3-30B-A3B's shape: H 2048, I 768, 128 experts, top-8, 16384 tokens) forward and
-#           backward per recipe against bf16-mixed, eager then compiled (benchmarks/moe_layer.py; ~3 minutes)
+#           backward per recipe against bf16-mixed, eager then compiled (benchmarks/moe_layer.py; ~3 minutes),
+#           after its estimate (benchmarks/moe_roofline.py)
 #   accuracy  the small flavor, ACC_STEPS (300) steps, seeds SEEDS (0 1 2 3 4): mixprec plan once (seed 0),
 #           then mixprec compare per seed; the seed_spread table and plot after each seed (ACC_PLAN=0: no plan)
 # Logs and JSON go to $RES (./gpu-out); where the device tool's $OUT is set, the whole of $RES is packed into
@@ -114,6 +115,8 @@ for phase in "$@"; do
     fi
     kill $packer ;;
   moe)
+    # the estimate first (the CPU's count of every operator's bytes, 5 s), to set beside the measurement
+    $py benchmarks/moe_roofline.py --tokens ${MOE_TOKENS:-16384} --ops 2>&1 | tee -a "$OUT/moe_roofline.log" | grep -E "^[|]"
     for mode in "" --compile; do
       timeout ${MOE_TIMEOUT:-240} $py benchmarks/moe_layer.py --device cuda --hidden 2048 --intermediate 768 \
         --experts 128 --top-k 8 --tokens ${MOE_TOKENS:-16384} --presets ${MOE_PRESETS:-bf16-mixed,fp8-tensorwise,fp8-rowwise,fp8-blockwise,mxfp8,nvfp4} \
