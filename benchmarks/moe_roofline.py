@@ -47,6 +47,12 @@ def nbytes(tree) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
 
 
+def _aliases(out, inputs) -> bool:
+    """Whether an operator's output is one of its inputs (a .to that had nothing to do)."""
+    ins = {id(t) for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+    return isinstance(out, torch.Tensor) and id(out) in ins
+
+
 def gemm_flops(name: str, args, out) -> float:
     """2 x the multiply-adds of a GEMM, each row or summed element once (groups split one dimension)."""
     a, b = args[0], args[1]
@@ -83,8 +89,8 @@ class Cost(TorchDispatchMode):
             with Cost(self.stats):  # opened: its insides counted as what they dispatch
                 return opdef._init_fn(*args, **kwargs)
         out = func(*args, **kwargs)
-        if func.overloadpacket in VIEWS:
-            return out
+        if func.overloadpacket in VIEWS or (not name.endswith("_") and _aliases(out, (args, kwargs))):
+            return out  # a view, or a .to that had nothing to do (an in-place op returns its input: it counts)
         if name in FP8_GEMMS or name in BF16_GEMMS:
             self.stats["fp8_flops" if name in FP8_GEMMS else "bf16_flops"] += gemm_flops(name, args, out)
             self.stats["ops"] += 1
