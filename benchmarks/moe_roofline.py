@@ -9,7 +9,7 @@ takes, traced on the meta device, against the bfloat16 grouped layer.
 
 Counted: every aten operator an experts pass dispatches, its tensors' bytes in and out (views free), its
 GEMMs' FLOPs. mixprec's own operators are opened (what they run inside is counted), but for a Triton
-kernel (one launch, its own inputs and outputs) and a function the code compiles on CUDA (`mx.compiled`:
+kernel (one launch, its own inputs and outputs) and a function the code compiles on CUDA (`cuda_compiled`:
 one fused kernel of its inputs and outputs). The user's torch.compile of the model is not assumed to
 reach inside (custom operators are opaque to it, and eager users exist). Priced on an H100 SXM:
 GEMMs at 720 TFLOP/s in bfloat16 and 1,350 in FP8 (measured cuBLAS rates), every other operator's
@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from mixprec.narrow import experts, mx
+from mixprec.narrow import cuda_compiled, experts, mx
 from mixprec.narrow.linear import Plan
 from mixprec.narrow.recipe import RECIPES
 
@@ -100,7 +100,7 @@ class Cost(TorchDispatchMode):
 
 
 def fused(cost: Cost):
-    """mx.compiled as CUDA runs it: one Inductor kernel reading its inputs and writing its outputs once."""
+    """cuda_compiled.compiled as CUDA runs it: one Inductor kernel reading its inputs and writing its outputs once."""
     def compiled(fn, device_type):
         def run(*args):
             with torch.utils._python_dispatch._disable_current_modes():
@@ -151,14 +151,14 @@ def layer_cost(name: str, tokens: int, top_k: int, E: int, H: int, I: int) -> di
 
 
 def estimate(tokens=16384, top_k=8, experts_=128, hidden=2048, intermediate=768, recipes=RECIPE_NAMES) -> dict:
-    """{recipe: cost} for bf16 and each recipe, with mx.compiled and the GEMM operands' dtype as on CUDA."""
-    saved = mx.compiled, mx._operand_dtype
+    """{recipe: cost} for bf16 and each recipe, with cuda_compiled and the GEMM operands' dtype as on CUDA."""
+    saved = cuda_compiled.compiled, mx._operand_dtype
     mx._operand_dtype = lambda device_type: torch.bfloat16  # CUDA's: bfloat16 GEMMs with an FP32 output
     try:
         out = {"bf16": layer_cost("bf16", tokens, top_k, experts_, hidden, intermediate)}
         for name in recipes:
             probe = Cost()
-            mx.compiled = fused(probe)
+            cuda_compiled.compiled = fused(probe)
             c = layer_cost(name, tokens, top_k, experts_, hidden, intermediate)
             for key in ("ops", "bytes"):
                 c[key] += probe.stats[key]
@@ -166,7 +166,7 @@ def estimate(tokens=16384, top_k=8, experts_=128, hidden=2048, intermediate=768,
             c["ms"] += (probe.stats["bytes"] / BANDWIDTH + probe.stats["ops"] * LAUNCH) * 1e3
             out[name] = c
     finally:
-        mx.compiled, mx._operand_dtype = saved
+        cuda_compiled.compiled, mx._operand_dtype = saved
     return out
 
 

@@ -173,25 +173,25 @@ def test_compiled_equals_eager_without_graph_breaks(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tensorwise", "rowwise", "blockwise"])
 def test_the_fp8_casts_compiled_as_on_cuda_equal_the_eager_ones(name, monkeypatch):
-    """On CUDA each FP8 experts cast is one compiled function (mx.compiled: Inductor fuses its amax, scale and
+    """On CUDA each FP8 experts cast is one compiled function (cuda_compiled: Inductor fuses its amax, scale and
     cast): compiled here by Inductor's CPU backend, the forward and backward are the eager ones, bit for bit."""
     import functools
 
-    from mixprec.narrow import mx
+    from mixprec.narrow import cuda_compiled
 
     g = gemm(name)
     x, w, offs, dy = problem(sizes=(37, 0, 64, 19), K=48, N=80)
     x, w = x.detach(), w.detach()
     eager = (experts.forward(x, w, offs, g), *experts.backward(x, w, offs, dy, g))
-    monkeypatch.setattr(mx, "_COMPILED", {})
-    monkeypatch.setattr(mx, "compiled", lambda fn, device_type: functools.partial(mx.compiled_variant, fn))
+    monkeypatch.setattr(cuda_compiled, "_COMPILED", {})
+    monkeypatch.setattr(cuda_compiled, "compiled", lambda fn, device: functools.partial(cuda_compiled.compiled_variant, fn))
     compiled = (experts.forward(x, w, offs, g), *experts.backward(x, w, offs, dy, g))
     # tensor-wise's weight gradient reuses the forward's and the input gradient's casts; the grouped GEMMs'
     # epilogues (FP32 out, rows and groups without tokens zeroed, the weight gradient's scales) compiled too
     casts = {"_stacked"} | ({"_by_expert"} if name == "tensorwise" else {"_by_token", "_along"})
     per_expert = {"_groups_present", "_scaled_groups"}  # block-wise sums 128-token tiles: a batched GEMM
     epilogues = {"_rows_present"} | (per_expert if name != "blockwise" else set())
-    assert {fn.__name__ for fn, _ in mx._COMPILED} == casts | epilogues
+    assert {fn.__name__ for fn, _ in cuda_compiled._COMPILED} == casts | epilogues
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b), name
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from mixprec.narrow import mx
+from mixprec.narrow import cuda_compiled, mx
 from mixprec.narrow.microscaling import E2M1, E4M3, E5M2
 
 CASTS = {  # element, block, rounding, nv, square, four_over_six, stochastic
@@ -88,10 +88,11 @@ def test_operators_with_compiled_insides_in_a_compiled_graph_equal_eager(monkeyp
         return mx.mx_mm(recipe.quantize(x, values=True), wq, torch.bfloat16)
 
     eager = f(x, w)
-    real = mx.compiled
-    monkeypatch.setattr(mx, "compiled", lambda fn, device_type: real(fn, "cuda"))
+    real = cuda_compiled.compiled
+    monkeypatch.setattr(cuda_compiled, "compiled", lambda fn, device_type: real(fn, "cuda"))
     compiled = torch.compile(f, fullgraph=True)(x, w)
-    assert {mx._cast, mx._dequantize} <= {fn for fn, _ in mx._COMPILED}  # the operators ran their functions compiled
+    # the operators ran their functions compiled
+    assert {mx._cast, mx._dequantize} <= {fn for fn, _ in cuda_compiled._COMPILED}
     assert torch.equal(eager, compiled)
 
 
@@ -111,26 +112,27 @@ def test_each_argument_variant_compiles_apart():
                 (torch.tensor(2.0), (i, torch.tensor(3)), False), (torch.ones(8, 1), (i[None], i[:, None][:8]), True)]
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=1):
         for factor, key, square in variants:
-            got = mx.compiled_variant(_scaled, x, factor, key, square)
+            got = cuda_compiled.compiled_variant(_scaled, x, factor, key, square)
             assert torch.equal(got, _scaled(x, factor, key, square))
-    assert sum(fn is _scaled for fn, _ in mx._COMPILED) == len(variants)
+    assert sum(fn is _scaled for fn, _ in cuda_compiled._COMPILED) == len(variants)
 
 
 def test_any_row_count_runs_on_the_first_graph_and_a_recompile_is_said(caplog, monkeypatch):
     """An expert-parallel rank receives any number of rows, 0 and 1 included, which Dynamo specialises: those
     run eagerly (said once), so one compiled graph serves every other count with no recompile (refused here at
     a limit of 1); a recompile, forced by calling the compiled copy on one row, is logged with the limit."""
-    monkeypatch.setattr(mx, "_COMPILED", {})
-    monkeypatch.setattr(mx, "_SAID_EAGER", [])
+    monkeypatch.setattr(cuda_compiled, "_COMPILED", {})
+    monkeypatch.setattr(cuda_compiled, "_SAID_EAGER", [])
     torch._dynamo.reset()
-    caplog.set_level(logging.INFO, logger="mixprec.narrow.mx")
+    caplog.set_level(logging.INFO, logger="mixprec.narrow.cuda_compiled")
     factor = torch.tensor(2.0)
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=1):
         for rows in (5, 7, 0, 1, 130, 2):
             x = torch.randn(rows, 16)
-            assert torch.equal(mx.compiled_variant(_scaled, x, factor, None, False), _scaled(x, factor, None, False))
-    assert len(mx._COMPILED) == 1
-    assert "a tensor of 0 rows cast eagerly" in caplog.text and "compiled again" not in caplog.text
-    (copy,) = mx._COMPILED.values()
+            got = cuda_compiled.compiled_variant(_scaled, x, factor, None, False)
+            assert torch.equal(got, _scaled(x, factor, None, False))
+    assert len(cuda_compiled._COMPILED) == 1
+    assert "a tensor of 0 rows runs eagerly" in caplog.text and "compiled again" not in caplog.text
+    (copy,) = cuda_compiled._COMPILED.values()
     copy(torch.randn(1, 16), factor, None, False)  # what the eager route keeps away: Dynamo's size-1 graph
     assert "compiled again (2 times; past 8 it runs eagerly)" in caplog.text

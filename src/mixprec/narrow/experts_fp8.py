@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from mixprec.narrow import experts_blockwise, mx
+from mixprec.narrow import cuda_compiled, experts_blockwise
 from mixprec.narrow.experts_blockwise import BLOCK
 from mixprec.narrow.gathered import BACKWARD, FORWARD, gathered_experts
 from mixprec.narrow.recipe import E4M3
@@ -81,12 +81,12 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None, a_e
         return torch.bmm(a, b).float()
     if b.dim() == 3:  # a's rows split by offs: a row-major, b as it comes (both take any group sizes)
         out = torch._grouped_mm(_laid_out(a, False), _laid_out(b, b.stride(-2) == 1), offs=offs)
-        return mx.compiled(_rows_present, out.device.type)(out, offs)
+        return cuda_compiled.compiled(_rows_present, out.device.type)(out, offs)
     # the summed dimension split by offs: CUDA takes any group sizes (empty ones included) only with a
     # column-major and b row-major; other layouts assert every group but the last a positive multiple of
     # 16 bytes, on the device, which ends the process
     out = torch._grouped_mm(_laid_out(a, True), _laid_out(b, False), offs=offs)
-    return mx.compiled(_groups_present, out.device.type)(out, offs)
+    return cuda_compiled.compiled(_groups_present, out.device.type)(out, offs)
 
 
 def _rows_present(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -115,7 +115,7 @@ def _(a, b, offs, a_elements, b_elements):
 
 
 # ---- the casts ------------------------------------------------------------------------------
-# Each cast is one function of tensors that CUDA runs compiled (mixprec.narrow.mx.compiled: Inductor fuses the
+# Each cast is one function of tensors that CUDA runs compiled (mixprec.narrow.cuda_compiled: Inductor fuses the
 # amax, the scale and the cast into a kernel or two that read the input once; eagerly each op is a pass over
 # the tensor in FP32); the same functions run eagerly elsewhere, so the CPU's numbers are the eager ones.
 def _by_token(t, c: int, dtype, pow2: bool):
@@ -156,9 +156,9 @@ def cast_tokens(t: torch.Tensor, seg: Segments, tile: tuple[int, int], dtype, po
     expert's inverse scale (E + 1,) (the weight gradient's), else None."""
     device = t.device.type
     if tile[0] == 1:
-        data, inv = mx.compiled(_by_token, device)(t, tile[1], dtype, pow2)
+        data, inv = cuda_compiled.compiled(_by_token, device)(t, tile[1], dtype, pow2)
         return Quantized(data, inv, resolve_tile(tile, t.shape)), None
-    data, rows_inv, inv = mx.compiled(_by_expert, device)(t, seg.ids, seg.n + 1, dtype, pow2)
+    data, rows_inv, inv = cuda_compiled.compiled(_by_expert, device)(t, seg.ids, seg.n + 1, dtype, pow2)
     return Quantized(data, rows_inv, (1, t.shape[1])), inv
 
 
@@ -168,7 +168,7 @@ def cast_along_tokens(t: torch.Tensor | Quantized, seg: Segments, rows: int, dty
     (Quantized) is dequantised first. Returns the FP8 data (S, C) and the inverse scales (groups, C),
     groups indexed as the tiles or experts."""
     group, n = (seg.tiles(rows)[0], seg.rows // rows + seg.n + 1) if rows else (seg.ids, seg.n + 1)
-    cast_ = mx.compiled(_along, seg.offs.device.type)
+    cast_ = cuda_compiled.compiled(_along, seg.offs.device.type)
     if isinstance(t, Quantized):
         return cast_(t.data, group, n, dtype, pow2, t.scale_inv, t.tile)
     return cast_(t, group, n, dtype, pow2)
@@ -183,7 +183,7 @@ def cast_stacked(w: torch.Tensor, tile: tuple[int, int], dtype, pow2: bool, whic
     if gathered is not None:
         return gathered
     E, R, C = w.shape
-    data, inv = mx.compiled(_stacked, w.device.type)(w, tile, dtype, pow2)
+    data, inv = cuda_compiled.compiled(_stacked, w.device.type)(w, tile, dtype, pow2)
     return Quantized(data, inv, (tile[0] or R, tile[1] or C))
 
 
@@ -244,7 +244,7 @@ def wgrad_mm(g_data, g_inv, x_data, x_inv, seg: Segments, rows: int, kernel: boo
     (g_inv, x_inv (groups, N) and (groups, K)), the tiles' sums added in order."""
     if not rows:
         out = grouped_mm(g_data.t(), x_data, seg.offs, g_data, x_data)  # (E, N, K)
-        return mx.compiled(_scaled_groups, out.device.type)(out, g_inv[:seg.n], x_inv[:seg.n])
+        return cuda_compiled.compiled(_scaled_groups, out.device.type)(out, g_inv[:seg.n], x_inv[:seg.n])
     if kernel:  # block-wise: mixprec's Triton kernel
         return experts_blockwise.wgrad(g_data, g_inv, x_data, x_inv, seg)
     # each expert's tokens from a multiple of `rows` (zero rows between), so tile t is rows t*rows:(t+1)*rows,

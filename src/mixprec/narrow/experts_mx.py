@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from mixprec.narrow import mx
+from mixprec.narrow import cuda_compiled, mx
 from mixprec.narrow.experts_fp8 import grouped_mm, valid_rows
 from mixprec.narrow.gathered import BACKWARD, FORWARD, gathered_experts
 from mixprec.narrow.microscaling import E2M1, Blocked
@@ -35,7 +35,7 @@ def _cast(r, t: torch.Tensor, *, gradient: bool = False, key=None, square: bool 
     key = key if gradient and r.stochastic_gradients else None
     dtype = r.grad_dtype if gradient and r.element != E2M1 else r.element
     values = mx._operand_dtype(t.device.type)
-    return mx.compiled(mx._cast, t.device.type)(t, dtype, r.block, r.scale_rounding, r.nv, square,
+    return cuda_compiled.compiled(mx._cast, t.device.type)(t, dtype, r.block, r.scale_rounding, r.nv, square,
                                                  r.four_over_six, key, amax, values)
 
 

@@ -38,9 +38,7 @@ reproducible, the same after a resume, and fresh at every step as the gradient c
 from __future__ import annotations
 
 import functools
-import logging
 import math
-import types
 import zlib
 from dataclasses import dataclass, fields, replace
 
@@ -48,13 +46,13 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.errors import UserError
+from mixprec.narrow import cuda_compiled
 from mixprec.narrow.gathered import BACKWARD, FORWARD, gathered_copy
 from mixprec.narrow.linear import FP8Linear, Plan, register_linear
 from mixprec.narrow.microscaling import (E2M1, E4M3, E5M2, E8M0, ROUNDINGS, Blocked, byte_values, hadamard_signs,
                                       quantize_mx_bits, quantize_nvfp4_bits, rotate)
 from mixprec.narrow.recipe import GEMMS, FP8Recipe, Granularity, Tiles, register_recipe
 
-logger = logging.getLogger(__name__)
 HADAMARDS = ("none", "random", "deterministic")
 SCALE_FORMATS = ("e8m0", "e4m3")
 HADAMARD_SIZE = 16
@@ -233,72 +231,12 @@ def _transpose(data, scale) -> tuple[torch.Tensor, torch.Tensor]:
     return t.data, t.scale
 
 
-_COMPILED: dict = {}  # (fn, its arguments' variant) -> fn compiled for that variant alone
-_SAID_EAGER: list = []  # the eager casts of 0 or 1 rows, said once a process
-
-
-def _variant(a):
-    """What Dynamo guards on in an argument, besides sizes: a tensor's dtype, rank and requires_grad, a
-    missing tensor, a tuple's parts, any other value itself."""
-    if isinstance(a, torch.Tensor):
-        return "tensor", a.dtype, a.dim(), a.requires_grad
-    if isinstance(a, tuple):
-        return tuple(_variant(p) for p in a)
-    return a
-
-
-def _counted(name: str):
-    """Inductor, saying each compile of `name` past its first: a recompile (a guard failed) costs seconds
-    on the step that meets it, and past Dynamo's recompile limit the function runs eagerly."""
-    inductor = torch._dynamo.lookup_backend("inductor")
-    compiles = [0]
-
-    def backend(gm, example_inputs):
-        compiles[0] += 1
-        if compiles[0] > 1:
-            limit = torch._dynamo.config.recompile_limit
-            logger.warning("narrow casts: %s compiled again (%d times; past %d it runs eagerly)", name, compiles[0],
-                           limit)
-        return inductor(gm, example_inputs)
-    return backend
-
-
-def compiled_variant(fn, *args):
-    """fn(*args) compiled (dynamic shapes), one compiled copy of fn per variant of its arguments: Dynamo
-    keeps at most 8 graphs per function (its recompile limit) and runs it eagerly past them, and a
-    recipe's casts (input, weight, gradient; dense and grouped; rounding keys and tensor amaxes present
-    or not) are more variants than that. A copy is fn with its own code object, which Dynamo caches apart.
-    A tensor of 0 or 1 rows (an expert-parallel rank that received none or one) runs eagerly: Dynamo
-    specialises sizes 0 and 1, so compiling for it would be another graph, compiled mid-run while the other
-    ranks wait, and the variant's first graph is then the one for every row count (>= 2)."""
-    rows = next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim()), 2)
-    if rows < 2:
-        if not _SAID_EAGER:
-            _SAID_EAGER.append(True)
-            logger.info("narrow casts: a tensor of %d rows cast eagerly (compiled, sizes 0 and 1 would each be a "
-                        "graph of their own)", rows)
-        return fn(*args)
-    key = (fn, tuple(_variant(a) for a in args))
-    if key not in _COMPILED:
-        code = fn.__code__.replace(co_name=f"{fn.__name__}_variant{len(_COMPILED)}")
-        copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-        _COMPILED[key] = torch.compile(copy, dynamic=True, backend=_counted(code.co_name))
-    return _COMPILED[key](*args)
-
-
-def compiled(fn, device_type: str):
-    """fn compiled for `device_type` on CUDA, per variant of its arguments (`compiled_variant`); fn itself elsewhere."""
-    if device_type != "cuda":
-        return fn
-    return functools.partial(compiled_variant, fn)
-
-
 @torch.library.custom_op("mixprec::mx_quantize", mutates_args=())
 def _mx_quantize(x: torch.Tensor, element: torch.dtype, block: int, rounding: str, nv: bool, square: bool,
                  four_over_six: bool, key: torch.Tensor | None, amax: torch.Tensor | None, values: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     device = x.device.type
-    q = compiled(_cast, device)(x, element, block, rounding, nv, square, four_over_six, key, amax,
+    q = cuda_compiled.compiled(_cast, device)(x, element, block, rounding, nv, square, four_over_six, key, amax,
                                 _operand_dtype(device) if values else None).typed()
     # as the fake function says: the operand contiguous (a slice of the padded blocks where x is
     # not whole blocks), MX's placeholder for the tensor scale an empty FP32 tensor
@@ -322,7 +260,7 @@ def _(x, element, block, rounding, nv, square, four_over_six, key, amax, values)
 def _mx_transpose(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A tensor in square blocks, transposed (Blocked.t): the elements and scales of W^T."""
     q = Blocked(data, scale, (1, 1), None, (0, 0)).bits()
-    t, ts = compiled(_transpose, data.device.type)(q.data, q.scale)
+    t, ts = cuda_compiled.compiled(_transpose, data.device.type)(q.data, q.scale)
     # one row or column of blocks transposes to a view of its input (a contiguous (1, n) is one of (n, 1)):
     # an operator returns no alias of its inputs
     same = lambda a, b: a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # noqa: E731
@@ -362,7 +300,7 @@ def _mx_mm(a_data: torch.Tensor, a_scale: torch.Tensor, a_tensor_scale: torch.Te
     a = Blocked(a_data, a_scale, tuple(a_block), a_tensor_scale, tuple(a_shape), a_values).bits()
     b = Blocked(b_data, b_scale, tuple(b_block), b_tensor_scale, tuple(b_shape), b_values).bits()
     device = a_data.device.type
-    dtype, dequantize = _operand_dtype(device), compiled(_dequantize, device)
+    dtype, dequantize = _operand_dtype(device), cuda_compiled.compiled(_dequantize, device)
     a_op, b_op = (q.values if q.values is not None else dequantize(q.data, q.scale, q.block, None, q.shape, dtype)
                   for q in (a, b))
     if dtype == torch.bfloat16:  # exact operands, FP32 accumulation and output
