@@ -184,7 +184,8 @@ def test_the_fp8_casts_compiled_as_on_cuda_equal_the_eager_ones(name, monkeypatc
     x, w = x.detach(), w.detach()
     eager = (experts.forward(x, w, offs, g), *experts.backward(x, w, offs, dy, g))
     monkeypatch.setattr(cuda_compiled, "_COMPILED", {})
-    monkeypatch.setattr(cuda_compiled, "compiled", lambda fn, device: functools.partial(cuda_compiled.compiled_variant, fn))
+    always = lambda fn, device: functools.partial(cuda_compiled.compiled_variant, fn)  # noqa: E731 - CUDA's route
+    monkeypatch.setattr(cuda_compiled, "compiled", always)
     compiled = (experts.forward(x, w, offs, g), *experts.backward(x, w, offs, dy, g))
     # tensor-wise's weight gradient reuses the forward's and the input gradient's casts; the grouped GEMMs'
     # epilogues (FP32 out, rows and groups without tokens zeroed, the weight gradient's scales) compiled too

@@ -16,7 +16,8 @@ def router_sizes(E: int, rows: int, seed: int = 0) -> tuple[int, ...]:
     gen = torch.Generator().manual_seed(seed)
     weights = torch.rand(E, generator=gen) ** 4
     weights[torch.randperm(E, generator=gen)[: E // 4]] = 0
-    return tuple(torch.bincount(torch.multinomial(weights, rows, replacement=True, generator=gen), minlength=E).tolist())
+    picks = torch.multinomial(weights, rows, replacement=True, generator=gen)
+    return tuple(torch.bincount(picks, minlength=E).tolist())
 
 
 CASES = {  # name: (sizes, K, N)

@@ -40,9 +40,8 @@ def _counted(name: str):
     def backend(gm, example_inputs):
         compiles[0] += 1
         if compiles[0] > 1:
-            limit = torch._dynamo.config.recompile_limit
-            logger.warning("compiled functions: %s compiled again (%d times; past %d it runs eagerly)", name, compiles[0],
-                           limit)
+            logger.warning("compiled functions: %s compiled again (%d times; past %d it runs eagerly)", name,
+                           compiles[0], torch._dynamo.config.recompile_limit)
         return inductor(gm, example_inputs)
     return backend
 

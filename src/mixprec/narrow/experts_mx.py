@@ -35,8 +35,8 @@ def _cast(r, t: torch.Tensor, *, gradient: bool = False, key=None, square: bool 
     key = key if gradient and r.stochastic_gradients else None
     dtype = r.grad_dtype if gradient and r.element != E2M1 else r.element
     values = mx._operand_dtype(t.device.type)
-    return cuda_compiled.compiled(mx._cast, t.device.type)(t, dtype, r.block, r.scale_rounding, r.nv, square,
-                                                 r.four_over_six, key, amax, values)
+    cast = cuda_compiled.compiled(mx._cast, t.device.type)
+    return cast(t, dtype, r.block, r.scale_rounding, r.nv, square, r.four_over_six, key, amax, values)
 
 
 def _elements(q: Blocked) -> torch.Tensor:

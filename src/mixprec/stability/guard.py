@@ -36,7 +36,7 @@ from mixprec.stability.config import StabilityConfig
 from mixprec.stability.diagnose import diagnose
 from mixprec.stability.drills import DrillRunner
 from mixprec.stability.health import HealthMonitor
-from mixprec.stability.locate import Finding, Locator, agree
+from mixprec.stability.locate import Finding, Locator, agree, local_shard
 
 logger = logging.getLogger("mixprec.stability")
 
@@ -282,9 +282,8 @@ class StabilityGuard:
     def _nonfinite_state(self) -> tuple[int, int]:
         """Parameter and optimizer-state tensors holding a NaN or an infinity (this rank's
         shards), each summed over ranks."""
-        local = lambda t: getattr(t, "_local_tensor", t)  # noqa: E731
-        params = [local(p) for p in self.model.parameters()]
-        moments = [local(t) for s in (self.optimizer.state.values() if self.optimizer is not None else ())
+        params = [local_shard(p) for p in self.model.parameters()]
+        moments = [local_shard(t) for s in (self.optimizer.state.values() if self.optimizer is not None else ())
                    for t in s.values() if torch.is_tensor(t) and t.is_floating_point() and t.dim()]
         count = torch.tensor([float(sum(not bool(torch.isfinite(t).all()) for t in group if t.numel()))
                               for group in (params, moments)])

@@ -50,9 +50,10 @@ def _json_float(x: float):
     return x if math.isfinite(x) else None
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard on this rank, of any mesh (a reduction of a DTensor sharded over an expert-parallel
-    mesh to a bool has no sharding rule); the ranks' findings are agreed after (`agree`)."""
+    mesh to a bool has no sharding rule); the ranks' findings are agreed after (`agree`), the guard's counts
+    summed over the ranks."""
     return t.to_local() if hasattr(t, "device_mesh") else t
 
 
@@ -60,7 +61,7 @@ def _floats(tree) -> list[torch.Tensor]:
     # FP8 tensors widened: torch has no isfinite for them. Packed FP4 (two e2m1 codes a byte)
     # has no cast at all, and no code for an infinity or a NaN: never a non-finite value.
     return [t.detach().float() if t.element_size() == 1 else t.detach()
-            for t in map(_local, (t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)))
+            for t in map(local_shard, (t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)))
             if t.is_floating_point() and t.numel() and t.dtype is not torch.float4_e2m1fn_x2]
 
 
