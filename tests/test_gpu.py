@@ -209,7 +209,7 @@ def test_bf16_updates_fused_adamw_on_cuda_tracks_the_cpu(method):
 
 @pytest.mark.parametrize("preset", ["fp8-rowwise", "fp8-blockwise", "mxfp8", "nvfp4"])
 def test_moe_experts_in_each_recipe_on_cuda_track_the_cpu(preset):
-    """A tiny Qwen3-MoE block's experts on CUDA (row-wise: forward and input gradient on torch's grouped
+    """A tiny Qwen3-MoE block's experts on CUDA (row-wise: all three GEMMs on torch's grouped
     kernel; block-wise: torch's kernel per expert, padded to 128-token tiles) against the same block on
     the CPU's emulation: the same recipe, other summation orders."""
     transformers = pytest.importorskip("transformers")

@@ -171,15 +171,22 @@ def test_compiled_equals_eager_without_graph_breaks(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "blockwise"])
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "blockwise", "rowwise on the kernel"])
 def test_the_fp8_casts_compiled_as_on_cuda_equal_the_eager_ones(name, monkeypatch):
     """On CUDA each FP8 experts cast is one compiled function (cuda_compiled: Inductor fuses its amax, scale and
-    cast): compiled here by Inductor's CPU backend, the forward and backward are the eager ones, bit for bit."""
+    cast): compiled here by Inductor's CPU backend, the forward and backward are the eager ones, bit for bit.
+    On the kernel route (torch's grouped kernel stood in for) the casts also write the layouts the kernel reads:
+    the input gradient's weight column-major, the weight gradient's operands placed and transposed."""
     import functools
 
     from mixprec.narrow import cuda_compiled
 
-    g = gemm(name)
+    if name == "rowwise on the kernel":
+        monkeypatch.setattr(experts_fp8, "_scaled_grouped_mm", _reference_grouped)
+        g = gemm("rowwise")
+        g = experts.ExpertsGemm(g.name, g.plan, False, grouped=True)
+    else:
+        g = gemm(name)
     x, w, offs, dy = problem(sizes=(37, 0, 64, 19), K=48, N=80)
     x, w = x.detach(), w.detach()
     eager = (experts.forward(x, w, offs, g), *experts.backward(x, w, offs, dy, g))
@@ -192,6 +199,9 @@ def test_the_fp8_casts_compiled_as_on_cuda_equal_the_eager_ones(name, monkeypatc
     casts = {"_stacked"} | ({"_by_expert"} if name == "tensorwise" else {"_by_token", "_along"})
     per_expert = {"_groups_present", "_scaled_groups"}  # block-wise sums 128-token tiles: a batched GEMM
     epilogues = {"_rows_present"} | (per_expert if name != "blockwise" else set())
+    if g.grouped:  # the kernel scales and writes bfloat16: no epilogue; the weight cast twice (row-, column-major)
+        casts, epilogues = {"_stacked", "_by_token", "_along_placed"}, set()
+        assert sorted(args[-1] for fn, args in cuda_compiled._COMPILED if fn.__name__ == "_stacked") == [False, True]
     assert {fn.__name__ for fn, _ in cuda_compiled._COMPILED} == casts | epilogues
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b), name
@@ -222,10 +232,19 @@ def test_an_expert_with_one_token(name):
     assert sqnr(ref, out) > 20
 
 
-def _reference_grouped(a, b, scale_a, scale_b, offs):
+def _reference_grouped(a, b, scale_a, scale_b, offs, fast_accum=False):
     """torch's grouped row-wise GEMM group by group, on the route a row-wise Linear takes on this CPU
-    (torch._scaled_mm where it takes row-wise scales, torch 2.13; the emulation where not, 2.11)."""
+    (torch._scaled_mm where it takes row-wise scales, torch 2.13; the emulation where not, 2.11); the CPU
+    has no reduced-precision accumulation, so fast_accum changes nothing here."""
     kernel = gemm("rowwise").plan.kernels[0]
+    if b.dim() == 2:  # 2-D x 2-D: a (N, P), b (P, K), the summed P split by offs; scales (E * N,), (E * K,)
+        N, K = a.shape[0], b.shape[1]
+        out = torch.zeros(offs.shape[0], N, K, dtype=torch.bfloat16)
+        for e, (s, t) in enumerate(experts.groups(offs)):
+            qa = Quantized(a[:, s:t], scale_a[e * N:(e + 1) * N].view(-1, 1), (1, t - s))
+            qb = Quantized(b[s:t], scale_b[e * K:(e + 1) * K].view(1, -1), (t - s, 1))
+            out[e] = scaled_mm(qa, qb, torch.bfloat16, kernel=kernel)
+        return out
     K = a.shape[1]
     out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.bfloat16)
     for e, (s, t) in enumerate(experts.groups(offs)):
@@ -240,17 +259,24 @@ def _reference_grouped(a, b, scale_a, scale_b, offs):
 def test_grouped_row_wise_route_equals_expert_by_expert(monkeypatch, transposed):
     """The grouped route casts x, dy and all the weights at once: the same operands as expert by
     expert (row-wise scales never cross a row), laid out as torch's grouped kernel reads them; with
-    that kernel stood in for by torch._scaled_mm per group, the results are the loop's, bit for bit."""
+    that kernel stood in for by torch._scaled_mm per group, the output and the input gradient are the
+    loop's, bit for bit, and the weight gradient (the kernel's 2-D x 2-D form: each expert's tokens
+    padded to 16 with zero rows, its FP32 sums written in bfloat16) is the loop's FP32 one rounded to
+    bfloat16 (a last bit apart where the padded sum's order moves a rounding)."""
     monkeypatch.setattr(experts_fp8, "_scaled_grouped_mm", _reference_grouped)
     loop = gemm("rowwise", transposed)
     grouped = experts.ExpertsGemm(loop.name, loop.plan, transposed, grouped=True)
+    assert grouped.plan.kernels == (True, True, True)
     results = []
     for g in (loop, grouped):
         x, w, offs, dy = problem(transposed=transposed, seed=5)
         experts.experts_mm(x, w, offs, experts.register(g)).backward(dy)
         results.append((experts.experts_mm(x, w, offs, experts.register(g)).detach(), x.grad, w.grad))
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
+    (out, dx, dw), (out_k, dx_k, dw_k) = results
+    assert torch.equal(out, out_k) and torch.equal(dx, dx_k)
+    rounded = dw.bfloat16().float()
+    assert not torch.equal(dw_k, dw) and (dw_k != rounded).float().mean() < 0.01, (dw_k != rounded).float().mean()
+    assert ((dw_k - rounded).abs() <= 2**-7 * rounded.abs()).all()
 
 
 def test_grouped_route_traced_on_meta(monkeypatch):
@@ -279,7 +305,7 @@ def test_grouped_kernel_probe(monkeypatch):
     monkeypatch.setattr(experts_fp8, "_scaled_grouped_mm", _reference_grouped)
     experts._probe_grouped.cache_clear()
     assert experts._probe_grouped("cpu") is None
-    monkeypatch.setattr(experts_fp8, "_scaled_grouped_mm", lambda *args: _reference_grouped(*args) * 1.1)
+    monkeypatch.setattr(experts_fp8, "_scaled_grouped_mm", lambda *args, **kw: _reference_grouped(*args) * 1.1)
     experts._probe_grouped.cache_clear()
     assert "disagrees with the grouped emulation (0.1)" in experts._probe_grouped("cpu")
     experts._probe_grouped.cache_clear()
@@ -391,3 +417,43 @@ def test_experts_on_cuda_track_each_expert_alone(name):
         for got, want in ((out[s:t], ye), (x.grad[s:t], xe.grad), (w.grad[e], we.grad)):
             err = float((got.float() - want.float()).norm() / want.float().norm())
             assert err < 2e-2, (name, e, err)
+
+
+@pytest.mark.parametrize("sizes", [(37, 0, 64, 19), (0, 0, 0, 0), (16, 1, 0, 15)])
+def test_the_weight_gradients_layout_pads_each_expert_to_16_rows_none_empty(sizes):
+    """Segments.sources(16), the row-wise kernel's weight-gradient layout: each expert's rows in order from a
+    multiple of 16, zero rows to the next (an expert without rows: 16 zero rows, no empty group), the rows
+    past offs[-1] nowhere, within the static length P; against a loop over the experts."""
+    from mixprec.narrow.segments import Segments
+
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    rows = sum(sizes) + 3  # three rows past offs[-1]
+    src, ends, P = Segments(offs, rows).sources(16)
+    want, start = [], 0
+    for n in sizes:
+        want += list(range(start, start + n)) + [rows] * (max(-(-n // 16), 1) * 16 - n)
+        start += n
+    assert P % 16 == 0 and P >= len(want) and src.shape == (P,)
+    assert src[:len(want)].tolist() == want and (src[len(want):] == rows).all()
+    assert ends.tolist() == torch.tensor([max(-(-n // 16), 1) * 16 for n in sizes]).cumsum(0).tolist()
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise"])
+def test_the_grouped_kernels_forward_accumulates_as_the_recipes_dense_forward(name, monkeypatch):
+    """torch's grouped row-wise kernel gets the recipe's fast_accum in the forward GEMM (tensor-wise: on, as
+    its dense Linear's forward and torchao's) and never in the gradients' GEMMs."""
+    calls = []
+
+    def kernel(a, b, scale_a, scale_b, offs, fast_accum=False):
+        calls.append((b.dim(), fast_accum))
+        return _reference_grouped(a, b, scale_a, scale_b, offs)
+
+    monkeypatch.setattr(experts_fp8, "_scaled_grouped_mm", kernel)
+    g = gemm(name)
+    g = experts.ExpertsGemm(g.name, g.plan, False, grouped=True)
+    x, w, offs, dy = problem(sizes=(37, 0, 64, 19), K=48, N=80)
+    experts.experts_mm(x, w, offs, experts.register(g)).backward(dy)
+    fast = RECIPES[name].fast_accum
+    # tensor-wise: the forward only (its e5m2 gradients are emulated); row-wise: forward, dgrad, wgrad (2-D x 2-D)
+    assert calls == ([(3, True)] if name == "tensorwise" else [(3, fast), (3, False), (2, False)])
+    assert fast == (name == "tensorwise")

@@ -54,7 +54,7 @@ def _run(name: str, grouped: bool, sizes, K: int, N: int):
 def test_every_grouped_gemm_obeys_cudas_rules(name, grouped, case, monkeypatch):
     sizes, K, N = CASES[case]
     if grouped:  # torch's grouped row-wise kernel, stood in for on the CPU (its rules checked first)
-        def kernel(a, b, scale_a, scale_b, offs):
+        def kernel(a, b, scale_a, scale_b, offs, fast_accum=False):
             rules.calls.append(check(a, b, offs, scaled=True))
             return _reference_grouped(a, b, scale_a, scale_b, offs)
         monkeypatch.setattr(experts_fp8, "_scaled_grouped_mm", kernel)

@@ -44,14 +44,16 @@ class ExpertsGemm:
     transposed: bool  # weight (E, K, N) (gpt-oss) rather than (E, N, K) (nn.Linear's per expert)
     salts: tuple[int, ...] = ()  # each expert's part of its stochastic-rounding keys (microscaled recipes)
     # the GEMMs on kernels (`uses_grouped`): row- and tensor-wise, forward and input gradient on torch's
-    # grouped row-wise kernel; block-wise, all three on mixprec's (mixprec.narrow.experts_blockwise)
+    # grouped row-wise kernel (row-wise's weight gradient too); block-wise, all three on mixprec's
+    # (mixprec.narrow.experts_blockwise)
     grouped: bool = False
 
     def __post_init__(self):
         # the GEMMs on kernels (where `grouped`) or on the grouped emulation: the plan says so, and a dense
         # Linear under it is each expert's reference
-        blockwise = self.plan.recipe.granularity is Granularity.BLOCKWISE
-        kernels = (self.grouped, self.grouped, self.grouped and blockwise)
+        # (row-wise's weight gradient too: scaled per expert along its tokens, a 2-D x 2-D grouped GEMM)
+        wgrad = self.plan.recipe.granularity in (Granularity.BLOCKWISE, Granularity.ROWWISE)
+        kernels = (self.grouped, self.grouped, self.grouped and wgrad)
         if self.plan.kernels != kernels:
             object.__setattr__(self, "plan", replace(self.plan, kernels=kernels))
 
@@ -106,8 +108,9 @@ def _no_autocast(device: torch.device):
 # ---- the grouped row-wise kernel (CUDA, SM90 and SM100) -------------------------------------------------------
 # Row-wise scales run along the dimension a GEMM sums over, and tensor-wise ones are one scale per
 # expert held per row: the forward's and the input gradient's operands are scaled per row of a and
-# per expert and column of b, as torch's grouped row-wise kernel takes them. The weight gradient,
-# whose scales run along each expert's tokens, runs on the grouped emulation.
+# per expert and column of b, as torch's grouped row-wise kernel takes them. Row-wise's weight gradient,
+# scaled per expert and column along the expert's tokens, is the kernel's 2-D x 2-D form (each expert's
+# tokens padded to 16); tensor-wise's, on e5m2 gradients, runs on the grouped emulation.
 def grouped_route(device: str, compute_dtype: torch.dtype) -> str | None:
     """None where the row-wise experts' forward and input-gradient GEMMs run on torch's grouped
     row-wise kernel; otherwise why they run on the grouped emulation."""
@@ -124,22 +127,27 @@ def grouped_route(device: str, compute_dtype: torch.dtype) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _probe_grouped(device: str) -> str | None:
-    """The grouped kernel's forward against the grouped emulation on a 4-expert problem with an empty and
-    an odd group: None when they agree within bfloat16 rounding, else why the kernel is not used."""
+    """The grouped kernel's forward, input and weight gradients against the grouped emulation on a
+    4-expert problem with an empty and an odd group: None when they agree within bfloat16 rounding,
+    else why the kernel is not used."""
     from mixprec.narrow.recipe import RECIPES
 
     recipe = RECIPES["rowwise"]
-    plan = Plan(recipe, recipe.tiles, torch.bfloat16, (True, True, False), device=device)
+    plan = Plan(recipe, recipe.tiles, torch.bfloat16, (True, True, True), device=device)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(112, 128, generator=gen).to(device, torch.bfloat16)
     w = torch.randn(4, 256, 128, generator=gen).to(device)
     offs = torch.tensor([48, 48, 95, 112], dtype=torch.int32, device=device)
+    dy = torch.randn(112, 256, generator=gen).to(device, torch.bfloat16)
+
+    def passes(grouped):
+        g = ExpertsGemm("probe", plan, False, grouped=grouped)
+        return (forward(x, w, offs, g), *backward(x, w, offs, dy, g))
     try:
-        got = forward(x, w, offs, ExpertsGemm("probe", plan, False, grouped=True)).float()
+        got = passes(True)
     except Exception as e:  # noqa: BLE001 - whatever the kernel raises, the experts run emulated and say why
         return f"torch's grouped row-wise kernel refused the layout ({str(e).splitlines()[0][:160]})"
-    want = forward(x, w, offs, ExpertsGemm("probe", plan, False)).float()
-    err = float((got - want).norm() / want.norm())
+    err = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(got, passes(False)))
     return None if err < 1e-2 else f"torch's grouped row-wise kernel disagrees with the grouped emulation ({err:.2g})"
 
 
@@ -161,10 +169,13 @@ def describe(plan: Plan) -> str:
         return (f"all three GEMMs on mixprec's grouped block-wise Triton kernels (DeepGEMM's contiguous layout, "
                 f"each expert's tokens from a multiple of 128); {casts}")
     if uses_grouped(plan):
-        on_kernel = ("forward and input gradient" if plan.recipe.grad_dtype == torch.float8_e4m3fn else
-                     "forward (the e5m2 input gradient on the grouped emulation: the kernel takes e4m3 only)")
-        return (f"{on_kernel} on torch's grouped row-wise kernel (torch._scaled_grouped_mm), the weight gradient "
-                f"on the grouped emulation; {casts}")
+        if plan.recipe.grad_dtype != torch.float8_e4m3fn:
+            on_kernel, rest = "forward", "the e5m2 gradients' GEMMs on the grouped emulation (the kernel takes e4m3 only)"
+        elif plan.recipe.granularity is Granularity.ROWWISE:
+            on_kernel, rest = "all three GEMMs", "the weight gradient 2-D x 2-D, each expert's tokens padded to 16"
+        else:
+            on_kernel, rest = "forward and input gradient", "the weight gradient on the grouped emulation"
+        return f"{on_kernel} on torch's grouped row-wise kernel (torch._scaled_grouped_mm), {rest}; {casts}"
     why = ""
     if plan.recipe.granularity in (Granularity.ROWWISE, Granularity.TENSORWISE):
         why = "; not torch's grouped row-wise kernel: " + (

@@ -141,13 +141,29 @@ def _along(t, group, n: int, dtype, pow2: bool, t_scale_inv=None, t_tile=(1, 1))
     return cast(t, scale[group], (1, 1), dtype).data, scale.reciprocal()
 
 
-def _stacked(w, tile: tuple[int, int], dtype, pow2: bool):
+def _along_placed(t, group, n: int, src, dtype, pow2: bool, t_scale_inv=None, t_tile=(1, 1)):
+    """`_along`'s cast with its rows placed at the positions that read them (src: each position's row, len(t)
+    for a zero row) and written transposed: (data (C, P) row-major, scale_inv (n, C)); each element the one
+    `_along` casts (the placing and the transposed layout are the writes of the same kernel on CUDA)."""
+    if t_scale_inv is not None:
+        t = Quantized(t, t_scale_inv, t_tile).dequantize()
+    scale = amax_to_scale(segment_amax(t.abs().float(), group, n), dtype, pow2)  # (groups, C)
+    rows = torch.cat([t, t.new_zeros(1, t.shape[1])])[src]  # (P, C), zero rows between the groups
+    group = torch.cat([group, group.new_full((1,), n - 1)])[src]  # a zero row's scale: any, 0 casts to 0
+    return cast(rows, scale[group], (1, 1), dtype).data.t().contiguous(), scale.reciprocal()
+
+
+def _stacked(w, tile: tuple[int, int], dtype, pow2: bool, column_major: bool = False):
     """w (E, R, C) per expert in (tr, tc) tiles (0: the whole dimension), each expert's rows padded to whole
-    tiles: (data (E, R, C), scale_inv (E, ceil(R/tr), ceil(C/tc)))."""
+    tiles: (data (E, R, C), scale_inv (E, ceil(R/tr), ceil(C/tc))). column_major: the data written with R
+    the unit stride (the grouped row-wise kernel's b), same values."""
     E, R, C = w.shape
     tr, tc = tile[0] or R, tile[1] or C
     q, _ = quantize(pad_to(w, tr, dim=1).reshape(-1, C), dtype, (tr, tc), power_of_2=pow2)
-    return q.data.view(E, -1, C)[:, :R], q.scale_inv.view(E, -1, q.scale_inv.shape[1])
+    data = q.data.view(E, -1, C)[:, :R]
+    if column_major:
+        data = data.transpose(1, 2).contiguous().transpose(1, 2)
+    return data, q.scale_inv.view(E, -1, q.scale_inv.shape[1])
 
 
 def cast_tokens(t: torch.Tensor, seg: Segments, tile: tuple[int, int], dtype, pow2: bool):
@@ -174,16 +190,18 @@ def cast_along_tokens(t: torch.Tensor | Quantized, seg: Segments, rows: int, dty
     return cast_(t, group, n, dtype, pow2)
 
 
-def cast_stacked(w: torch.Tensor, tile: tuple[int, int], dtype, pow2: bool, which: str = FORWARD) -> Quantized:
+def cast_stacked(w: torch.Tensor, tile: tuple[int, int], dtype, pow2: bool, which: str = FORWARD,
+                 column_major: bool = False) -> Quantized:
     """w (E, R, C) cast per expert in tiles of (tr, tc) (0: the whole dimension): data (E, R, C), scale_inv
     (E, ceil(R/tr), ceil(C/tc)). Each expert's rows are padded with zeros to whole tiles, so no tile spans two.
     An experts weight FSDP2 gathered in its narrow format is read as it came: each expert's copy for `which`
-    pass, as the dense Linear reads its gathered copy."""
+    pass, as the dense Linear reads its gathered copy. column_major: the data laid out with R the unit stride
+    (written so by the cast: the input gradient's b on the grouped row-wise kernel, which reads it so)."""
     gathered = gathered_experts(w, which)
     if gathered is not None:
         return gathered
     E, R, C = w.shape
-    data, inv = cuda_compiled.compiled(_stacked, w.device.type)(w, tile, dtype, pow2)
+    data, inv = cuda_compiled.compiled(_stacked, w.device.type)(w, tile, dtype, pow2, column_major)
     return Quantized(data, inv, (tile[0] or R, tile[1] or C))
 
 
@@ -199,27 +217,36 @@ def valid_rows(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return torch.where(rows[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
-def _scaled_grouped_mm(a, b, scale_a, scale_b, offs):
-    """torch's grouped row-wise GEMM (its meta function states the layout: a row-major, b (E, K, N)
-    column-major, scale_a (S,), scale_b (E, N)); a test stands a reference in for it on the CPU."""
-    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
+def _scaled_grouped_mm(a, b, scale_a, scale_b, offs, fast_accum: bool = False):
+    """torch's grouped row-wise GEMM (its meta function states the layout: a row-major, b column-major;
+    2-D x 3-D: a (S, K), b (E, K, N), scale_a (S,), scale_b (E, N); 2-D x 2-D, the summed dimension split:
+    a (N, P), b (P, K), scale_a (E * N,), scale_b (E * K,)); a test stands a reference in for it on the CPU."""
+    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16,
+                                    use_fast_accum=fast_accum)
 
 
-def mm(a: Quantized, b: Quantized, seg: Segments, out_dtype: torch.dtype, kernel: bool) -> torch.Tensor:
+def on_row_kernel(kernel: bool, a_dtype: torch.dtype, K: int, N: int) -> bool:
+    """Whether a row- or tensor-wise grouped GEMM runs on torch's grouped row-wise kernel: where the plan
+    says so, on e4m3 operands (tensor-wise's e5m2 gradients are emulated) and K, N multiples of 16."""
+    return kernel and a_dtype == E4M3 and K % 16 == 0 and N % 16 == 0
+
+
+def mm(a: Quantized, b: Quantized, seg: Segments, out_dtype: torch.dtype, kernel: bool,
+       fast_accum: bool = False) -> torch.Tensor:
     """a (S, K) @ b_e (K, N) for each expert's rows -> (S, N), b stacked (E, K, N); a scaled per token
     (or per expert as per token) and K tile, b per expert, K tile and column tile. On torch's grouped
-    row-wise kernel where `kernel` (scales one per row of a and per expert and column of b), else
-    emulated as mixprec.narrow.gemm.emulated_mm, each mm a grouped mm."""
+    row-wise kernel where `kernel` (scales one per row of a and per expert and column of b; fast_accum:
+    its reduced-precision accumulation, as the recipe's dense forward), else emulated as
+    mixprec.narrow.gemm.emulated_mm, each mm a grouped mm."""
     (S, K), N = a.data.shape, b.data.shape[2]
     E, kt, nt = b.scale_inv.shape
     if kernel and b.tile == (BLOCK, BLOCK):  # block-wise: mixprec's Triton kernels (mixprec.narrow.experts_blockwise)
         return experts_blockwise.mm(a, b, seg, out_dtype)
-    # the row-wise kernel takes e4m3 only (tensor-wise's e5m2 gradients are emulated) and K, N multiples of 16
-    if kernel and a.data.dtype == E4M3 and K % 16 == 0 and N % 16 == 0:
+    if on_row_kernel(kernel, a.data.dtype, K, N):
         sb = b.scale_inv.reshape(E, nt).expand(E, N) if nt == 1 else b.scale_inv.reshape(E, N)
-        column_major = b.data.transpose(1, 2).contiguous().transpose(1, 2)
+        column_major = b.data.transpose(1, 2).contiguous().transpose(1, 2)  # a copy unless cast so
         out = _scaled_grouped_mm(a.data.contiguous(), column_major, a.scale_inv.reshape(-1).contiguous(),
-                                 sb.contiguous(), seg.offs)
+                                 sb.contiguous(), seg.offs, fast_accum=fast_accum)
         return valid_rows(out, seg.offs).to(out_dtype)
     kb = min(a.tile[1], b.tile[0])  # K elements per partial sum
     sb_rows = seg.per_row(torch.cat([b.scale_inv, b.scale_inv.new_ones(1, kt, nt)]))  # (S, kt, nt)
@@ -263,6 +290,19 @@ def wgrad_mm(g_data, g_inv, x_data, x_inv, seg: Segments, rows: int, kernel: boo
     return out.index_add_(0, expert_of_tile, partial)[:seg.n]
 
 
+def scaled_wgrad(dy: torch.Tensor, xq: Quantized, seg: Segments, grad_dtype, pow2: bool) -> torch.Tensor:
+    """Each expert's dy_e^T (N, M_e) @ x_e (M_e, K) -> (E, N, K) bfloat16 on torch's grouped row-wise kernel,
+    2-D x 2-D (the summed tokens split by expert): both cast along each expert's tokens as `cast_along_tokens`
+    casts them (x from the forward's FP8 rows), placed with each expert's tokens padded to 16 with zero rows
+    (an empty expert: 16 of them; the kernel takes no empty group) and written transposed: a = dy^T (N, P)
+    row-major, b = x (P, K) column-major, as the kernel reads them (torchao's MoE weight gradient's layout)."""
+    src, ends, P = seg.sources(16)
+    cast_ = cuda_compiled.compiled(_along_placed, dy.device.type)
+    g_t, g_inv = cast_(dy, seg.ids, seg.n + 1, src, grad_dtype, pow2)  # (N, P), (E + 1, N)
+    x_t, x_inv = cast_(xq.data, seg.ids, seg.n + 1, src, E4M3, pow2, xq.scale_inv, xq.tile)  # (K, P), (E + 1, K)
+    return _scaled_grouped_mm(g_t, x_t.t(), g_inv[:seg.n].reshape(-1), x_inv[:seg.n].reshape(-1), ends)
+
+
 # ---- a projection's passes ------------------------------------------------------------------
 def forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, g, xq: Quantized | None = None) -> torch.Tensor:
     """x (S, K) @ each expert's W_e^T, w (E, N, K), under the projection `g` (mixprec.narrow.experts.ExpertsGemm):
@@ -274,7 +314,7 @@ def forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, g, xq: Quantiz
     if xq is None:
         xq, _ = cast_tokens(x, seg, t.x, E4M3, r.power_of_2_scales)
     wq = cast_stacked(w, t.w, E4M3, r.power_of_2_scales)
-    return mm(xq, transposed(wq), seg, plan.compute_dtype, g.grouped)
+    return mm(xq, transposed(wq), seg, plan.compute_dtype, g.grouped, r.fast_accum)
 
 
 def backward(x, w, offs, dy, g, xq: Quantized | None = None, x_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,8 +328,13 @@ def backward(x, w, offs, dy, g, xq: Quantized | None = None, x_dtype=None) -> tu
         xq, x_inv = cast_tokens(x, seg, t.x, E4M3, pow2)  # the forward's cast again (deterministic)
         x_dtype = x.dtype
     gq, g_inv = cast_tokens(dy, seg, t.g, r.grad_dtype, pow2)
-    wq_d = cast_stacked(w, t.w_dgrad or t.w, E4M3, pow2, BACKWARD if t.w_dgrad else FORWARD)  # summed over N
+    N, K = w.shape[1:]
+    row_kernel = t.w != (BLOCK, BLOCK) and on_row_kernel(plan.kernels[1], r.grad_dtype, N, K)
+    wq_d = cast_stacked(w, t.w_dgrad or t.w, E4M3, pow2, BACKWARD if t.w_dgrad else FORWARD,
+                        column_major=row_kernel)  # summed over N
     dx = mm(gq, wq_d, seg, plan.compute_dtype, g.grouped).to(x_dtype)
+    if t.g_wgrad == (0, 1) and on_row_kernel(plan.kernels[2], r.grad_dtype, N, K):  # row-wise, per expert
+        return dx, scaled_wgrad(dy, xq, seg, r.grad_dtype, pow2).to(w.dtype)
     if t.g_wgrad:  # scaled along the tokens: row-wise per expert, block-wise per 128-token tile
         rows = t.g_wgrad[0]
         g_data, g_inv = cast_along_tokens(dy, seg, rows, r.grad_dtype, pow2)

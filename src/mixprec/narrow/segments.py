@@ -5,6 +5,7 @@
     seg.amax(values)                    # (E + 1, C): max |value| over each expert's rows
     seg.tiles(128)                      # each expert's rows cut into tiles of 128 from its first row
     seg.aligned(32)                     # each expert's first row moved to a multiple of 32
+    seg.sources(16)                     # the same layout as each position's row (a gather's index)
 
 An experts layer scales each expert on its own: a tensor-wise scale is its expert's amax, a
 scale along the tokens runs over its expert's tokens only, a block of tokens never spans two
@@ -71,16 +72,26 @@ class Segments:
         ends = torch.searchsorted(tile_of_row, torch.arange(T, device=self.offs.device), right=True)
         return tile_of_row, expert_of_tile, ends.to(torch.int32)
 
-    def aligned(self, multiple: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def aligned(self, multiple: int, nonempty: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
         """A layout with each expert's first row at a multiple of `multiple` and zero rows between:
         (each row's position in it (rows,), the experts' ends there (E,) int32 rounded up to the multiple,
-        its static length P). The rows past offs[-1] go to position P (dropped by `place`)."""
+        its static length P). The rows past offs[-1] go to position P (dropped by `place`). nonempty: an
+        expert with no rows gets `multiple` zero rows (a grouped GEMM that cannot take an empty group)."""
         padded = -(-self.sizes // multiple) * multiple
+        if nonempty:
+            padded = padded.clamp(min=multiple)
         ends = torch.cumsum(padded, 0)
-        P = -(-(self.rows + self.n * (multiple - 1)) // multiple) * multiple
+        P = -(-(self.rows + self.n * (multiple - (0 if nonempty else 1))) // multiple) * multiple
         starts = ends - padded
         pos = torch.where(self.ids < self.n, starts[self.ids.clamp(max=self.n - 1)] + self.local, P)
         return pos, ends.to(torch.int32), P
+
+    def sources(self, multiple: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The `aligned(multiple, nonempty=True)` layout read the other way: (each position's row (P,), `rows`
+        at a zero row between experts, the experts' ends there (E,) int32, P): a gather fills it in one pass."""
+        pos, ends, P = self.aligned(multiple, nonempty=True)
+        src = torch.full((P + 1,), self.rows, device=pos.device, dtype=pos.dtype)
+        return src.scatter_(0, pos, torch.arange(self.rows, device=pos.device))[:P], ends, P
 
     @staticmethod
     def place(t: torch.Tensor, pos: torch.Tensor, length: int) -> torch.Tensor:
