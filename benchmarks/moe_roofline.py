@@ -56,10 +56,10 @@ def _aliases(out, inputs) -> bool:
 def gemm_flops(name: str, args, out) -> float:
     """2 x the multiply-adds of a GEMM, each row or summed element once (groups split one dimension)."""
     a, b = args[0], args[1]
-    if name == "grouped_blockwise_mm":  # a (P, SUM), its scales, b (E, SUM, OUT): each tile through its expert
-        return 2.0 * a.shape[0] * a.shape[1] * args[2].shape[2]
-    if name == "grouped_blockwise_wgrad":  # g (P, N), its scales, x (P, K): every token's N x K products once
-        return 2.0 * a.shape[0] * a.shape[1] * args[2].shape[1]
+    if name == "grouped_blockwise_mm":  # a (S, SUM), its scales, b (E, SUM, OUT), src (P,): each of the layout's
+        return 2.0 * args[4].shape[0] * a.shape[1] * args[2].shape[2]  # P positions through its tile's expert
+    if name == "grouped_blockwise_wgrad":  # g^T (N, P), its scales, x^T (K, P): every position's N x K products
+        return 2.0 * a.shape[0] * a.shape[1] * args[2].shape[0]
     if a.dim() == 2 and b.dim() == 3:  # (S, K) x (E, K, N): each row through its expert
         return 2.0 * a.shape[0] * a.shape[1] * b.shape[2]
     if a.dim() == 2 and b.dim() == 2 and out.dim() == 3:  # (N, S) x (S, K) -> (E, N, K): the tokens split

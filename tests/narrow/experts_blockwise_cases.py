@@ -51,19 +51,38 @@ def test_the_kernels_equal_the_grouped_emulation(sizes, K, N, past):
 
 
 def test_the_operators_opcheck():
-    x, w, offs, dy = problem((130, 0, 1, 37), 256, 384)
+    x, w, offs, dy = problem((130, 0, 1, 37), 256, 384, past=3)
     seg = Segments(offs, x.shape[0])
-    pos, ends, P = seg.aligned(128)
+    src, tile_expert, P = experts_blockwise.layout(seg)
     xq, _ = experts_fp8.cast_tokens(x, seg, (1, 128), torch.float8_e4m3fn, False)
     wq = experts_fp8.transposed(experts_fp8.cast_stacked(w, (128, 128), torch.float8_e4m3fn, False))
-    tile_expert = torch.searchsorted(ends.long(), torch.arange(0, P, 128), right=True).to(torch.int32)
-    a = Segments.place(xq.data, pos, P)
     utils = ("test_autograd_registration", "test_faketensor")  # FP8 inputs: no schema test's copies (test_custom_ops)
-    torch.library.opcheck(torch.ops.mixprec.grouped_blockwise_mm,
-                          (a, Segments.place(xq.scale_inv, pos, P), wq.data, wq.scale_inv, tile_expert),
-                          test_utils=utils)
-    g_data, g_inv = experts_fp8.cast_along_tokens(dy, seg, 128, torch.float8_e4m3fn, False)
+    for dtype in (torch.bfloat16, torch.float32):
+        torch.library.opcheck(torch.ops.mixprec.grouped_blockwise_mm,
+                              (xq.data, xq.scale_inv, wq.data, wq.scale_inv, src, tile_expert, dtype), test_utils=utils)
+    group, n = seg.tiles(128)[0], seg.rows // 128 + seg.n + 1
+    tsrc, ends, P = seg.sources(128, nonempty=False)
+    g_t, g_inv = experts_fp8._along_placed(dy, group, n, tsrc, torch.float8_e4m3fn, False)
+    x_t, x_inv = experts_fp8._along_placed(x, group, n, tsrc, torch.float8_e4m3fn, False)
     tile_start = torch.cat([ends.new_zeros(1), ends // 128]).to(torch.int32)
-    torch.library.opcheck(torch.ops.mixprec.grouped_blockwise_wgrad,
-                          (Segments.place(g_data, pos, P), g_inv, a, g_inv[:, :256].contiguous(),
-                           tile_start), test_utils=utils)
+    torch.library.opcheck(torch.ops.mixprec.grouped_blockwise_wgrad, (g_t, g_inv, x_t, x_inv, tile_start),
+                          test_utils=utils)
+
+
+def test_the_layout_map_places_each_expert_from_a_tile_and_the_rows_past_the_last_after_it():
+    """experts_blockwise.layout: each expert's rows in order from a multiple of 128 (the tile its expert's),
+    zero rows (S) between, the rows past offs[-1] after the last expert in tiles of no expert (E)."""
+    sizes, past = (130, 0, 1, 37), 3
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    S = sum(sizes) + past
+    src, tile_expert, P = experts_blockwise.layout(Segments(offs, S))
+    want, start, experts_of_tiles = [], 0, []
+    for e, n in enumerate(sizes):
+        tiles = -(-n // 128)
+        want += list(range(start, start + n)) + [S] * (tiles * 128 - n)
+        experts_of_tiles += [e] * tiles
+        start += n
+    want += list(range(start, S))
+    assert src[:len(want)].tolist() == want and (src[len(want):] == S).all() and P % 128 == 0
+    assert tile_expert[:len(experts_of_tiles)].tolist() == experts_of_tiles
+    assert (tile_expert[len(experts_of_tiles):] == len(sizes)).all()

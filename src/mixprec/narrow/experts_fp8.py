@@ -265,15 +265,13 @@ def mm(a: Quantized, b: Quantized, seg: Segments, out_dtype: torch.dtype, kernel
     return valid_rows(out, seg.offs).to(out_dtype)
 
 
-def wgrad_mm(g_data, g_inv, x_data, x_inv, seg: Segments, rows: int, kernel: bool = False) -> torch.Tensor:
+def wgrad_mm(g_data, g_inv, x_data, x_inv, seg: Segments, rows: int) -> torch.Tensor:
     """Each expert's dy_e^T (N, M_e) @ x_e (M_e, K) in FP32 -> (E, N, K): the FP8 products summed over
     the expert's tokens (rows 0) or over each `rows`-token tile, each sum times the tiles' scales
     (g_inv, x_inv (groups, N) and (groups, K)), the tiles' sums added in order."""
     if not rows:
         out = grouped_mm(g_data.t(), x_data, seg.offs, g_data, x_data)  # (E, N, K)
         return cuda_compiled.compiled(_scaled_groups, out.device.type)(out, g_inv[:seg.n], x_inv[:seg.n])
-    if kernel:  # block-wise: mixprec's Triton kernel
-        return experts_blockwise.wgrad(g_data, g_inv, x_data, x_inv, seg)
     # each expert's tokens from a multiple of `rows` (zero rows between), so tile t is rows t*rows:(t+1)*rows,
     # the t-th of Segments.tiles, and the tiles' sums are one batched GEMM: no groups (a grouped GEMM with a
     # group per tile passes CUDA's 1,024 groups at 131,072 rows)
@@ -329,12 +327,21 @@ def backward(x, w, offs, dy, g, xq: Quantized | None = None, x_dtype=None) -> tu
         x_dtype = x.dtype
     gq, g_inv = cast_tokens(dy, seg, t.g, r.grad_dtype, pow2)
     N, K = w.shape[1:]
-    row_kernel = t.w != (BLOCK, BLOCK) and on_row_kernel(plan.kernels[1], r.grad_dtype, N, K)
+    blockwise = plan.kernels[2] and t.w == (BLOCK, BLOCK)  # mixprec's kernels, which read b K-major
+    row_kernel = not blockwise and on_row_kernel(plan.kernels[1], r.grad_dtype, N, K)
     wq_d = cast_stacked(w, t.w_dgrad or t.w, E4M3, pow2, BACKWARD if t.w_dgrad else FORWARD,
-                        column_major=row_kernel)  # summed over N
+                        column_major=row_kernel or blockwise)  # summed over N
     dx = mm(gq, wq_d, seg, plan.compute_dtype, g.grouped).to(x_dtype)
     if t.g_wgrad == (0, 1) and on_row_kernel(plan.kernels[2], r.grad_dtype, N, K):  # row-wise, per expert
         return dx, scaled_wgrad(dy, xq, seg, r.grad_dtype, pow2).to(w.dtype)
+    if blockwise:  # 128-token tiles, cast into the contiguous layout transposed, as the kernel reads them
+        rows = t.g_wgrad[0]
+        group, n = seg.tiles(rows)[0], seg.rows // rows + seg.n + 1
+        src, _, _ = seg.sources(rows, nonempty=False)
+        cast_ = cuda_compiled.compiled(_along_placed, dy.device.type)
+        g_t, g_inv = cast_(dy, group, n, src, r.grad_dtype, pow2)
+        x_t, x_inv = cast_(xq.data, group, n, src, E4M3, pow2, xq.scale_inv, xq.tile)
+        return dx, experts_blockwise.wgrad(g_t, g_inv, x_t, x_inv, seg).to(w.dtype)
     if t.g_wgrad:  # scaled along the tokens: row-wise per expert, block-wise per 128-token tile
         rows = t.g_wgrad[0]
         g_data, g_inv = cast_along_tokens(dy, seg, rows, r.grad_dtype, pow2)
@@ -342,4 +349,4 @@ def backward(x, w, offs, dy, g, xq: Quantized | None = None, x_dtype=None) -> tu
     else:  # tensor-wise: the casts of the forward and the input gradient, one scale per expert
         rows, g_data, x_data = 0, gq.data, xq.data
         g_inv, x_inv = g_inv[:, None], x_inv[:, None]
-    return dx, wgrad_mm(g_data, g_inv, x_data, x_inv, seg, rows, plan.kernels[2]).to(w.dtype)
+    return dx, wgrad_mm(g_data, g_inv, x_data, x_inv, seg, rows).to(w.dtype)

@@ -86,10 +86,10 @@ class Segments:
         pos = torch.where(self.ids < self.n, starts[self.ids.clamp(max=self.n - 1)] + self.local, P)
         return pos, ends.to(torch.int32), P
 
-    def sources(self, multiple: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The `aligned(multiple, nonempty=True)` layout read the other way: (each position's row (P,), `rows`
-        at a zero row between experts, the experts' ends there (E,) int32, P): a gather fills it in one pass."""
-        pos, ends, P = self.aligned(multiple, nonempty=True)
+    def sources(self, multiple: int, nonempty: bool = True) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The `aligned(multiple, nonempty)` layout read the other way: (each position's row (P,), `rows` at
+        a zero row between experts, the experts' ends there (E,) int32, P): a gather fills it in one pass."""
+        pos, ends, P = self.aligned(multiple, nonempty)
         src = torch.full((P + 1,), self.rows, device=pos.device, dtype=pos.dtype)
         return src.scatter_(0, pos, torch.arange(self.rows, device=pos.device))[:P], ends, P
 
