@@ -6,6 +6,7 @@ takes, traced on the meta device, against the bfloat16 grouped layer.
                                                         # top-8, 16,384 tokens (131,072 routed rows)
     python benchmarks/moe_roofline.py --tokens 4096     # a smaller batch
     python benchmarks/moe_roofline.py --ops             # and the largest operator kinds of each recipe
+    python benchmarks/moe_roofline.py --weights bf16    # the weights as FSDP2 gathers them in bfloat16
 
 Counted: every aten operator an experts pass dispatches, its tensors' bytes in and out (views free), its
 GEMMs' FLOPs. mixprec's own operators are opened (what they run inside is counted), but for a Triton
@@ -122,8 +123,9 @@ def projection(name: str, E: int, N: int, K: int, which: str):
     return experts.ExpertsGemm(f"e.{which}", plan, False, salts, grouped=grouped)
 
 
-def layer_cost(name: str, tokens: int, top_k: int, E: int, H: int, I: int) -> dict:
-    """Both projections' forward and backward at a router-like, even load (each expert rows // E)."""
+def layer_cost(name: str, tokens: int, top_k: int, E: int, H: int, I: int, weights=torch.float32) -> dict:
+    """Both projections' forward and backward at a router-like, even load (each expert rows // E), the narrow
+    recipes' weights (and so their gradients) in `weights`."""
     rows = tokens * top_k
     sizes = torch.full((E,), rows // E)
     sizes[: rows % E] += 1
@@ -133,7 +135,7 @@ def layer_cost(name: str, tokens: int, top_k: int, E: int, H: int, I: int) -> di
         x = torch.empty(rows, K, dtype=torch.bfloat16, device="meta")
         # the narrow recipes cast FP32 master weights; the reference is the bfloat16 layer's GEMMs, its weights
         # held in bfloat16 (bf16-mixed's experts also cast FP32 weights each pass, as autocast casts a Linear's)
-        w = torch.empty(E, N, K, dtype=torch.bfloat16 if name == "bf16" else torch.float32, device="meta")
+        w = torch.empty(E, N, K, dtype=torch.bfloat16 if name == "bf16" else weights, device="meta")
         dy = torch.empty(rows, N, dtype=torch.bfloat16, device="meta")
         if name == "bf16":
             with cost:
@@ -150,7 +152,8 @@ def layer_cost(name: str, tokens: int, top_k: int, E: int, H: int, I: int) -> di
     return {**s, "gemm_ms": gemm_s * 1e3, "ms": (gemm_s + s["bytes"] / BANDWIDTH + s["ops"] * LAUNCH) * 1e3}
 
 
-def estimate(tokens=16384, top_k=8, experts_=128, hidden=2048, intermediate=768, recipes=RECIPE_NAMES) -> dict:
+def estimate(tokens=16384, top_k=8, experts_=128, hidden=2048, intermediate=768, recipes=RECIPE_NAMES,
+             weights=torch.float32) -> dict:
     """{recipe: cost} for bf16 and each recipe, with cuda_compiled and the GEMM operands' dtype as on CUDA."""
     saved = cuda_compiled.compiled, mx._operand_dtype
     mx._operand_dtype = lambda device_type: torch.bfloat16  # CUDA's: bfloat16 GEMMs with an FP32 output
@@ -159,7 +162,7 @@ def estimate(tokens=16384, top_k=8, experts_=128, hidden=2048, intermediate=768,
         for name in recipes:
             probe = Cost()
             cuda_compiled.compiled = fused(probe)
-            c = layer_cost(name, tokens, top_k, experts_, hidden, intermediate)
+            c = layer_cost(name, tokens, top_k, experts_, hidden, intermediate, weights)
             for key in ("ops", "bytes"):
                 c[key] += probe.stats[key]
             c["by_kind"].update(probe.stats["by_kind"])
@@ -178,12 +181,16 @@ def main(argv=None) -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=768)
     parser.add_argument("--ops", action="store_true", help="the five largest operator kinds of each recipe")
+    parser.add_argument("--weights", choices=("fp32", "bf16"), default="fp32",
+                        help="the narrow recipes' expert weights and gradients: FP32 masters (default), or bfloat16 "
+                             "as FSDP2 gathers them with param_dtype bfloat16 (the reference's own)")
     args = parser.parse_args(argv)
-    table = estimate(args.tokens, args.top_k, args.experts, args.hidden, args.intermediate)
+    weights = torch.float32 if args.weights == "fp32" else torch.bfloat16
+    table = estimate(args.tokens, args.top_k, args.experts, args.hidden, args.intermediate, weights=weights)
     base = table["bf16"]["ms"]
     print(f"MoE experts, H {args.hidden}, I {args.intermediate}, {args.experts} experts, top-{args.top_k}, "
           f"{args.tokens} tokens ({args.tokens * args.top_k} rows); both projections, forward and backward; "
-          "CUDA's route traced on meta, priced at H100 rates")
+          f"the narrow recipes' weights in {args.weights}; CUDA's route traced on meta, priced at H100 rates")
     print("| recipe | non-GEMM traffic | ops | GEMMs | estimate | vs bf16 |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, c in table.items():

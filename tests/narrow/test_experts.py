@@ -170,6 +170,22 @@ def test_compiled_equals_eager_without_graph_breaks(name):
         assert torch.equal(a, b), name
 
 
+def _eager_and_compiled_as_on_cuda(g, monkeypatch, K: int, N: int):
+    """A projection's forward and backward (an empty expert, sizes off every grid) eagerly, then with every
+    cuda_compiled function compiled (Inductor's CPU backend) as CUDA runs them: (eager, compiled)."""
+    import functools
+
+    from mixprec.narrow import cuda_compiled
+
+    x, w, offs, dy = problem(sizes=(37, 0, 64, 19), K=K, N=N)
+    x, w = x.detach(), w.detach()
+    eager = (experts.forward(x, w, offs, g), *experts.backward(x, w, offs, dy, g))
+    monkeypatch.setattr(cuda_compiled, "_COMPILED", {})
+    always = lambda fn, device: functools.partial(cuda_compiled.compiled_variant, fn)  # noqa: E731 - CUDA's route
+    monkeypatch.setattr(cuda_compiled, "compiled", always)
+    return eager, (experts.forward(x, w, offs, g), *experts.backward(x, w, offs, dy, g))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tensorwise", "rowwise", "blockwise", "rowwise on the kernel"])
 def test_the_fp8_casts_compiled_as_on_cuda_equal_the_eager_ones(name, monkeypatch):
@@ -177,8 +193,6 @@ def test_the_fp8_casts_compiled_as_on_cuda_equal_the_eager_ones(name, monkeypatc
     cast): compiled here by Inductor's CPU backend, the forward and backward are the eager ones, bit for bit.
     On the kernel route (torch's grouped kernel stood in for) the casts also write the layouts the kernel reads:
     the input gradient's weight column-major, the weight gradient's operands placed and transposed."""
-    import functools
-
     from mixprec.narrow import cuda_compiled
 
     if name == "rowwise on the kernel":
@@ -187,13 +201,7 @@ def test_the_fp8_casts_compiled_as_on_cuda_equal_the_eager_ones(name, monkeypatc
         g = experts.ExpertsGemm(g.name, g.plan, False, grouped=True)
     else:
         g = gemm(name)
-    x, w, offs, dy = problem(sizes=(37, 0, 64, 19), K=48, N=80)
-    x, w = x.detach(), w.detach()
-    eager = (experts.forward(x, w, offs, g), *experts.backward(x, w, offs, dy, g))
-    monkeypatch.setattr(cuda_compiled, "_COMPILED", {})
-    always = lambda fn, device: functools.partial(cuda_compiled.compiled_variant, fn)  # noqa: E731 - CUDA's route
-    monkeypatch.setattr(cuda_compiled, "compiled", always)
-    compiled = (experts.forward(x, w, offs, g), *experts.backward(x, w, offs, dy, g))
+    eager, compiled = _eager_and_compiled_as_on_cuda(g, monkeypatch, K=48, N=80)
     # tensor-wise's weight gradient reuses the forward's and the input gradient's casts; the grouped GEMMs'
     # epilogues (FP32 out, rows and groups without tokens zeroed, the weight gradient's scales) compiled too
     casts = {"_stacked"} | ({"_by_expert"} if name == "tensorwise" else {"_by_token", "_along"})
@@ -203,6 +211,25 @@ def test_the_fp8_casts_compiled_as_on_cuda_equal_the_eager_ones(name, monkeypatc
         casts, epilogues = {"_stacked", "_by_token", "_along_placed"}, set()
         assert sorted(args[-1] for fn, args in cuda_compiled._COMPILED if fn.__name__ == "_stacked") == [False, True]
     assert {fn.__name__ for fn, _ in cuda_compiled._COMPILED} == casts | epilogues
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["nvfp4"])  # every branch of the others' casts too (mxfp8, mxfp4: flags off)
+def test_the_microscaled_casts_compiled_as_on_cuda_equal_the_eager_ones(name, monkeypatch):
+    """On CUDA each microscaled experts cast is one compiled function with its bookkeeping inside (the tokens'
+    cast with NVFP4's per-expert amax and the stochastic rounding's element indices; the stacked weights read
+    transposed and padded; the weight gradient's operands placed along the tokens, rotated, keyed) and the
+    grouped GEMMs' epilogues with NVFP4's tensor scales: compiled by Inductor's CPU backend, the forward and
+    backward are the eager ones, bit for bit (nvfp4: Hadamard rotation, stochastic rounding, 2-D weights)."""
+    from mixprec.narrow import cuda_compiled
+
+    eager, compiled = _eager_and_compiled_as_on_cuda(gemm(name), monkeypatch, K=64, N=96)
+    names = {"_token_cast", "_cast_stack", "_placed_cast", "_rows_present", "_groups_present"}
+    if name == "nvfp4":
+        names |= {"_tensor_scaled", "_expert_scaled"}
+    assert {fn.__name__ for fn, _ in cuda_compiled._COMPILED} == names
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b), name
 

@@ -136,3 +136,27 @@ def test_any_row_count_runs_on_the_first_graph_and_a_recompile_is_said(caplog, m
     (copy,) = cuda_compiled._COMPILED.values()
     copy(torch.randn(1, 16), factor, None, False)  # what the eager route keeps away: Dynamo's size-1 graph
     assert "compiled again (2 times; past 8 it runs eagerly)" in caplog.text
+
+
+@cuda_compiled.sized("n")
+def _placed(x, pos, n: int):
+    return x.new_zeros(n + 1, x.shape[1]).index_copy_(0, pos, x * 2)[:n]
+
+
+def test_a_size_that_follows_the_rows_is_no_variant(monkeypatch):
+    """A layout's length or a count of tiles moves with the rows (an expert-parallel rank's, every step): an
+    integer argument marked a size (cuda_compiled.sized) is symbolic in one compiled copy, not a copy per value
+    (each compiled anew: once a step); unmarked, each value is a variant of its own."""
+    monkeypatch.setattr(cuda_compiled, "_COMPILED", {})
+    torch._dynamo.reset()
+
+    def unmarked(x, pos, n: int):
+        return _placed(x, pos, n)
+
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=1):
+        for rows in (5, 7, 130):
+            x, pos = torch.randn(rows, 16), torch.randperm(rows + 3)[:rows]
+            for fn in (_placed, unmarked):
+                assert torch.equal(cuda_compiled.compiled_variant(fn, x, pos, rows + 3), _placed(x, pos, rows + 3))
+    assert sum(fn is _placed for fn, _ in cuda_compiled._COMPILED) == 1
+    assert sum(fn is unmarked for fn, _ in cuda_compiled._COMPILED) == 3

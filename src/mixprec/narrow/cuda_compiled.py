@@ -46,6 +46,16 @@ def _counted(name: str):
     return backend
 
 
+def sized(*names: str):
+    """Marks fn's integer arguments `names` as sizes that follow the rows (a layout's length, a count of
+    tiles): Dynamo takes them symbolic (dynamic shapes), so a new value is no new variant, and a layer whose
+    row count moves from step to step (an expert-parallel rank's) compiles once, not once a step."""
+    def mark(fn):
+        fn.sizes = names
+        return fn
+    return mark
+
+
 def compiled_variant(fn, *args):
     """fn(*args) compiled (dynamic shapes), one compiled copy of fn per variant of its arguments: Dynamo
     keeps at most 8 graphs per function (its recompile limit) and runs it eagerly past them, and a
@@ -61,7 +71,8 @@ def compiled_variant(fn, *args):
             logger.info("compiled functions: a tensor of %d rows runs eagerly (compiled, sizes 0 and 1 would each "
                         "be a graph of their own)", rows)
         return fn(*args)
-    key = (fn, tuple(_variant(a) for a in args))
+    sizes, names = getattr(fn, "sizes", ()), fn.__code__.co_varnames[:fn.__code__.co_argcount]
+    key = (fn, tuple("size" if name in sizes else _variant(a) for name, a in zip(names, args)))
     if key not in _COMPILED:
         code = fn.__code__.replace(co_name=f"{fn.__name__}_variant{len(_COMPILED)}")
         copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)

@@ -59,7 +59,8 @@ def _laid_out(t: torch.Tensor, column_major: bool) -> torch.Tensor:
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None, a_elements: torch.Tensor,
                b_elements: torch.Tensor) -> torch.Tensor:
     """torch's grouped GEMM on exact operands (FP8 elements, widened inside; dequantised values), FP32
-    out: a (S, K) @ b (E, K, N) -> (S, N) by groups of rows, or a (N, S) @ b (S, K) -> (E, N, K) by groups
+    out on the CPU and bfloat16 elsewhere (the GEMM's own output, each FP32 sum rounded once: widening it
+    would add a pass and no value): a (S, K) @ b (E, K, N) -> (S, N) by groups of rows, or a (N, S) @ b (S, K) -> (E, N, K) by groups
     of the summed dimension (offs), or a (T, N, M) @ b (T, M, K) -> (T, N, K) batched (offs None); rows past
     offs[-1] of a 2-D x 3-D result are zero, and so is an empty group's (E, N, K) slice. a and b are the
     narrow elements a_elements and b_elements widened or dequantised: they ride along so that `mixprec
@@ -84,14 +85,16 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None, a_e
         return cuda_compiled.compiled(_rows_present, out.device.type)(out, offs)
     # the summed dimension split by offs: CUDA takes any group sizes (empty ones included) only with a
     # column-major and b row-major; other layouts assert every group but the last a positive multiple of
-    # 16 bytes, on the device, which ends the process
-    out = torch._grouped_mm(_laid_out(a, True), _laid_out(b, False), offs=offs)
+    # 16 bytes, on the device, which ends the process: a row-major a with a column-major b (an operand pair
+    # cast so along the tokens) is taken as it comes, from a caller whose groups are that
+    given = a.stride(-1) == 1 and b.stride(-2) == 1 and b.stride(-1) != 1
+    out = torch._grouped_mm(_laid_out(a, not given), _laid_out(b, given), offs=offs)
     return cuda_compiled.compiled(_groups_present, out.device.type)(out, offs)
 
 
 def _rows_present(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """A 2-D x 3-D grouped GEMM's (S, N) output in FP32, the rows past offs[-1] zero (one kernel on CUDA)."""
-    return valid_rows(out.float().contiguous(), offs)
+    """A 2-D x 3-D grouped GEMM's (S, N) output, the rows past offs[-1] zero (one kernel on CUDA)."""
+    return valid_rows(out.contiguous(), offs)
 
 
 def _groups_present(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -109,8 +112,8 @@ def _scaled_groups(out: torch.Tensor, g_inv: torch.Tensor, x_inv: torch.Tensor) 
 def _(a, b, offs, a_elements, b_elements):
     if offs is None:
         return a.new_empty(a.shape[0], a.shape[1], b.shape[2], dtype=torch.float32)
-    if b.dim() == 3:
-        return a.new_empty(a.shape[0], b.shape[2], dtype=torch.float32)
+    if b.dim() == 3:  # the GEMM's own dtype (the operator's body)
+        return a.new_empty(a.shape[0], b.shape[2], dtype=torch.float32 if a.device.type == "cpu" else torch.bfloat16)
     return a.new_empty(offs.shape[0], a.shape[0], b.shape[1], dtype=torch.float32)
 
 
@@ -132,6 +135,7 @@ def _by_expert(t, ids, n: int, dtype, pow2: bool):
     return q.data, q.scale_inv, scale.reciprocal()
 
 
+@cuda_compiled.sized("n")  # block-wise: the tiles follow the rows
 def _along(t, group, n: int, dtype, pow2: bool, t_scale_inv=None, t_tile=(1, 1)):
     """t (S, C) with one scale per column over each group of rows (ids `group`, n groups): (data, scale_inv
     (n, C)). t_scale_inv: t is FP8 in t_tile tiles, dequantised first (in the same kernel on CUDA)."""
@@ -141,6 +145,7 @@ def _along(t, group, n: int, dtype, pow2: bool, t_scale_inv=None, t_tile=(1, 1))
     return cast(t, scale[group], (1, 1), dtype).data, scale.reciprocal()
 
 
+@cuda_compiled.sized("n")
 def _along_placed(t, group, n: int, src, dtype, pow2: bool, t_scale_inv=None, t_tile=(1, 1)):
     """`_along`'s cast with its rows placed at the positions that read them (src: each position's row, len(t)
     for a zero row) and written transposed: (data (C, P) row-major, scale_inv (n, C)); each element the one
