@@ -66,9 +66,10 @@ def case(rank: int, world: int, preset: str, dispatch: str = "base", skew: bool 
                  "reasons": sorted({r.reason.splitlines()[0][:120] for r in explained.break_reasons})}
         torch._dynamo.reset()
         layer = torch.compile(experts)
-    elif how == "checkpointed":
+    elif how == "checkpointed":  # as a checkpointed block runs it (mixprec.models.llama.TransformerBlock)
         def layer(*inputs):
-            return torch.utils.checkpoint.checkpoint(experts, *inputs, use_reentrant=False)
+            return torch.utils.checkpoint.checkpoint(experts, *inputs, use_reentrant=False,
+                                                     context_fn=experts.ep.recompute_contexts)
     with CommBytes() as comm, HostReads() as reads:
         got = layer(part, index[mine], weights[mine])
         forward, forward_reads = list(comm.log), reads.count
@@ -95,6 +96,7 @@ def case(rank: int, world: int, preset: str, dispatch: str = "base", skew: bool 
 CASES = {  # name: (preset, dispatch, skew, dtype, how)
     "fp32": ("fp32", "base", False, torch.float32),
     "fp32 checkpointed": ("fp32", "base", False, torch.float32, "checkpointed"),
+    "fp8-rowwise fp8 checkpointed": ("fp8-rowwise", "fp8", False, torch.bfloat16, "checkpointed"),
     "fp32 compiled": ("fp32", "base", False, torch.float32, "compiled"),
     "fp8-rowwise compiled": ("fp8-rowwise", "base", False, torch.float32, "compiled"),
     "fp32 skew": ("fp32", "base", True, torch.float32),

@@ -36,7 +36,7 @@ EXACT = ["fp32", "fp32 skew", "bf16 base", "fp8-tensorwise", "fp8-rowwise", "fp8
          "nvfp4 skew",
          # FP8 dispatch cast as the row- and block-wise experts cast their input, which take the rows as they came:
          # the FP8 dispatch costs nothing in accuracy there
-         "fp8-rowwise fp8", "fp8-blockwise fp8", "fp8-blockwise fp8 compiled"]
+         "fp8-rowwise fp8", "fp8-blockwise fp8", "fp8-blockwise fp8 compiled", "fp8-rowwise fp8 checkpointed"]
 
 
 @pytest.mark.parametrize("name", EXACT)
@@ -52,7 +52,10 @@ def test_one_host_read_per_layer_and_forward(layers):
     for rank in layers:
         for name in ("bf16 base", "bf16 fp8", "fp8-rowwise", "nvfp4", "fp8-rowwise compiled"):
             assert rank[name]["host_reads"] == [1, 0], (name, rank[name])
-        assert rank["fp32 checkpointed"]["host_reads"][1] - rank["fp32"]["host_reads"][1] == 3  # the recompute's
+        # activation checkpointing's recompute replays the forward's dispatch: no read of its own (the float32
+        # base mode's loop reads its 2 group sizes again: it recomputes the experts)
+        assert rank["fp32 checkpointed"]["host_reads"][1] - rank["fp32"]["host_reads"][1] == 2
+        assert rank["fp8-rowwise fp8 checkpointed"]["host_reads"] == rank["fp8-rowwise fp8"]["host_reads"] == [1, 0]
 
 
 def test_compiled_the_layer_breaks_only_at_its_two_collectives(layers):
@@ -61,8 +64,15 @@ def test_compiled_the_layer_breaks_only_at_its_two_collectives(layers):
             r = rank[name]
             assert r["breaks"] == 2 and r["graphs"] == 3, r  # before the dispatch, between it and the combine, after
             assert r["reasons"] == ["Skip inlining `torch.compiler.disable()`d function"]
-        # recomputed under activation checkpointing: the dispatch and combine again (3 + 3 all-to-alls in backward)
-        assert rank["fp32 checkpointed"]["a2a_calls"] == rank["fp32"]["a2a_calls"] + 3
+
+
+def test_activation_checkpointings_recompute_replays_the_dispatch(layers):
+    # the dispatch and combine recorded in the forward and replayed in the recompute, not sent again (they were 3
+    # more all-to-alls in the backward, and a host read): the calls and bytes of the layer without checkpointing
+    for rank in layers:
+        for name in ("fp32", "fp8-rowwise fp8"):
+            plain, checkpointed = rank[name], rank[f"{name} checkpointed"]
+            assert checkpointed["a2a_calls"] == plain["a2a_calls"] and checkpointed["a2a_bytes"] == plain["a2a_bytes"]
 
 
 def test_the_worst_imbalance_is_carried_not_dropped(layers):
@@ -329,3 +339,31 @@ def test_the_documented_commands_run(tmp_path, capsys):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 20 and records[-1]["loss"] < records[0]["loss"]
     assert main(plan[1:]) == 0 and "x ep 2 (the worst load" in capsys.readouterr().out
+
+
+def test_a_checkpointed_block_replays_its_expert_parallel_dispatch(monkeypatch):
+    """A checkpointed block whose MoE layer is expert-parallel hands torch.utils.checkpoint the layer's
+    record-and-replay contexts (what the gloo ranks above count); a block without one, nothing more."""
+    from mixprec.distributed.expert_parallel import ExpertParallel
+    from mixprec.models.llama import construct, model_args
+
+    calls = []
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda fn, *args, **kwargs: calls.append(kwargs) or args[0])
+    model = construct(model_args("moe-debug", 256), torch.float32)
+    block = next(b for b in model.layers if hasattr(b.feed_forward, "experts"))
+    block.checkpointed = True
+    x = torch.randn(1, 4, 64, requires_grad=True)
+    block(x, None, None, None)
+    block.feed_forward.experts.ep = ExpertParallel(None, 2, 4, "base")
+    block(x, None, None, None)
+    assert calls[0] == {"use_reentrant": False}
+    assert calls[1]["context_fn"] == block.feed_forward.experts.ep.recompute_contexts
+    record, replay = calls[1]["context_fn"]()
+    with record:  # a context each for the forward and the recompute, sharing what the forward records
+        from mixprec.distributed import expert_parallel
+        mode, recorded = expert_parallel._RECOMPUTE.get()
+        assert mode == "record"
+        recorded.append(torch.ones(2))
+    with replay:
+        assert expert_parallel._recorded(lambda: pytest.fail("communicated again"), lambda r: r * 3).tolist() == [3, 3]
+    assert expert_parallel._RECOMPUTE.get() is None

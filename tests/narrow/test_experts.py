@@ -484,3 +484,20 @@ def test_the_grouped_kernels_forward_accumulates_as_the_recipes_dense_forward(na
     # tensor-wise: the forward only (its e5m2 gradients are emulated); row-wise: forward, dgrad, wgrad (2-D x 2-D)
     assert calls == ([(3, True)] if name == "tensorwise" else [(3, fast), (3, False), (2, False)])
     assert fast == (name == "tensorwise")
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp4"])
+def test_the_mx_weight_gradient_summed_as_cast_is_the_cpus_in_another_order(name, monkeypatch):
+    """Off the CPU the MX weight gradient's GEMM sums the tokens' layout as cast (zero rows between experts, an
+    empty expert one zero block): the same products as the CPU's sum of each expert's own tokens, in another
+    order (FP32 rounding apart); the output and the input gradient do not change."""
+    from mixprec.narrow import experts_mx
+
+    g = gemm(name)
+    x, w, offs, dy = problem(sizes=(37, 0, 64, 19), K=64, N=96)
+    x, w = x.detach(), w.detach()
+    cpu = (experts.forward(x, w, offs, g), *experts.backward(x, w, offs, dy, g))
+    monkeypatch.setattr(experts_mx, "sums_as_cast", lambda device_type: True)
+    as_cast = (experts.forward(x, w, offs, g), *experts.backward(x, w, offs, dy, g))
+    assert torch.equal(cpu[0], as_cast[0]) and torch.equal(cpu[1], as_cast[1])
+    assert float((cpu[2] - as_cast[2]).norm() / cpu[2].norm()) < 1e-6 and torch.count_nonzero(as_cast[2][1]) == 0

@@ -8,7 +8,7 @@ import torch
 from cuda_grouped_rules import CudaGroupedRules, GroupedRuleError, check
 from test_experts import CURRENT, _reference_grouped, gemm
 
-from mixprec.narrow import experts, experts_fp8
+from mixprec.narrow import experts, experts_fp8, experts_mx
 
 
 def router_sizes(E: int, rows: int, seed: int = 0) -> tuple[int, ...]:
@@ -29,7 +29,8 @@ CASES = {  # name: (sizes, K, N)
     "256 experts": (router_sizes(256, 3000), 32, 48),
     "131,072 rows": (router_sizes(128, 131072), 16, 32),
 }
-ROUTES = [(name, False) for name in CURRENT] + [("rowwise", True), ("tensorwise", True), ("bf16 (base)", False)]
+ROUTES = [(name, False) for name in CURRENT] + [("rowwise", True), ("tensorwise", True), ("bf16 (base)", False)] + [
+    (f"{name} summed as cast", False) for name in ("mxfp8", "mxfp4")]  # the MX weight gradient as CUDA sums it
 
 
 def _run(name: str, grouped: bool, sizes, K: int, N: int):
@@ -53,6 +54,9 @@ def _run(name: str, grouped: bool, sizes, K: int, N: int):
 @pytest.mark.parametrize("name,grouped", ROUTES)
 def test_every_grouped_gemm_obeys_cudas_rules(name, grouped, case, monkeypatch):
     sizes, K, N = CASES[case]
+    if name.endswith(" summed as cast"):  # the CUDA route's layout of the MX weight gradient, on the CPU
+        monkeypatch.setattr(experts_mx, "sums_as_cast", lambda device_type: True)
+        name = name.split()[0]
     if grouped:  # torch's grouped row-wise kernel, stood in for on the CPU (its rules checked first)
         def kernel(a, b, scale_a, scale_b, offs, fast_accum=False):
             rules.calls.append(check(a, b, offs, scaled=True))

@@ -15,8 +15,9 @@ else is FSDP2-sharded over all ranks, which all take different data.
 An MoE layer's pass on a rank (N local tokens, k experts each, S = N k routed rows):
 1. the router's choices grouped by expert (`experts.dispatch`, on the device);
 2. each expert's row count sent to the rank that owns it (an all-to-all of E integers), then
-   the send and receive sizes read on the host: **one host read per MoE layer and forward
-   pass** (activation checkpointing's recompute reads again; the backward reads nothing);
+   the send and receive sizes read on the host: **one host read per MoE layer and step**
+   (activation checkpointing's recompute replays the forward's dispatch and combine, recorded
+   in the forward: no exchange, no read, no all-to-all again; the backward reads nothing);
 3. the rows sent by one all-to-all with uneven splits (`expert_dispatch` "fp8": e4m3 bytes with
    their float32 scales, cast as a row- or block-wise up projection casts its input, whose GEMMs
    then take them as they arrived (mixprec::experts_mm_cast_input: no second cast, one process's
@@ -41,6 +42,9 @@ grouped GEMMs between them stay in the graph.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import contextvars
 import logging
 from dataclasses import replace
 
@@ -56,6 +60,17 @@ from mixprec.narrow.scaling import quantize
 logger = logging.getLogger(__name__)
 
 DISPATCH_BLOCK = 128  # elements a dispatch scale covers along the model dim (DeepSeek-V3's 1x128 tiles)
+# inside an activation-checkpointed region: ("record" or "replay", the region's recorded dispatches)
+_RECOMPUTE: contextvars.ContextVar = contextvars.ContextVar("mixprec_expert_parallel_recompute", default=None)
+
+
+@contextlib.contextmanager
+def _recompute_mode(mode: str, recorded: collections.deque):
+    token = _RECOMPUTE.set((mode, recorded))
+    try:
+        yield
+    finally:
+        _RECOMPUTE.reset(token)
 
 
 def check(n_experts: int, dims, model: str) -> None:
@@ -128,6 +143,15 @@ class ExpertParallel:
         self.group, self.degree, self.local, self.fp8 = group, degree, local, dispatch == "fp8"
         self.worst_load = worst_load
 
+    @staticmethod
+    def recompute_contexts():
+        """torch.utils.checkpoint's context_fn for a region holding expert-parallel layers: the forward records
+        each layer's dispatch and combine (the rows received, the outputs returned, the sizes), the recompute
+        replays them in order instead of exchanging counts, reading them on the host and sending the rows again
+        (what it recomputes is the experts' GEMMs, as without expert parallelism)."""
+        recorded = collections.deque()
+        return _recompute_mode("record", recorded), _recompute_mode("replay", recorded)
+
     def forward(self, experts: nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The routed experts of tokens x (N, D) chosen by `index`, `weights` (N, k) -> (N, D)."""
         perm, _, offs = grouped.dispatch(index, experts.num_experts, stable=True)
@@ -151,7 +175,18 @@ class ExpertParallel:
     def send(self, rows: torch.Tensor, offs: torch.Tensor, cast: tuple | None):
         """rows (S, D) grouped by expert, offs (E,) their ends, cast: None (sent in their dtype) or the FP8 cast's
         (tile, power_of_2) -> (the rows this rank's experts received (R, D), with FP8 their (data, scale_inv) else
-        None, the order grouping them by local expert, its experts' row ends (E / ep,) int32, the split sizes)."""
+        None, the order grouping them by local expert, its experts' row ends (E / ep,) int32, the split sizes).
+        In a checkpointed region's recompute, the forward's, as recorded (`recompute_contexts`)."""
+        return _recorded(lambda: self._send(rows, offs, cast), lambda r: (_again(r[0], rows), *r[1:]))
+
+    @torch.compiler.disable
+    def receive(self, out: torch.Tensor, sizes) -> torch.Tensor:
+        """The experts' outputs back to the ranks their rows came from: (S, D) in the activations' dtype (in a
+        checkpointed region's recompute, the forward's, as recorded)."""
+        send, recv = sizes
+        return _recorded(lambda: _all_to_all(out, send, recv, self.group), lambda r: _again(r, out))
+
+    def _send(self, rows: torch.Tensor, offs: torch.Tensor, cast: tuple | None):
         counts = torch.diff(offs, prepend=offs.new_zeros(1))  # (E,) rows for each expert from this rank
         got = torch.empty_like(counts)
         if self.worst_load:
@@ -172,11 +207,23 @@ class ExpertParallel:
         order = torch.sort(expert, stable=True).indices
         return received, data, order, torch.cumsum(got.sum(0), 0, dtype=torch.int32), (send, recv)
 
-    @torch.compiler.disable
-    def receive(self, out: torch.Tensor, sizes) -> torch.Tensor:
-        """The experts' outputs back to the ranks their rows came from: (S, D) in the activations' dtype."""
-        send, recv = sizes
-        return _all_to_all(out, send, recv, self.group)
+
+def _recorded(communicate, replayed):
+    """communicate(), recorded in a checkpointed region's forward; in its recompute, the forward's result, in order,
+    through replayed (no exchange, no host read)."""
+    mode, recorded = _RECOMPUTE.get() or (None, None)
+    if mode == "replay":
+        return replayed(recorded.popleft())
+    result = communicate()
+    if mode == "record":
+        recorded.append(result)
+    return result
+
+
+def _again(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A recorded tensor in the recompute: its values, needing a gradient as `like` does (the recompute's graph
+    ends where the communication was: what it saves is what the forward saved)."""
+    return t.detach().requires_grad_(like.requires_grad)
 
 
 class _GradScale(torch.autograd.Function):

@@ -233,8 +233,12 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x, cos, sin, mask):
         if self.checkpointed and torch.is_grad_enabled():
-            # non-reentrant: works under autocast, FSDP2 and torch.compile, and restores the RNG state
-            return torch.utils.checkpoint.checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False)
+            # non-reentrant: works under autocast, FSDP2 and torch.compile, and restores the RNG state; an
+            # expert-parallel layer's dispatch is recorded in the forward and replayed in the recompute (its
+            # exchanges, host read and all-to-alls once a step, as TorchTitan saves the all-to-alls' outputs)
+            ep = getattr(getattr(self.feed_forward, "experts", None), "ep", None)
+            replay = {"context_fn": ep.recompute_contexts} if ep is not None else {}
+            return torch.utils.checkpoint.checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False, **replay)
         return self._forward(x, cos, sin, mask)
 
     def _forward(self, x, cos, sin, mask):

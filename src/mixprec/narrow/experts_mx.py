@@ -180,13 +180,21 @@ def _placed_cast(t, pos, P: int, h, column_expert, n: int, element, block: int, 
     return mx._cast(tt, element, block, rounding, nv, False, four_over_six, key, amax, values)
 
 
+def sums_as_cast(device_type: str) -> bool:
+    """Whether the weight gradient's GEMM (without the rotation) sums the tokens' layout as cast: every expert
+    from a multiple of the block, one block at least, zero rows between (off the CPU: no gather back to the
+    sorted rows). The CPU's grouped GEMM, a loop of mm, sums each expert's own tokens instead: its bits are the
+    dense layer's, which zero rows appended to each sum would move (another blocking of the sum)."""
+    return device_type != "cpu"
+
+
 def _wgrad(r, x: torch.Tensor, dy: torch.Tensor, seg: Segments, salts) -> torch.Tensor:
     """(E, N, K) FP32: each expert's dy_e^T @ x_e, both cast along the expert's tokens."""
     h = r.transform(x.device)
     pad = mx.HADAMARD_SIZE if h is not None else 1  # the dense layer pads each expert's tokens to 16 to rotate
     multiple = max(pad, r.block)
-    # without the rotation the GEMM sums the layout itself: every expert a whole number of blocks, one at least
-    pos, ends, P = seg.aligned(multiple, nonempty=h is None)
+    as_cast = h is None and sums_as_cast(x.device.type)
+    pos, ends, P = seg.aligned(multiple, nonempty=as_cast)
     # each position's expert, its start and its tensor's padded length in the aligned layout
     column_expert = torch.searchsorted(ends.long(), torch.arange(P, device=x.device), right=True)  # (P,) 0..E
     starts = torch.cat([ends.new_zeros(1), ends]).long()
@@ -205,17 +213,19 @@ def _wgrad(r, x: torch.Tensor, dy: torch.Tensor, seg: Segments, salts) -> torch.
         padded = -(-width // r.block) * r.block
         key = (padded[column_expert], local, _keys(dy, seg, salts, 1)[column_expert][None, :])  # indices: in the cast
     gt, xt = along_tokens(dy, True, key), along_tokens(x, False)
-    if h is not None:  # the GEMM sums each expert's tokens padded to 16 (rotated, the padding is not zero)
+    if as_cast:  # dy^T (N, P) row-major, x (P, K) column-major, zero rows between the experts (adding nothing),
+        # every group a positive multiple of the block, as CUDA takes that layout
+        offs, g_values, x_values = ends, gt.values, xt.values.t()
+    elif h is not None:  # the GEMM sums each expert's tokens padded to 16 (rotated, the padding is not zero)
         _, offs, P16 = seg.aligned(pad)
         at = torch.arange(P16, device=x.device)
         expert16 = torch.searchsorted(offs.long(), at, right=True)
         at = (starts[expert16] + at - torch.cat([offs.new_zeros(1), offs]).long()[expert16]).clamp(max=P - 1)
-        # dy^T column-major (N, tokens) and x row-major (tokens, K): the layout torch's grouped GEMM takes with
-        # any group sizes on CUDA (mixprec.narrow.experts_fp8.grouped_mm)
+    else:  # the GEMM sums each expert's own tokens: back to the sorted rows
+        offs, at = seg.offs, pos.clamp(max=P - 1)
+    if not as_cast:  # dy^T column-major (N, tokens) and x row-major (tokens, K): the layout torch's grouped GEMM
+        # takes with any group sizes on CUDA (mixprec.narrow.experts_fp8.grouped_mm)
         g_values, x_values = gt.values.t()[at].t(), xt.values.t()[at]
-    else:  # the layout as cast: dy^T (N, P) row-major, x (P, K) column-major, zero rows between the experts
-        # (adding nothing), every group a positive multiple of the block, as CUDA takes that layout
-        offs, g_values, x_values = ends, gt.values, xt.values.t()
     out = grouped_mm(g_values, x_values, offs, _elements(gt), _elements(xt))  # (E, N, K)
     if r.nv:  # each expert's tensor scale, read at its last block; an empty expert has none: zeros
         last = (ends.long() // r.block - 1).clamp(min=0)
