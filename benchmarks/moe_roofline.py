@@ -8,6 +8,9 @@ takes, traced on the meta device, against the bfloat16 grouped layer.
     python benchmarks/moe_roofline.py --ops             # and the largest operator kinds of each recipe
     python benchmarks/moe_roofline.py --weights bf16    # the weights as FSDP2 gathers them in bfloat16
 
+Memory: the most bytes alive at once through both projections' passes (torch's MemTracker on meta: inputs,
+weights, what each pass allocates inside mixprec's operators, outputs), against the bfloat16 layer's.
+
 Counted: every aten operator an experts pass dispatches, its tensors' bytes in and out (views free), its
 GEMMs' FLOPs. mixprec's own operators are opened (what they run inside is counted), but for a Triton
 kernel (one launch, its own inputs and outputs) and a function the code compiles on CUDA (`cuda_compiled`:
@@ -24,6 +27,7 @@ import collections
 import zlib
 
 import torch
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -130,7 +134,16 @@ def layer_cost(name: str, tokens: int, top_k: int, E: int, H: int, I: int, weigh
     sizes = torch.full((E,), rows // E)
     sizes[: rows % E] += 1
     offs = sizes.cumsum(0).to(torch.int32).to("meta")
-    cost = Cost()
+    cost, memory = Cost(), MemTracker()
+    with memory:  # the most bytes alive at once: inputs, weights, what the passes allocate inside, outputs
+        _projections(name, cost, rows, offs, E, H, I, weights)
+    s = cost.stats
+    gemm_s = s["bf16_flops"] / BF16_FLOPS + s["fp8_flops"] / FP8_FLOPS
+    return {**s, "gemm_ms": gemm_s * 1e3, "ms": (gemm_s + s["bytes"] / BANDWIDTH + s["ops"] * LAUNCH) * 1e3,
+            "peak": memory.get_tracker_snapshot("peak")[torch.device("meta")]["Total"]}
+
+
+def _projections(name: str, cost: Cost, rows: int, offs: torch.Tensor, E: int, H: int, I: int, weights) -> None:
     for which, (N, K) in (("gate_up_proj", (2 * I, H)), ("down_proj", (H, I))):
         x = torch.empty(rows, K, dtype=torch.bfloat16, device="meta")
         # the narrow recipes cast FP32 master weights; the reference is the bfloat16 layer's GEMMs, its weights
@@ -145,11 +158,9 @@ def layer_cost(name: str, tokens: int, top_k: int, E: int, H: int, I: int, weigh
             continue
         g = projection(name, E, N, K, which)
         with cost:
-            experts.forward(x, w, offs, g)
-            experts.backward(x, w, offs, dy, g)
-    s = cost.stats
-    gemm_s = s["bf16_flops"] / BF16_FLOPS + s["fp8_flops"] / FP8_FLOPS
-    return {**s, "gemm_ms": gemm_s * 1e3, "ms": (gemm_s + s["bytes"] / BANDWIDTH + s["ops"] * LAUNCH) * 1e3}
+            out = experts.forward(x, w, offs, g)
+            grads = experts.backward(x, w, offs, dy, g)
+        del out, grads  # the next projection's inputs take their place
 
 
 def estimate(tokens=16384, top_k=8, experts_=128, hidden=2048, intermediate=768, recipes=RECIPE_NAMES,
@@ -191,11 +202,11 @@ def main(argv=None) -> None:
     print(f"MoE experts, H {args.hidden}, I {args.intermediate}, {args.experts} experts, top-{args.top_k}, "
           f"{args.tokens} tokens ({args.tokens * args.top_k} rows); both projections, forward and backward; "
           f"the narrow recipes' weights in {args.weights}; CUDA's route traced on meta, priced at H100 rates")
-    print("| recipe | non-GEMM traffic | ops | GEMMs | estimate | vs bf16 |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| recipe | non-GEMM traffic | ops | GEMMs | estimate | vs bf16 | peak memory | vs bf16 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, c in table.items():
         print(f"| {name} | {c['bytes'] / 1e9:.1f} GB | {c['ops']} | {c['gemm_ms']:.2f} ms | {c['ms']:.2f} ms | "
-              f"{base / c['ms']:.2f}x |")
+              f"{base / c['ms']:.2f}x | {c['peak'] / 2**30:.2f} GiB | {c['peak'] / table['bf16']['peak']:.2f}x |")
     if args.ops:
         for name, c in table.items():
             top = ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in c["by_kind"].most_common(5))

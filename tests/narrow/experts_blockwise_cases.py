@@ -65,8 +65,9 @@ def test_the_operators_opcheck():
     g_t, g_inv = experts_fp8._along_placed(dy, group, n, tsrc, torch.float8_e4m3fn, False)
     x_t, x_inv = experts_fp8._along_placed(x, group, n, tsrc, torch.float8_e4m3fn, False)
     tile_start = torch.cat([ends.new_zeros(1), ends // 128]).to(torch.int32)
-    torch.library.opcheck(torch.ops.mixprec.grouped_blockwise_wgrad, (g_t, g_inv, x_t, x_inv, tile_start),
-                          test_utils=utils)
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.library.opcheck(torch.ops.mixprec.grouped_blockwise_wgrad, (g_t, g_inv, x_t, x_inv, tile_start, dtype),
+                              test_utils=utils)
 
 
 def test_the_layout_map_places_each_expert_from_a_tile_and_the_rows_past_the_last_after_it():

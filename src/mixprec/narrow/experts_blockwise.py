@@ -64,21 +64,22 @@ def _(a, sa, b, sb, src, tile_expert, out_dtype):
 
 @torch.library.custom_op("mixprec::grouped_blockwise_wgrad", mutates_args=())
 def _grouped_blockwise_wgrad(g_t: torch.Tensor, sg: torch.Tensor, x_t: torch.Tensor, sx: torch.Tensor,
-                             tile_start: torch.Tensor) -> torch.Tensor:
-    """Each expert's g_e^T @ x_e -> (E, N, K) FP32: g_t (N, P), x_t (K, P) e4m3, the contiguous layout
-    transposed, in 128 x 1 tiles along the tokens (sg (., N), sx (., K) per tile), expert e's tiles
-    tile_start[e]:tile_start[e + 1]."""
+                             tile_start: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Each expert's g_e^T @ x_e -> (E, N, K) in out_dtype (the weight's: no copy to convert): g_t (N, P), x_t
+    (K, P) e4m3, the contiguous layout transposed, in 128 x 1 tiles along the tokens (sg (., N), sx (., K) per
+    tile), expert e's tiles tile_start[e]:tile_start[e + 1]."""
     (N, P), K, E = g_t.shape, x_t.shape[0], tile_start.shape[0] - 1
-    out = torch.empty(E, N, K, dtype=torch.float32, device=g_t.device)
+    # bfloat16 written by the kernel on CUDA; FP32 on CPU tensors, rounded by torch (as `_grouped_blockwise_mm`)
+    out = torch.empty(E, N, K, dtype=out_dtype if g_t.is_cuda else torch.float32, device=g_t.device)
     _, k_grouped, options = _kernels()
     k_grouped[(E, -(-N // BLOCK), -(-K // BLOCK))](g_t, sg, x_t, sx, tile_start, out, N, K, P, BLOCK=BLOCK,
                                                     **options)
-    return out
+    return out.to(out_dtype)
 
 
 @_grouped_blockwise_wgrad.register_fake
-def _(g_t, sg, x_t, sx, tile_start):
-    return g_t.new_empty(tile_start.shape[0] - 1, g_t.shape[0], x_t.shape[0], dtype=torch.float32)
+def _(g_t, sg, x_t, sx, tile_start, out_dtype):
+    return g_t.new_empty(tile_start.shape[0] - 1, g_t.shape[0], x_t.shape[0], dtype=out_dtype)
 
 
 def layout(seg: Segments) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -101,13 +102,14 @@ def mm(a: Quantized, b: Quantized, seg: Segments, out_dtype: torch.dtype) -> tor
     return out.to(out_dtype)
 
 
-def wgrad(g_t, g_inv, x_t, x_inv, seg: Segments) -> torch.Tensor:
+def wgrad(g_t, g_inv, x_t, x_inv, seg: Segments, out_dtype: torch.dtype) -> torch.Tensor:
     """experts_fp8.wgrad_mm over 128-token tiles on the kernel: g_t (N, P), x_t (K, P) in the contiguous
     layout transposed (`Segments.sources(128, nonempty=False)`), g_inv, x_inv per tile as `Segments.tiles`
     numbers them (each expert's tiles from its first token: the contiguous layout's tiles, in order)."""
     _, ends, _ = seg.aligned(BLOCK)
     tile_start = torch.cat([ends.new_zeros(1), ends // BLOCK]).to(torch.int32)
-    return torch.ops.mixprec.grouped_blockwise_wgrad(g_t, g_inv.contiguous(), x_t, x_inv.contiguous(), tile_start)
+    return torch.ops.mixprec.grouped_blockwise_wgrad(g_t, g_inv.contiguous(), x_t, x_inv.contiguous(), tile_start,
+                                                     out_dtype)
 
 
 def route(device: str) -> str | None:

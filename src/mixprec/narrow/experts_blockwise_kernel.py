@@ -70,7 +70,8 @@ def k_grouped(g_ptr, sg_ptr, x_ptr, sx_ptr, tile_start_ptr, out_ptr, N, K, P, BL
         s_g = tl.load(sg_ptr + t * N + ns, mask=ns < N, other=0.0)
         s_x = tl.load(sx_ptr + t * K + ks, mask=ks < K, other=0.0)
         acc += partial * s_g[:, None] * s_x[None, :]
-    tl.store(out_ptr + e * N * K + ns[:, None] * K + ks[None, :], acc, mask=(ns[:, None] < N) & (ks[None, :] < K))
+    out = acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")  # FP32, or bfloat16 rounded to nearest
+    tl.store(out_ptr + e * N * K + ns[:, None] * K + ks[None, :], out, mask=(ns[:, None] < N) & (ks[None, :] < K))
 
 
 _SIZES = ("S", "E", "SUM", "OUT", "ST", "b_stride_e", "b_stride_sum", "b_stride_out", "sb_stride_e",
@@ -80,7 +81,7 @@ _M = {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*f
 _K = {"g_ptr": "*fp8e4nv", "sg_ptr": "*fp32", "x_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "tile_start_ptr": "*i32",
       "out_ptr": "*fp32", "N": "i32", "K": "i32", "P": "i32", "BLOCK": "constexpr"}
 COMPILE_CASES = [(m_grouped, _M, {"BLOCK": 128}), (m_grouped, {**_M, "out_ptr": "*fp32"}, {"BLOCK": 128}),
-                 (k_grouped, _K, {"BLOCK": 128})]
+                 (k_grouped, _K, {"BLOCK": 128}), (k_grouped, {**_K, "out_ptr": "*bf16"}, {"BLOCK": 128})]
 # As the routes launch them at a model's sizes: Triton specialises a pointer or an integer argument divisible
 # by 16 (torch's allocations, K and N of a model) and an integer equal to 1 (b's unit stride) at launch; so
 # compiled, the loads are vectorised and pipelined (tests/narrow/test_triton_compile.py checks it).

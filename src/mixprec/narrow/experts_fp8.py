@@ -58,10 +58,11 @@ def _laid_out(t: torch.Tensor, column_major: bool) -> torch.Tensor:
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None, a_elements: torch.Tensor,
                b_elements: torch.Tensor) -> torch.Tensor:
-    """torch's grouped GEMM on exact operands (FP8 elements, widened inside; dequantised values), FP32
-    out on the CPU and bfloat16 elsewhere (the GEMM's own output, each FP32 sum rounded once: widening it
-    would add a pass and no value): a (S, K) @ b (E, K, N) -> (S, N) by groups of rows, or a (N, S) @ b (S, K) -> (E, N, K) by groups
-    of the summed dimension (offs), or a (T, N, M) @ b (T, M, K) -> (T, N, K) batched (offs None); rows past
+    """torch's grouped GEMM on exact operands (FP8 elements, widened inside; dequantised values): a (S, K) @
+    b (E, K, N) -> (S, N) by groups of rows, in the GEMM's own dtype (FP32 on the CPU, bfloat16 elsewhere: each
+    FP32 sum rounded once, widened it would be a pass more and no value); or a (N, S) @ b (S, K) -> (E, N, K) by
+    groups of the summed dimension (offs), or a (T, N, M) @ b (T, M, K) -> (T, N, K) batched (offs None), both
+    FP32 (weight gradients, widened in the kernel that zeroes empty groups); rows past
     offs[-1] of a 2-D x 3-D result are zero, and so is an empty group's (E, N, K) slice. a and b are the
     narrow elements a_elements and b_elements widened or dequantised: they ride along so that `mixprec
     audit` reads each grouped GEMM's formats at the dispatcher (one operator, mixprec::grouped_mm, as a
@@ -98,7 +99,8 @@ def _rows_present(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 
 def _groups_present(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """A 2-D x 2-D grouped GEMM's (E, N, K) output in FP32, an empty group's slice zero (one kernel on CUDA)."""
+    """A 2-D x 2-D grouped GEMM's (E, N, K) output in FP32 (a weight gradient, for FP32 masters: widened in the
+    same kernel), an empty group's slice zero (one kernel on CUDA)."""
     sizes = torch.diff(offs, prepend=offs.new_zeros(1))  # (E,) each group's rows
     return torch.where(sizes[:, None, None] > 0, out.float().contiguous(), torch.zeros((), device=out.device))
 
@@ -346,7 +348,7 @@ def backward(x, w, offs, dy, g, xq: Quantized | None = None, x_dtype=None) -> tu
         cast_ = cuda_compiled.compiled(_along_placed, dy.device.type)
         g_t, g_inv = cast_(dy, group, n, src, r.grad_dtype, pow2)
         x_t, x_inv = cast_(xq.data, group, n, src, E4M3, pow2, xq.scale_inv, xq.tile)
-        return dx, experts_blockwise.wgrad(g_t, g_inv, x_t, x_inv, seg).to(w.dtype)
+        return dx, experts_blockwise.wgrad(g_t, g_inv, x_t, x_inv, seg, w.dtype)
     if t.g_wgrad:  # scaled along the tokens: row-wise per expert, block-wise per 128-token tile
         rows = t.g_wgrad[0]
         g_data, g_inv = cast_along_tokens(dy, seg, rows, r.grad_dtype, pow2)

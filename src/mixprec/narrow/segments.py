@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mixprec.narrow import cuda_compiled
+
 
 def pad_to(t: torch.Tensor, multiple: int, dim: int = 0) -> torch.Tensor:
     """t with zeros appended along `dim` to a multiple of `multiple` (zeros change no amax, add nothing)."""
@@ -31,23 +33,64 @@ def pad_to(t: torch.Tensor, multiple: int, dim: int = 0) -> torch.Tensor:
     return F.pad(t, widths)
 
 
+@cuda_compiled.sized("rows", "P")
+def _sources(pos: torch.Tensor, rows: int, P: int) -> torch.Tensor:
+    src = torch.full((P + 1,), rows, device=pos.device, dtype=pos.dtype)
+    return src.scatter_(0, pos, torch.arange(rows, device=pos.device))[:P]
+
+
 def segment_amax(values: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor:
     """(n, C): the max of `values` (R, C), non-negative, over the rows of each id (0 where none; NaN kept)."""
     index = ids.view(-1, *[1] * (values.dim() - 1)).expand_as(values)
     return values.new_zeros(n, *values.shape[1:]).scatter_reduce_(0, index, values, "amax")
 
 
+@cuda_compiled.sized("rows")
+def _index(offs: torch.Tensor, rows: int):
+    """(starts (E,), sizes (E,), each row's expert (rows,) in 0..E, each row's index in its expert (rows,))."""
+    ends = offs.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    ids = torch.searchsorted(ends, torch.arange(rows, device=offs.device), right=True)
+    local = torch.arange(rows, device=offs.device) - torch.cat([starts, ends[-1:]])[ids]  # past offs[-1]: from it
+    return starts, ends - starts, ids, local
+
+
+@cuda_compiled.sized("rows")
+def _tiles(sizes: torch.Tensor, ids: torch.Tensor, local: torch.Tensor, rows: int, tile: int):
+    n = sizes.shape[0]
+    counts = -(-sizes // tile)  # (E,) tiles per expert
+    first = torch.cumsum(counts, 0) - counts
+    T = rows // tile + n
+    tile_of_row = torch.where(ids < n, first[ids.clamp(max=n - 1)] + local // tile, T)
+    expert_of_tile = torch.searchsorted(torch.cumsum(counts, 0), torch.arange(T + 1, device=sizes.device),
+                                        right=True)  # unused tiles get E
+    ends = torch.searchsorted(tile_of_row, torch.arange(T, device=sizes.device), right=True)
+    return tile_of_row, expert_of_tile, ends.to(torch.int32)
+
+
+@cuda_compiled.sized("rows")
+def _aligned(sizes: torch.Tensor, ids: torch.Tensor, local: torch.Tensor, rows: int, multiple: int, nonempty: bool):
+    n = sizes.shape[0]
+    padded = -(-sizes // multiple) * multiple
+    if nonempty:
+        padded = padded.clamp(min=multiple)
+    ends = torch.cumsum(padded, 0)
+    P = -(-(rows + n * (multiple - (0 if nonempty else 1))) // multiple) * multiple
+    starts = ends - padded
+    pos = torch.where(ids < n, starts[ids.clamp(max=n - 1)] + local, P)
+    return pos, ends.to(torch.int32)
+
+
 class Segments:
-    """The experts' rows of a sorted (rows, ...) tensor, from their cumulative ends `offs`."""
+    """The experts' rows of a sorted (rows, ...) tensor, from their cumulative ends `offs`. Each piece of
+    bookkeeping is one function of tensors that CUDA runs compiled (mixprec.narrow.cuda_compiled: a kernel or
+    two, not one per op), computed once for the Segments (a pass's), the row count a size (no recompile)."""
 
     def __init__(self, offs: torch.Tensor, rows: int):
         self.offs, self.rows, self.n = offs, rows, offs.shape[0]
-        ends = offs.long()
-        self.starts = torch.cat([ends.new_zeros(1), ends[:-1]])  # (E,)
-        self.sizes = ends - self.starts
-        self.ids = torch.searchsorted(ends, torch.arange(rows, device=offs.device), right=True)  # (rows,) in 0..E
-        starts = torch.cat([self.starts, ends[-1:]])  # the rows past offs[-1] start at offs[-1]
-        self.local = torch.arange(rows, device=offs.device) - starts[self.ids]  # each row's index in its expert
+        # starts (E,), sizes (E,), ids (rows,) each row's expert in 0..E, local (rows,) its index in its expert
+        self.starts, self.sizes, self.ids, self.local = cuda_compiled.compiled(_index, offs.device.type)(offs, rows)
+        self._layouts = {}
 
     def amax(self, values: torch.Tensor) -> torch.Tensor:
         """(E + 1, C): each expert's max of |values| (rows, C) per column, FP32."""
@@ -57,41 +100,34 @@ class Segments:
         """(E + 1, ...) -> (rows, ...): each row's expert's entry."""
         return per_expert[self.ids]
 
+    def _once(self, key, fn, *args):
+        if key not in self._layouts:
+            self._layouts[key] = cuda_compiled.compiled(fn, self.offs.device.type)(*args)
+        return self._layouts[key]
+
     def tiles(self, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each expert's rows in tiles of `tile` counted from its first row (the last one partial):
         (each row's tile (rows,), each tile's expert (T + 1,), each tile's end row (T,) int32 as a grouped
         GEMM's offs), T = rows // tile + E tiles at most, the unused ones empty; tile T holds the rows
         past offs[-1]."""
-        counts = -(-self.sizes // tile)  # (E,) tiles per expert
-        first = torch.cumsum(counts, 0) - counts
-        T = self.rows // tile + self.n
-        valid = self.ids < self.n
-        tile_of_row = torch.where(valid, first[self.ids.clamp(max=self.n - 1)] + self.local // tile, T)
-        expert_of_tile = torch.searchsorted(torch.cumsum(counts, 0), torch.arange(T + 1, device=self.offs.device),
-                                            right=True)  # unused tiles get E
-        ends = torch.searchsorted(tile_of_row, torch.arange(T, device=self.offs.device), right=True)
-        return tile_of_row, expert_of_tile, ends.to(torch.int32)
+        return self._once(("tiles", tile), _tiles, self.sizes, self.ids, self.local, self.rows, tile)
 
     def aligned(self, multiple: int, nonempty: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
         """A layout with each expert's first row at a multiple of `multiple` and zero rows between:
         (each row's position in it (rows,), the experts' ends there (E,) int32 rounded up to the multiple,
         its static length P). The rows past offs[-1] go to position P (dropped by `place`). nonempty: an
         expert with no rows gets `multiple` zero rows (a grouped GEMM that cannot take an empty group)."""
-        padded = -(-self.sizes // multiple) * multiple
-        if nonempty:
-            padded = padded.clamp(min=multiple)
-        ends = torch.cumsum(padded, 0)
         P = -(-(self.rows + self.n * (multiple - (0 if nonempty else 1))) // multiple) * multiple
-        starts = ends - padded
-        pos = torch.where(self.ids < self.n, starts[self.ids.clamp(max=self.n - 1)] + self.local, P)
-        return pos, ends.to(torch.int32), P
+        pos, ends = self._once(("aligned", multiple, nonempty), _aligned, self.sizes, self.ids, self.local,
+                               self.rows, multiple, nonempty)
+        return pos, ends, P
 
     def sources(self, multiple: int, nonempty: bool = True) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The `aligned(multiple, nonempty)` layout read the other way: (each position's row (P,), `rows` at
         a zero row between experts, the experts' ends there (E,) int32, P): a gather fills it in one pass."""
         pos, ends, P = self.aligned(multiple, nonempty)
-        src = torch.full((P + 1,), self.rows, device=pos.device, dtype=pos.dtype)
-        return src.scatter_(0, pos, torch.arange(self.rows, device=pos.device))[:P], ends, P
+        src = self._once(("sources", multiple, nonempty), _sources, pos, self.rows, P)
+        return src, ends, P
 
     @staticmethod
     def place(t: torch.Tensor, pos: torch.Tensor, length: int) -> torch.Tensor:
