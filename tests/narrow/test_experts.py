@@ -215,9 +215,11 @@ def test_the_fp8_casts_compiled_as_on_cuda_equal_the_eager_ones(name, monkeypatc
     casts = {"_stacked"} | ({"_by_expert"} if name == "tensorwise" else {"_by_token", "_along"})
     per_expert = {"_groups_present", "_scaled_groups"}  # block-wise sums 128-token tiles: a batched GEMM
     epilogues = {"_rows_present"} | (per_expert if name != "blockwise" else set())
-    if g.grouped:  # the kernel scales and writes bfloat16: no epilogue; the weight cast twice (row-, column-major)
+    if g.grouped:  # the kernel scales and writes bfloat16: no epilogue; the weight cast twice (row-, column-major),
+        # each with a zero expert for the rows past offs[-1]
         casts, epilogues = {"_stacked", "_by_token", "_along_placed"}, set()
-        assert sorted(args[-1] for fn, args in cuda_compiled._COMPILED if fn.__name__ == "_stacked") == [False, True]
+        stacked = sorted(args[-2:] for fn, args in cuda_compiled._COMPILED if fn.__name__ == "_stacked")
+        assert stacked == [(False, True), (True, True)], stacked
     assert _compiled_names(cuda_compiled) == casts | epilogues
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b), name
@@ -509,3 +511,25 @@ def test_the_mx_weight_gradient_summed_as_cast_is_the_cpus_in_another_order(name
     as_cast = (experts.forward(x, w, offs, g), *experts.backward(x, w, offs, dy, g))
     assert torch.equal(cpu[0], as_cast[0]) and torch.equal(cpu[1], as_cast[1])
     assert float((cpu[2] - as_cast[2]).norm() / cpu[2].norm()) < 1e-6 and torch.count_nonzero(as_cast[2][1]) == 0
+
+
+@pytest.mark.parametrize("name", ["rowwise", "tensorwise"])
+def test_on_the_grouped_kernel_the_rows_past_the_last_offset_go_to_a_zero_expert(name, monkeypatch):
+    """The grouped row-wise kernel leaves the rows past offs[-1] unwritten: a zero expert cast after the last
+    takes them (one more group, no pass over the output), so they come out zero, and every other row is the
+    emulation's bit for bit (the kernel stood in for by torch._scaled_mm per group)."""
+    monkeypatch.setattr(experts_fp8, "_scaled_grouped_mm", _reference_grouped)
+    x, w, offs, dy = problem(sizes=(37, 0, 64, 19), K=48, N=80)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.cat([x.detach(), torch.randn(3, 48, generator=gen).bfloat16()])
+    dy = torch.cat([dy, torch.randn(3, 80, generator=gen).bfloat16()])
+    results = []
+    for grouped in (True, False):
+        g = gemm(name)
+        g = experts.ExpertsGemm(g.name, g.plan, False, grouped=grouped)
+        results.append((experts.forward(x, w.detach(), offs, g), *experts.backward(x, w.detach(), offs, dy, g)))
+    (out, dx, _), (out_e, dx_e, _) = results
+    assert torch.count_nonzero(out[120:]) == 0 and torch.count_nonzero(dx[120:]) == 0
+    assert torch.equal(out, out_e)
+    if name == "rowwise":  # tensor-wise's e5m2 input gradient is emulated on both routes
+        assert torch.equal(dx, dx_e)

@@ -27,6 +27,7 @@ mixprec's grouped block-wise kernels (mixprec.narrow.experts_blockwise), where t
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from mixprec.narrow import cuda_compiled, experts_blockwise
 from mixprec.narrow.experts_blockwise import BLOCK
@@ -160,10 +161,12 @@ def _along_placed(t, group, n: int, src, dtype, pow2: bool, t_scale_inv=None, t_
     return cast(rows, scale[group], (1, 1), dtype).data.t().contiguous(), scale.reciprocal()
 
 
-def _stacked(w, tile: tuple[int, int], dtype, pow2: bool, column_major: bool = False):
+def _stacked(w, tile: tuple[int, int], dtype, pow2: bool, column_major: bool = False, phantom: bool = False):
     """w (E, R, C) per expert in (tr, tc) tiles (0: the whole dimension), each expert's rows padded to whole
     tiles: (data (E, R, C), scale_inv (E, ceil(R/tr), ceil(C/tc))). column_major: the data written with R
-    the unit stride (the grouped row-wise kernel's b), same values."""
+    the unit stride (the grouped row-wise kernel's b), same values. phantom: one more expert of zeros (E + 1)."""
+    if phantom:
+        w = F.pad(w, (0, 0, 0, 0, 0, 1))
     E, R, C = w.shape
     tr, tc = tile[0] or R, tile[1] or C
     q, _ = quantize(pad_to(w, tr, dim=1).reshape(-1, C), dtype, (tr, tc), power_of_2=pow2)
@@ -198,17 +201,18 @@ def cast_along_tokens(t: torch.Tensor | Quantized, seg: Segments, rows: int, dty
 
 
 def cast_stacked(w: torch.Tensor, tile: tuple[int, int], dtype, pow2: bool, which: str = FORWARD,
-                 column_major: bool = False) -> Quantized:
+                 column_major: bool = False, phantom: bool = False) -> Quantized:
     """w (E, R, C) cast per expert in tiles of (tr, tc) (0: the whole dimension): data (E, R, C), scale_inv
     (E, ceil(R/tr), ceil(C/tc)). Each expert's rows are padded with zeros to whole tiles, so no tile spans two.
     An experts weight FSDP2 gathered in its narrow format is read as it came: each expert's copy for `which`
     pass, as the dense Linear reads its gathered copy. column_major: the data laid out with R the unit stride
-    (written so by the cast: the input gradient's b on the grouped row-wise kernel, which reads it so)."""
+    (written so by the cast: the input gradient's b on the grouped row-wise kernel, which reads it so).
+    phantom: a zero expert after the last, cast with them (`mm`: the rows past offs[-1] are its, zeros)."""
     gathered = gathered_experts(w, which)
     if gathered is not None:
         return gathered
     E, R, C = w.shape
-    data, inv = cuda_compiled.compiled(_stacked, w.device.type)(w, tile, dtype, pow2, column_major)
+    data, inv = cuda_compiled.compiled(_stacked, w.device.type)(w, tile, dtype, pow2, column_major, phantom)
     return Quantized(data, inv, (tile[0] or R, tile[1] or C))
 
 
@@ -252,9 +256,13 @@ def mm(a: Quantized, b: Quantized, seg: Segments, out_dtype: torch.dtype, kernel
     if on_row_kernel(kernel, a.data.dtype, K, N):
         sb = b.scale_inv.reshape(E, nt).expand(E, N) if nt == 1 else b.scale_inv.reshape(E, N)
         column_major = b.data.transpose(1, 2).contiguous().transpose(1, 2)  # a copy unless cast so
+        # a zero expert cast after the last (`cast_stacked(phantom=True)`) takes the rows past offs[-1]: they come
+        # out zero from the kernel itself, no pass over the output to zero them (a finite row times zeros)
+        phantom = E == seg.n + 1
+        offs = torch.cat([seg.offs, seg.offs.new_full((1,), S)]) if phantom else seg.offs
         out = _scaled_grouped_mm(a.data.contiguous(), column_major, a.scale_inv.reshape(-1).contiguous(),
-                                 sb.contiguous(), seg.offs, fast_accum=fast_accum)
-        return valid_rows(out, seg.offs).to(out_dtype)
+                                 sb.contiguous(), offs, fast_accum=fast_accum)
+        return (out if phantom else valid_rows(out, seg.offs)).to(out_dtype)
     kb = min(a.tile[1], b.tile[0])  # K elements per partial sum
     sb_rows = seg.per_row(torch.cat([b.scale_inv, b.scale_inv.new_ones(1, kt, nt)]))  # (S, kt, nt)
 
@@ -318,7 +326,9 @@ def forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, g, xq: Quantiz
     seg = Segments(offs, x.shape[0])
     if xq is None:
         xq, _ = cast_tokens(x, seg, t.x, E4M3, r.power_of_2_scales)
-    wq = cast_stacked(w, t.w, E4M3, r.power_of_2_scales)
+    N, K = w.shape[1:]
+    row_kernel = t.w != (BLOCK, BLOCK) and on_row_kernel(g.grouped, E4M3, K, N)
+    wq = cast_stacked(w, t.w, E4M3, r.power_of_2_scales, phantom=row_kernel)
     return mm(xq, transposed(wq), seg, plan.compute_dtype, g.grouped, r.fast_accum)
 
 
@@ -337,7 +347,7 @@ def backward(x, w, offs, dy, g, xq: Quantized | None = None, x_dtype=None) -> tu
     blockwise = plan.kernels[2] and t.w == (BLOCK, BLOCK)  # mixprec's kernels, which read b K-major
     row_kernel = not blockwise and on_row_kernel(plan.kernels[1], r.grad_dtype, N, K)
     wq_d = cast_stacked(w, t.w_dgrad or t.w, E4M3, pow2, BACKWARD if t.w_dgrad else FORWARD,
-                        column_major=row_kernel or blockwise)  # summed over N
+                        column_major=row_kernel or blockwise, phantom=row_kernel)  # summed over N
     dx = mm(gq, wq_d, seg, plan.compute_dtype, g.grouped).to(x_dtype)
     if t.g_wgrad == (0, 1) and on_row_kernel(plan.kernels[2], r.grad_dtype, N, K):  # row-wise, per expert
         return dx, scaled_wgrad(dy, xq, seg, r.grad_dtype, pow2).to(w.dtype)
