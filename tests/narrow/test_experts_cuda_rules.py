@@ -88,3 +88,17 @@ def test_the_rules_refuse_what_cuda_refuses():
         check(torch.randn(80, 1028 * 128).t().contiguous().t(), torch.randn(1028 * 128, 48), ends, scaled=False)
     with pytest.raises(GroupedRuleError, match="16 bytes"):  # dy^T column-major, N = 20 in bfloat16: 40 bytes
         check(torch.randn(120, 20).t(), torch.randn(120, 48), offs, scaled=False)
+
+
+def test_at_1023_experts_the_kernel_route_adds_no_group_past_cudas_limit(monkeypatch):
+    """The zero expert that takes the rows past offs[-1] on torch's grouped row-wise kernel is one group more:
+    at 1,023 experts it would be CUDA's 1,024th, so there the rows are zeroed after the kernel instead."""
+    def kernel(a, b, scale_a, scale_b, offs, fast_accum=False):
+        rules.calls.append(check(a, b, offs, scaled=True))
+        return _reference_grouped(a, b, scale_a, scale_b, offs)
+
+    monkeypatch.setattr(experts_fp8, "_scaled_grouped_mm", kernel)
+    with CudaGroupedRules() as rules:
+        out, dx, dw = _run("rowwise", True, router_sizes(1023, 2000), 16, 16)
+    assert max(c["groups"] for c in rules.calls if c["kind"] == "2d x 3d") == 1023
+    assert torch.isfinite(out).all() and torch.isfinite(dx).all() and torch.isfinite(dw).all()

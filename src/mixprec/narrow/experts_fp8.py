@@ -38,6 +38,7 @@ from mixprec.narrow.segments import Segments, pad_to, segment_amax
 
 
 ALIGN = 8  # elements in 16 bytes of bfloat16, what torch's grouped GEMM takes on CUDA (its TMA loads' alignment)
+GROUPS = 1024  # torch's grouped GEMMs on CUDA take fewer groups than this
 
 
 def _laid_out(t: torch.Tensor, column_major: bool) -> torch.Tensor:
@@ -326,9 +327,9 @@ def forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, g, xq: Quantiz
     seg = Segments(offs, x.shape[0])
     if xq is None:
         xq, _ = cast_tokens(x, seg, t.x, E4M3, r.power_of_2_scales)
-    N, K = w.shape[1:]
+    (E, N, K), pow2 = w.shape, r.power_of_2_scales
     row_kernel = t.w != (BLOCK, BLOCK) and on_row_kernel(g.grouped, E4M3, K, N)
-    wq = cast_stacked(w, t.w, E4M3, r.power_of_2_scales, phantom=row_kernel)
+    wq = cast_stacked(w, t.w, E4M3, pow2, phantom=row_kernel and E + 1 < GROUPS)  # `mm`: the rows past offs[-1]
     return mm(xq, transposed(wq), seg, plan.compute_dtype, g.grouped, r.fast_accum)
 
 
@@ -343,11 +344,11 @@ def backward(x, w, offs, dy, g, xq: Quantized | None = None, x_dtype=None) -> tu
         xq, x_inv = cast_tokens(x, seg, t.x, E4M3, pow2)  # the forward's cast again (deterministic)
         x_dtype = x.dtype
     gq, g_inv = cast_tokens(dy, seg, t.g, r.grad_dtype, pow2)
-    N, K = w.shape[1:]
+    E, N, K = w.shape
     blockwise = plan.kernels[2] and t.w == (BLOCK, BLOCK)  # mixprec's kernels, which read b K-major
     row_kernel = not blockwise and on_row_kernel(plan.kernels[1], r.grad_dtype, N, K)
     wq_d = cast_stacked(w, t.w_dgrad or t.w, E4M3, pow2, BACKWARD if t.w_dgrad else FORWARD,
-                        column_major=row_kernel or blockwise, phantom=row_kernel)  # summed over N
+                        column_major=row_kernel or blockwise, phantom=row_kernel and E + 1 < GROUPS)  # summed over N
     dx = mm(gq, wq_d, seg, plan.compute_dtype, g.grouped).to(x_dtype)
     if t.g_wgrad == (0, 1) and on_row_kernel(plan.kernels[2], r.grad_dtype, N, K):  # row-wise, per expert
         return dx, scaled_wgrad(dy, xq, seg, r.grad_dtype, pow2).to(w.dtype)
