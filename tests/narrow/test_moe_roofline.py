@@ -14,7 +14,7 @@ import torch  # noqa: E402
 # tokens, top-8), FP32 master weights; and the most bytes alive at once against the bfloat16 layer's
 BOUNDS_GB = {"tensorwise": 35.3, "rowwise": 15.8, "blockwise": 12.4, "mxfp8": 20.3, "nvfp4": 28.5, "mxfp4": 18.9}
 BOUNDS_OPS = {"tensorwise": 64, "rowwise": 40, "blockwise": 84, "mxfp8": 56, "nvfp4": 189, "mxfp4": 56}
-BOUNDS_PEAK = {"tensorwise": 1.80, "rowwise": 1.84, "blockwise": 1.49, "mxfp8": 1.62, "nvfp4": 2.05, "mxfp4": 1.78}
+BOUNDS_PEAK = {"tensorwise": 1.80, "rowwise": 1.72, "blockwise": 1.49, "mxfp8": 1.27, "nvfp4": 1.62, "mxfp4": 1.36}
 
 
 def test_the_estimate_of_each_recipe_stays_under_its_bound():
@@ -32,12 +32,15 @@ def test_the_estimate_of_each_recipe_stays_under_its_bound():
     assert table["tensorwise"]["fp8_flops"] == 1 / 3 * bf16["bf16_flops"]  # the forward (e5m2 gradients emulated)
 
 
-def test_with_the_weights_in_bfloat16_the_block_wise_experts_peak_no_higher_than_bfloat16s():
-    """The weights as FSDP2 gathers them in bfloat16 (the reference's own): the block-wise experts hold no more
-    at once than the bfloat16 layer (their kernels write the weight gradient in its dtype, no FP32 copy)."""
-    table = moe_roofline.estimate(recipes=("blockwise", "rowwise"), weights=torch.bfloat16)
+def test_with_the_weights_in_bfloat16_the_experts_peak_within_a_tenth_of_bfloat16s():
+    """The weights as FSDP2 gathers them in bfloat16 (the reference's own): the row- and block-wise experts on
+    their kernels, and MXFP8's, hold at most a tenth more at once than the bfloat16 layer (the block-wise kernels
+    write the weight gradient in its dtype; the input gradient's operands are freed before the weight gradient
+    runs)."""
+    table = moe_roofline.estimate(recipes=("blockwise", "rowwise", "mxfp8"), weights=torch.bfloat16)
     assert table["blockwise"]["peak"] <= 1.01 * table["bf16"]["peak"]
-    assert table["rowwise"]["peak"] <= 1.22 * table["bf16"]["peak"]  # today's 1.20x: the tokens' FP8 copies
+    assert table["rowwise"]["peak"] <= 1.10 * table["bf16"]["peak"]  # 1.08x (1.20x before the frees)
+    assert table["mxfp8"]["peak"] <= 1.05 * table["bf16"]["peak"]  # 1.01x (1.36x before)
 
 
 def test_the_documented_command_runs(capsys):

@@ -350,6 +350,9 @@ def backward(x, w, offs, dy, g, xq: Quantized | None = None, x_dtype=None) -> tu
     wq_d = cast_stacked(w, t.w_dgrad or t.w, E4M3, pow2, BACKWARD if t.w_dgrad else FORWARD,
                         column_major=row_kernel or blockwise, phantom=row_kernel and E + 1 < GROUPS)  # summed over N
     dx = mm(gq, wq_d, seg, plan.compute_dtype, g.grouped).to(x_dtype)
+    del wq_d  # what the weight gradient does not read is freed before it runs (a smaller peak)
+    if t.g_wgrad:  # cast again along the tokens
+        del gq
     if t.g_wgrad == (0, 1) and on_row_kernel(plan.kernels[2], r.grad_dtype, N, K):  # row-wise, per expert
         return dx, scaled_wgrad(dy, xq, seg, r.grad_dtype, pow2).to(w.dtype)
     if blockwise:  # 128-token tiles, cast into the contiguous layout transposed, as the kernel reads them

@@ -155,6 +155,9 @@ def backward(x, w, offs, dy, g) -> tuple[torch.Tensor, torch.Tensor]:
         dx = cuda_compiled.compiled(_tensor_scaled, dx.device.type)(dx, gq.tensor_scale, _per_row(seg, w_ts), offs,
                                                                     g.plan.compute_dtype)
     dx = dx.to(g.plan.compute_dtype).to(x.dtype)
+    del gq, w_values, w_elements  # freed before the weight gradient runs (it casts dy and x again, along the tokens)
+    if not r.weight_2d:
+        del wt_values
     return dx, _wgrad(r, x, dy, seg, salts).to(w.dtype)
 
 
