@@ -9,7 +9,9 @@ takes, traced on the meta device, against the bfloat16 grouped layer.
     python benchmarks/moe_roofline.py --weights bf16    # the weights as FSDP2 gathers them in bfloat16
 
 Memory: the most bytes alive at once through both projections' passes (torch's MemTracker on meta: inputs,
-weights, what each pass allocates inside mixprec's operators, outputs), against the bfloat16 layer's.
+weights, what each pass allocates inside mixprec's operators, outputs), against the bfloat16 layer's; with FP32
+master weights, bf16-mixed's experts (the same FP32 weights and gradients, cast to bfloat16 each pass) are the
+like-for-like reference of the narrow recipes' peaks.
 
 Counted: every aten operator an experts pass dispatches, its tensors' bytes in and out (views free), its
 GEMMs' FLOPs. mixprec's own operators are opened (what they run inside is counted), but for a Triton
@@ -146,11 +148,12 @@ def layer_cost(name: str, tokens: int, top_k: int, E: int, H: int, I: int, weigh
 def _projections(name: str, cost: Cost, rows: int, offs: torch.Tensor, E: int, H: int, I: int, weights) -> None:
     for which, (N, K) in (("gate_up_proj", (2 * I, H)), ("down_proj", (H, I))):
         x = torch.empty(rows, K, dtype=torch.bfloat16, device="meta")
-        # the narrow recipes cast FP32 master weights; the reference is the bfloat16 layer's GEMMs, its weights
-        # held in bfloat16 (bf16-mixed's experts also cast FP32 weights each pass, as autocast casts a Linear's)
+        # the narrow recipes cast their weights (FP32 masters, or bfloat16 as FSDP2 gathers them); the reference is
+        # the bfloat16 layer's GEMMs, its weights held in bfloat16; bf16-mixed's experts cast FP32 masters to
+        # bfloat16 each pass, as autocast casts a Linear's
         w = torch.empty(E, N, K, dtype=torch.bfloat16 if name == "bf16" else weights, device="meta")
         dy = torch.empty(rows, N, dtype=torch.bfloat16, device="meta")
-        if name == "bf16":
+        if name in ("bf16", "bf16-mixed"):
             with cost:
                 out = experts.base_mm(x.requires_grad_(), w.requires_grad_(), offs, transposed=False,
                                       dtype=torch.bfloat16)
@@ -170,6 +173,8 @@ def estimate(tokens=16384, top_k=8, experts_=128, hidden=2048, intermediate=768,
     mx._operand_dtype = lambda device_type: torch.bfloat16  # CUDA's: bfloat16 GEMMs with an FP32 output
     try:
         out = {"bf16": layer_cost("bf16", tokens, top_k, experts_, hidden, intermediate)}
+        if weights != torch.bfloat16:  # its FP32 masters, the narrow recipes' own: the peak to hold them to
+            out["bf16-mixed"] = layer_cost("bf16-mixed", tokens, top_k, experts_, hidden, intermediate, weights)
         for name in recipes:
             probe = Cost()
             cuda_compiled.compiled = fused(probe)
@@ -202,11 +207,14 @@ def main(argv=None) -> None:
     print(f"MoE experts, H {args.hidden}, I {args.intermediate}, {args.experts} experts, top-{args.top_k}, "
           f"{args.tokens} tokens ({args.tokens * args.top_k} rows); both projections, forward and backward; "
           f"the narrow recipes' weights in {args.weights}; CUDA's route traced on meta, priced at H100 rates")
-    print("| recipe | non-GEMM traffic | ops | GEMMs | estimate | vs bf16 | peak memory | vs bf16 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    mixed = table.get("bf16-mixed")  # with FP32 masters: the like-for-like reference, in two more columns
+    print("| recipe | non-GEMM traffic | ops | GEMMs | estimate | vs bf16 | peak memory | vs bf16 |"
+          + (" time vs bf16-mixed | peak vs bf16-mixed |" if mixed else ""))
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if mixed else ""))
     for name, c in table.items():
         print(f"| {name} | {c['bytes'] / 1e9:.1f} GB | {c['ops']} | {c['gemm_ms']:.2f} ms | {c['ms']:.2f} ms | "
-              f"{base / c['ms']:.2f}x | {c['peak'] / 2**30:.2f} GiB | {c['peak'] / table['bf16']['peak']:.2f}x |")
+              f"{base / c['ms']:.2f}x | {c['peak'] / 2**30:.2f} GiB | {c['peak'] / table['bf16']['peak']:.2f}x |"
+              + (f" {mixed['ms'] / c['ms']:.2f}x | {c['peak'] / mixed['peak']:.2f}x |" if mixed else ""))
     if args.ops:
         for name, c in table.items():
             top = ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in c["by_kind"].most_common(5))
