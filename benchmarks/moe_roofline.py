@@ -33,6 +33,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from mixprec.dtypes import parse_dtype
 from mixprec.narrow import cuda_compiled, experts, mx
 from mixprec.narrow.linear import Plan
 from mixprec.narrow.recipe import RECIPES
@@ -201,7 +202,7 @@ def main(argv=None) -> None:
                         help="the narrow recipes' expert weights and gradients: FP32 masters (default), or bfloat16 "
                              "as FSDP2 gathers them with param_dtype bfloat16 (the reference's own)")
     args = parser.parse_args(argv)
-    weights = torch.float32 if args.weights == "fp32" else torch.bfloat16
+    weights = parse_dtype(args.weights, "--weights")
     table = estimate(args.tokens, args.top_k, args.experts, args.hidden, args.intermediate, weights=weights)
     base = table["bf16"]["ms"]
     print(f"MoE experts, H {args.hidden}, I {args.intermediate}, {args.experts} experts, top-{args.top_k}, "

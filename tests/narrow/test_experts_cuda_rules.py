@@ -6,7 +6,8 @@ row in the layer, K and N off 8 and off 16, 256 experts, 131,072 rows. Each call
 import pytest
 import torch
 from cuda_grouped_rules import CudaGroupedRules, GroupedRuleError, check
-from test_experts import CURRENT, _reference_grouped, gemm
+from test_experts import CURRENT, gemm
+from test_experts_cuda_routes import _reference_grouped
 
 from mixprec.narrow import experts, experts_fp8, experts_mx
 

@@ -26,6 +26,7 @@ from mixprec.optim.updates import COMPENSATION
 from mixprec.precision.dtypes import dtype_name
 from mixprec.precision.emulation import _MATMULS, EmulatedMatmul
 from mixprec.precision.spec import Update, format_name
+from mixprec.shards import local_shard
 
 aten = torch.ops.aten
 FP32 = torch.float32
@@ -111,10 +112,6 @@ def state_format_row(model, optimizer, moments) -> tuple[dict, list[str]]:
     count = lambda d: sorted(f"{k} x{v}" for k, v in d.items())
     return ({"stage": "optimizer state formats (per tensor)", "promised": count(promised), "observed": count(observed),
              "ok": not notes and bool(observed)}, notes[:10])
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def promises(policy) -> dict[str, set[torch.dtype] | None]:
@@ -221,7 +218,7 @@ def observe_step(model: torch.nn.Module, policy, optimizer: torch.optim.Optimize
     hooks += tracker.hooks(model) + audit_experts.hooks(tracker, model)
 
     def grads() -> set[torch.dtype]:
-        return {_local(p.grad).dtype for p in model.parameters() if p.grad is not None}
+        return {local_shard(p.grad).dtype for p in model.parameters() if p.grad is not None}
 
     def after_backward(micro: int) -> None:
         # the first micro-batch: accumulated locally; the last: reduced across ranks
@@ -230,7 +227,7 @@ def observe_step(model: torch.nn.Module, policy, optimizer: torch.optim.Optimize
         if micro == micro_batches - 1:
             observer.seen["reduced gradients"] |= grads()
 
-    stored = {_local(p).dtype for p in model.parameters()}
+    stored = {local_shard(p).dtype for p in model.parameters()}
     try:
         with observer:
             step(after_backward)
@@ -241,7 +238,7 @@ def observe_step(model: torch.nn.Module, policy, optimizer: torch.optim.Optimize
     tf32_during_step = policy.tf32_active
     seen = observer.seen
     seen["stored parameters"] = stored
-    states = [(k, _local(t).dtype) for s in optimizer.state.values() for k, t in s.items()
+    states = [(k, local_shard(t).dtype) for s in optimizer.state.values() for k, t in s.items()
               if torch.is_tensor(t) and k != "step"]
     seen["optimizer states"] = {dtype for k, dtype in states if k != COMPENSATION}
     seen["Kahan compensation"] = {dtype for k, dtype in states if k == COMPENSATION}

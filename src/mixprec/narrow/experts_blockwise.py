@@ -86,11 +86,8 @@ def layout(seg: Segments) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The contiguous layout read as a map: (each position's row (P,) int32, S for a zero row; each
     128-position tile's expert (P / 128,) int32, E for none; P). The rows past offs[-1] sit after the last
     expert, in tiles of no expert (the kernel writes them zero)."""
-    pos, ends, P = seg.aligned(BLOCK)
-    pos = torch.where(seg.ids < seg.n, pos, ends[-1:].long() + seg.local)
-    src = torch.full((P + 1,), seg.rows, dtype=torch.int32, device=pos.device)
-    src = src.scatter_(0, pos, torch.arange(seg.rows, dtype=torch.int32, device=pos.device))[:P]
-    tile_expert = torch.searchsorted(ends.long(), torch.arange(0, P, BLOCK, device=pos.device), right=True)
+    src, ends, P = seg.sources(BLOCK, nonempty=False, keep_past=True)
+    tile_expert = torch.searchsorted(ends.long(), torch.arange(0, P, BLOCK, device=src.device), right=True)
     return src, tile_expert.to(torch.int32), P
 
 

@@ -139,13 +139,18 @@ def _by_expert(t, ids, n: int, dtype, pow2: bool):
     return q.data, q.scale_inv, scale.reciprocal()
 
 
+def _column_scales(t, group, n: int, dtype, pow2: bool, t_scale_inv, t_tile):
+    """(t, dequantised first where FP8 in t_tile tiles; its scale per column over each group of rows (n, C))."""
+    if t_scale_inv is not None:
+        t = Quantized(t, t_scale_inv, t_tile).dequantize()
+    return t, amax_to_scale(segment_amax(t.abs().float(), group, n), dtype, pow2)
+
+
 @cuda_compiled.sized("n")  # block-wise: the tiles follow the rows
 def _along(t, group, n: int, dtype, pow2: bool, t_scale_inv=None, t_tile=(1, 1)):
     """t (S, C) with one scale per column over each group of rows (ids `group`, n groups): (data, scale_inv
     (n, C)). t_scale_inv: t is FP8 in t_tile tiles, dequantised first (in the same kernel on CUDA)."""
-    if t_scale_inv is not None:
-        t = Quantized(t, t_scale_inv, t_tile).dequantize()
-    scale = amax_to_scale(segment_amax(t.abs().float(), group, n), dtype, pow2)  # (groups, C)
+    t, scale = _column_scales(t, group, n, dtype, pow2, t_scale_inv, t_tile)
     return cast(t, scale[group], (1, 1), dtype).data, scale.reciprocal()
 
 
@@ -154,9 +159,7 @@ def _along_placed(t, group, n: int, src, dtype, pow2: bool, t_scale_inv=None, t_
     """`_along`'s cast with its rows placed at the positions that read them (src: each position's row, len(t)
     for a zero row) and written transposed: (data (C, P) row-major, scale_inv (n, C)); each element the one
     `_along` casts (the placing and the transposed layout are the writes of the same kernel on CUDA)."""
-    if t_scale_inv is not None:
-        t = Quantized(t, t_scale_inv, t_tile).dequantize()
-    scale = amax_to_scale(segment_amax(t.abs().float(), group, n), dtype, pow2)  # (groups, C)
+    t, scale = _column_scales(t, group, n, dtype, pow2, t_scale_inv, t_tile)
     rows = torch.cat([t, t.new_zeros(1, t.shape[1])])[src]  # (P, C), zero rows between the groups
     group = torch.cat([group, group.new_full((1,), n - 1)])[src]  # a zero row's scale: any, 0 casts to 0
     return cast(rows, scale[group], (1, 1), dtype).data.t().contiguous(), scale.reciprocal()
@@ -189,16 +192,19 @@ def cast_tokens(t: torch.Tensor, seg: Segments, tile: tuple[int, int], dtype, po
     return Quantized(data, rows_inv, (1, t.shape[1])), inv
 
 
-def cast_along_tokens(t: torch.Tensor | Quantized, seg: Segments, rows: int, dtype, pow2: bool):
+def cast_along_tokens(t: torch.Tensor | Quantized, seg: Segments, rows: int, dtype, pow2: bool,
+                      src: torch.Tensor | None = None):
     """t (S, C) cast along the tokens for a weight-gradient GEMM: one scale per column over each
     expert's tokens (rows 0) or over each `rows`-token tile of an expert (`Segments.tiles`); an FP8 t
     (Quantized) is dequantised first. Returns the FP8 data (S, C) and the inverse scales (groups, C),
-    groups indexed as the tiles or experts."""
+    groups indexed as the tiles or experts. src (`Segments.sources`): the data placed in that layout and
+    written transposed (C, P), as a kernel reads it."""
     group, n = (seg.tiles(rows)[0], seg.rows // rows + seg.n + 1) if rows else (seg.ids, seg.n + 1)
-    cast_ = cuda_compiled.compiled(_along, seg.offs.device.type)
-    if isinstance(t, Quantized):
-        return cast_(t.data, group, n, dtype, pow2, t.scale_inv, t.tile)
-    return cast_(t, group, n, dtype, pow2)
+    data, scale_inv, tile = (t.data, t.scale_inv, t.tile) if isinstance(t, Quantized) else (t, None, (1, 1))
+    if src is None:
+        return cuda_compiled.compiled(_along, seg.offs.device.type)(data, group, n, dtype, pow2, scale_inv, tile)
+    cast_ = cuda_compiled.compiled(_along_placed, seg.offs.device.type)
+    return cast_(data, group, n, src, dtype, pow2, scale_inv, tile)
 
 
 def cast_stacked(w: torch.Tensor, tile: tuple[int, int], dtype, pow2: bool, which: str = FORWARD,
@@ -208,11 +214,13 @@ def cast_stacked(w: torch.Tensor, tile: tuple[int, int], dtype, pow2: bool, whic
     An experts weight FSDP2 gathered in its narrow format is read as it came: each expert's copy for `which`
     pass, as the dense Linear reads its gathered copy. column_major: the data laid out with R the unit stride
     (written so by the cast: the input gradient's b on the grouped row-wise kernel, which reads it so).
-    phantom: a zero expert after the last, cast with them (`mm`: the rows past offs[-1] are its, zeros)."""
+    phantom: a zero expert after the last, cast with them (`mm`: the rows past offs[-1] are its, zeros), where
+    one group more stays below CUDA's limit."""
     gathered = gathered_experts(w, which)
     if gathered is not None:
         return gathered
     E, R, C = w.shape
+    phantom = phantom and E + 1 < GROUPS
     data, inv = cuda_compiled.compiled(_stacked, w.device.type)(w, tile, dtype, pow2, column_major, phantom)
     return Quantized(data, inv, (tile[0] or R, tile[1] or C))
 
@@ -311,9 +319,8 @@ def scaled_wgrad(dy: torch.Tensor, xq: Quantized, seg: Segments, grad_dtype, pow
     (an empty expert: 16 of them; the kernel takes no empty group) and written transposed: a = dy^T (N, P)
     row-major, b = x (P, K) column-major, as the kernel reads them (torchao's MoE weight gradient's layout)."""
     src, ends, P = seg.sources(16)
-    cast_ = cuda_compiled.compiled(_along_placed, dy.device.type)
-    g_t, g_inv = cast_(dy, seg.ids, seg.n + 1, src, grad_dtype, pow2)  # (N, P), (E + 1, N)
-    x_t, x_inv = cast_(xq.data, seg.ids, seg.n + 1, src, E4M3, pow2, xq.scale_inv, xq.tile)  # (K, P), (E + 1, K)
+    g_t, g_inv = cast_along_tokens(dy, seg, 0, grad_dtype, pow2, src)  # (N, P), (E + 1, N)
+    x_t, x_inv = cast_along_tokens(xq, seg, 0, E4M3, pow2, src)  # (K, P), (E + 1, K)
     return _scaled_grouped_mm(g_t, x_t.t(), g_inv[:seg.n].reshape(-1), x_inv[:seg.n].reshape(-1), ends)
 
 
@@ -327,9 +334,9 @@ def forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, g, xq: Quantiz
     seg = Segments(offs, x.shape[0])
     if xq is None:
         xq, _ = cast_tokens(x, seg, t.x, E4M3, r.power_of_2_scales)
-    (E, N, K), pow2 = w.shape, r.power_of_2_scales
+    (N, K), pow2 = w.shape[1:], r.power_of_2_scales
     row_kernel = t.w != (BLOCK, BLOCK) and on_row_kernel(g.grouped, E4M3, K, N)
-    wq = cast_stacked(w, t.w, E4M3, pow2, phantom=row_kernel and E + 1 < GROUPS)  # `mm`: the rows past offs[-1]
+    wq = cast_stacked(w, t.w, E4M3, pow2, phantom=row_kernel)  # `mm`: the rows past offs[-1]
     return mm(xq, transposed(wq), seg, plan.compute_dtype, g.grouped, r.fast_accum)
 
 
@@ -344,11 +351,11 @@ def backward(x, w, offs, dy, g, xq: Quantized | None = None, x_dtype=None) -> tu
         xq, x_inv = cast_tokens(x, seg, t.x, E4M3, pow2)  # the forward's cast again (deterministic)
         x_dtype = x.dtype
     gq, g_inv = cast_tokens(dy, seg, t.g, r.grad_dtype, pow2)
-    E, N, K = w.shape
+    N, K = w.shape[1:]
     blockwise = plan.kernels[2] and t.w == (BLOCK, BLOCK)  # mixprec's kernels, which read b K-major
     row_kernel = not blockwise and on_row_kernel(plan.kernels[1], r.grad_dtype, N, K)
     wq_d = cast_stacked(w, t.w_dgrad or t.w, E4M3, pow2, BACKWARD if t.w_dgrad else FORWARD,
-                        column_major=row_kernel or blockwise, phantom=row_kernel and E + 1 < GROUPS)  # summed over N
+                        column_major=row_kernel or blockwise, phantom=row_kernel)  # summed over N
     dx = mm(gq, wq_d, seg, plan.compute_dtype, g.grouped).to(x_dtype)
     del wq_d  # what the weight gradient does not read is freed before it runs (a smaller peak)
     if t.g_wgrad:  # cast again along the tokens
@@ -357,11 +364,9 @@ def backward(x, w, offs, dy, g, xq: Quantized | None = None, x_dtype=None) -> tu
         return dx, scaled_wgrad(dy, xq, seg, r.grad_dtype, pow2).to(w.dtype)
     if blockwise:  # 128-token tiles, cast into the contiguous layout transposed, as the kernel reads them
         rows = t.g_wgrad[0]
-        group, n = seg.tiles(rows)[0], seg.rows // rows + seg.n + 1
         src, _, _ = seg.sources(rows, nonempty=False)
-        cast_ = cuda_compiled.compiled(_along_placed, dy.device.type)
-        g_t, g_inv = cast_(dy, group, n, src, r.grad_dtype, pow2)
-        x_t, x_inv = cast_(xq.data, group, n, src, E4M3, pow2, xq.scale_inv, xq.tile)
+        g_t, g_inv = cast_along_tokens(dy, seg, rows, r.grad_dtype, pow2, src)
+        x_t, x_inv = cast_along_tokens(xq, seg, rows, E4M3, pow2, src)
         return dx, experts_blockwise.wgrad(g_t, g_inv, x_t, x_inv, seg, w.dtype)
     if t.g_wgrad:  # scaled along the tokens: row-wise per expert, block-wise per 128-token tile
         rows = t.g_wgrad[0]

@@ -28,12 +28,18 @@ from mixprec.narrow.microscaling import E2M1, Blocked
 from mixprec.narrow.segments import Segments, pad_to, segment_amax
 
 
+def _role(r, gradient: bool, key):
+    """(the element dtype, the rounding key or None) of a cast: a gradient's in the recipe's gradient format
+    (FP4 recipes: their element) with its stochastic rounding's key where the recipe rounds so."""
+    dtype = r.grad_dtype if gradient and r.element != E2M1 else r.element
+    return dtype, (key if gradient and r.stochastic_gradients else None)
+
+
 def _cast_tokens(r, t: torch.Tensor, seg: Segments, *, gradient: bool = False, row_key=None) -> Blocked:
     """The recipe's cast of the tokens t (S, C) along C, with its dequantised values (the GEMM's operand):
     MXRecipe.quantize, NVFP4's tensor amax each expert's, stochastic rounding keyed by row_key (S, 1) (each
     row's expert's key) and each element's index in its expert's tensor."""
-    row_key = row_key if gradient and r.stochastic_gradients else None
-    dtype = r.grad_dtype if gradient and r.element != E2M1 else r.element
+    dtype, row_key = _role(r, gradient, row_key)
     width = -(-t.shape[1] // r.block) * r.block  # an expert's tensor's padded row length
     cast = cuda_compiled.compiled(_token_cast, t.device.type)
     return cast(t, seg.ids, seg.n + 1, seg.local, width, row_key, dtype, r.block, r.scale_rounding, r.nv,
@@ -203,9 +209,8 @@ def _wgrad(r, x: torch.Tensor, dy: torch.Tensor, seg: Segments, salts) -> torch.
     starts = torch.cat([ends.new_zeros(1), ends]).long()
     width = torch.cat([-(-seg.sizes // pad) * pad, seg.sizes.new_zeros(1)])  # (E + 1,) tokens in the GEMM
 
-    def along_tokens(t: torch.Tensor, gradient: bool, key=None) -> Blocked:  # as `_cast` casts, placed first
-        key = key if gradient and r.stochastic_gradients else None
-        dtype = r.grad_dtype if gradient and r.element != E2M1 else r.element
+    def along_tokens(t: torch.Tensor, gradient: bool, key=None) -> Blocked:  # as `_cast_tokens` casts, placed first
+        dtype, key = _role(r, gradient, key)
         cast = cuda_compiled.compiled(_placed_cast, t.device.type)
         return cast(t, pos, P, h, column_expert, seg.n + 1, dtype, r.block, r.scale_rounding, r.nv, r.four_over_six,
                     key, mx._operand_dtype(t.device.type))
@@ -219,15 +224,16 @@ def _wgrad(r, x: torch.Tensor, dy: torch.Tensor, seg: Segments, salts) -> torch.
     if as_cast:  # dy^T (N, P) row-major, x (P, K) column-major, zero rows between the experts (adding nothing),
         # every group a positive multiple of the block, as CUDA takes that layout
         offs, g_values, x_values = ends, gt.values, xt.values.t()
-    elif h is not None:  # the GEMM sums each expert's tokens padded to 16 (rotated, the padding is not zero)
-        _, offs, P16 = seg.aligned(pad)
-        at = torch.arange(P16, device=x.device)
-        expert16 = torch.searchsorted(offs.long(), at, right=True)
-        at = (starts[expert16] + at - torch.cat([offs.new_zeros(1), offs]).long()[expert16]).clamp(max=P - 1)
-    else:  # the GEMM sums each expert's own tokens: back to the sorted rows
-        offs, at = seg.offs, pos.clamp(max=P - 1)
-    if not as_cast:  # dy^T column-major (N, tokens) and x row-major (tokens, K): the layout torch's grouped GEMM
-        # takes with any group sizes on CUDA (mixprec.narrow.experts_fp8.grouped_mm)
+    else:
+        if h is not None:  # the GEMM sums each expert's tokens padded to 16 (rotated, the padding is not zero)
+            _, offs, P16 = seg.aligned(pad)
+            at = torch.arange(P16, device=x.device)
+            expert16 = torch.searchsorted(offs.long(), at, right=True)
+            at = (starts[expert16] + at - torch.cat([offs.new_zeros(1), offs]).long()[expert16]).clamp(max=P - 1)
+        else:  # the GEMM sums each expert's own tokens: back to the sorted rows
+            offs, at = seg.offs, pos.clamp(max=P - 1)
+        # dy^T column-major (N, tokens) and x row-major (tokens, K): the layout torch's grouped GEMM takes with
+        # any group sizes on CUDA (mixprec.narrow.experts_fp8.grouped_mm)
         g_values, x_values = gt.values.t()[at].t(), xt.values.t()[at]
     out = grouped_mm(g_values, x_values, offs, _elements(gt), _elements(xt))  # (E, N, K)
     if r.nv:  # each expert's tensor scale, read at its last block; an empty expert has none: zeros

@@ -35,8 +35,14 @@ def pad_to(t: torch.Tensor, multiple: int, dim: int = 0) -> torch.Tensor:
 
 @cuda_compiled.sized("rows", "P")
 def _sources(pos: torch.Tensor, rows: int, P: int) -> torch.Tensor:
-    src = torch.full((P + 1,), rows, device=pos.device, dtype=pos.dtype)
-    return src.scatter_(0, pos, torch.arange(rows, device=pos.device))[:P]
+    src = torch.full((P + 1,), rows, device=pos.device, dtype=torch.int32)
+    return src.scatter_(0, pos, torch.arange(rows, device=pos.device, dtype=torch.int32))[:P]
+
+
+def _length(rows: int, n: int, multiple: int, nonempty: bool) -> int:
+    """The static length of an aligned layout: each of n experts adds at most `multiple - 1` padding rows, or
+    `multiple` where an empty one gets a block of its own."""
+    return -(-(rows + n * (multiple - (0 if nonempty else 1))) // multiple) * multiple
 
 
 def segment_amax(values: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor:
@@ -69,15 +75,16 @@ def _tiles(sizes: torch.Tensor, ids: torch.Tensor, local: torch.Tensor, rows: in
 
 
 @cuda_compiled.sized("rows")
-def _aligned(sizes: torch.Tensor, ids: torch.Tensor, local: torch.Tensor, rows: int, multiple: int, nonempty: bool):
+def _aligned(sizes: torch.Tensor, ids: torch.Tensor, local: torch.Tensor, rows: int, multiple: int, nonempty: bool,
+             keep_past: bool):
     n = sizes.shape[0]
     padded = -(-sizes // multiple) * multiple
     if nonempty:
         padded = padded.clamp(min=multiple)
     ends = torch.cumsum(padded, 0)
-    P = -(-(rows + n * (multiple - (0 if nonempty else 1))) // multiple) * multiple
     starts = ends - padded
-    pos = torch.where(ids < n, starts[ids.clamp(max=n - 1)] + local, P)
+    past = ends[-1] + local if keep_past else _length(rows, n, multiple, nonempty)  # local: from offs[-1] there
+    pos = torch.where(ids < n, starts[ids.clamp(max=n - 1)] + local, past)
     return pos, ends.to(torch.int32)
 
 
@@ -112,21 +119,23 @@ class Segments:
         past offs[-1]."""
         return self._once(("tiles", tile), _tiles, self.sizes, self.ids, self.local, self.rows, tile)
 
-    def aligned(self, multiple: int, nonempty: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def aligned(self, multiple: int, nonempty: bool = False,
+                keep_past: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
         """A layout with each expert's first row at a multiple of `multiple` and zero rows between:
         (each row's position in it (rows,), the experts' ends there (E,) int32 rounded up to the multiple,
-        its static length P). The rows past offs[-1] go to position P (dropped by `place`). nonempty: an
-        expert with no rows gets `multiple` zero rows (a grouped GEMM that cannot take an empty group)."""
-        P = -(-(self.rows + self.n * (multiple - (0 if nonempty else 1))) // multiple) * multiple
-        pos, ends = self._once(("aligned", multiple, nonempty), _aligned, self.sizes, self.ids, self.local,
-                               self.rows, multiple, nonempty)
-        return pos, ends, P
+        its static length P). The rows past offs[-1] go to position P (dropped by `place`), or with keep_past
+        right after the last expert (in no expert's block). nonempty: an expert with no rows gets `multiple`
+        zero rows (a grouped GEMM that cannot take an empty group)."""
+        pos, ends = self._once(("aligned", multiple, nonempty, keep_past), _aligned, self.sizes, self.ids,
+                               self.local, self.rows, multiple, nonempty, keep_past)
+        return pos, ends, _length(self.rows, self.n, multiple, nonempty)
 
-    def sources(self, multiple: int, nonempty: bool = True) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The `aligned(multiple, nonempty)` layout read the other way: (each position's row (P,), `rows` at
-        a zero row between experts, the experts' ends there (E,) int32, P): a gather fills it in one pass."""
-        pos, ends, P = self.aligned(multiple, nonempty)
-        src = self._once(("sources", multiple, nonempty), _sources, pos, self.rows, P)
+    def sources(self, multiple: int, nonempty: bool = True,
+                keep_past: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The `aligned(multiple, nonempty, keep_past)` layout read the other way: (each position's row (P,)
+        int32, `rows` at a zero row, the experts' ends there (E,) int32, P): a gather fills it in one pass."""
+        pos, ends, P = self.aligned(multiple, nonempty, keep_past)
+        src = self._once(("sources", multiple, nonempty, keep_past), _sources, pos, self.rows, P)
         return src, ends, P
 
     @staticmethod

@@ -24,6 +24,7 @@ from mixprec.errors import UserError
 from mixprec.optim import fused_adamw
 from mixprec.optim.state_formats import (SCALE, StateFormat, code_on, dequantize, lookup_on, quantize,
                                          scale_shape)
+from mixprec.shards import local_shard
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +39,6 @@ COMPILE_MIN_NUMEL = 2**16  # CPU tensors smaller than this step eagerly by defau
 MOMENTS = {"exp_avg": True, "exp_avg_sq": False}  # key -> signed code
 NOT_IMPLEMENTED = ("amsgrad", "capturable", "differentiable")  # torch.optim.AdamW's options refused here
 FP32_MOMENTS = StateFormat("fp32")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard, or the tensor itself."""
-    return t.to_local() if hasattr(t, "device_mesh") else t
 
 
 def _shaped_as(p: torch.Tensor, local: torch.Tensor, shape) -> torch.Tensor:
@@ -75,7 +71,7 @@ def _dequantized(entry: dict) -> dict:
     block = int(out.pop(BLOCK))
     for key, signed in MOMENTS.items():
         codes, scales = out[key], out.pop(key + SCALE)
-        out[key] = _shaped_as(codes, dequantize(_local(codes), _local(scales), block, signed), codes.shape)
+        out[key] = _shaped_as(codes, dequantize(local_shard(codes), local_shard(scales), block, signed), codes.shape)
     return out
 
 
@@ -142,7 +138,7 @@ class AdamW(torch.optim.Optimizer):
         there now, at setup: not inside a step."""
         if not self.states.quantized:
             return
-        for device in {_local(p).device for p in group["params"]}:
+        for device in {local_shard(p).device for p in group["params"]}:
             for signed in (True, False):
                 code_on(signed, device), lookup_on(signed, device)
         for p in group["params"]:
@@ -189,7 +185,7 @@ class AdamW(torch.optim.Optimizer):
         state["step"] = torch.tensor(0.0, device=device)
         for key, signed in MOMENTS.items():
             if fmt.quantized:
-                codes, scales = quantize(torch.zeros_like(_local(p), dtype=torch.float32), fmt.name, fmt.block_size,
+                codes, scales = quantize(torch.zeros_like(local_shard(p), dtype=torch.float32), fmt.name, fmt.block_size,
                                          signed)
                 state[key] = _shaped_as(p, codes, p.shape)
                 state[key + SCALE] = _shaped_as(p, scales, scale_shape(p.shape, fmt.block_size))
@@ -240,7 +236,7 @@ class AdamW(torch.optim.Optimizer):
         out = _dequantized(entry)
         fmt = self.format_of(p)
         for key, signed in MOMENTS.items():
-            value = _local(out[key]).float()
+            value = local_shard(out[key]).float()
             if fmt.quantized:
                 codes, scales = quantize(value, fmt.name, fmt.block_size, signed)
                 out[key], out[key + SCALE] = _shaped_as(p, codes, p.shape), _shaped_as(
@@ -274,7 +270,7 @@ class AdamW(torch.optim.Optimizer):
                     self._init_state(p, state, device)
             grads = [p.grad if inv_scale is None else p.grad * inv_scale.to(p.grad.device) for p in params]
             if self.states.quantized:  # the skip decided on the device
-                skip = found_inf if found_inf is not None else torch.zeros((), device=_local(params[0]).device) \
+                skip = found_inf if found_inf is not None else torch.zeros((), device=local_shard(params[0]).device) \
                     if params else None
                 compiled = [self._compiles(p) for p in params]
                 for p, grad, kernel in zip(params, grads, compiled):
@@ -349,7 +345,7 @@ class AdamW(torch.optim.Optimizer):
         costs less than compiling a kernel for its shape (seconds on a CPU), logged once."""
         if self.compile is not None:
             return self.compile
-        small = p.device.type == "cpu" and _local(p).numel() < COMPILE_MIN_NUMEL
+        small = p.device.type == "cpu" and local_shard(p).numel() < COMPILE_MIN_NUMEL
         if small and not self._said_eager:
             self._said_eager = True
             logger.info("optimizer: tensors under %d elements on the CPU step their quantized moments eagerly (the "
@@ -366,24 +362,24 @@ class AdamW(torch.optim.Optimizer):
         step's cost on a GPU. A graph of every parameter took minutes to compile (PER_KERNEL); graphs of
         parameters alike are compiled once and called for each such group."""
         states = [self.state[p] for p in params]
-        device = _local(params[0]).device
+        device = local_shard(params[0]).device
         skip = found_inf.to(device)
         tables = [f(signed, device) for f in (code_on, lookup_on) for signed in (True, False)]
         steps = fused_adamw.advanced_steps(states, [p.device for p in params], skip)
-        step_sizes, roots, *rest = (_local(x) for x in fused_adamw.stacked_scalars(group, steps))
+        step_sizes, roots, *rest = (local_shard(x) for x in fused_adamw.stacked_scalars(group, steps))
         # each parameter's two scalars a tensor of its own (views): indexed by a constant in the graph, each
         # kernel would be its own code, compiled apart from its identical neighbours
         own = list(zip(step_sizes.unbind(), roots.unbind()))
         calls: dict[torch.dtype, list] = {}  # weight dtype -> [((kind, static), tensors, the two scalars)]
         copies = []  # (tensor, the contiguous copy its kernel writes): copied back after
         for i, (p, grad, state) in enumerate(zip(params, grads, states)):
-            held = [_local(p).detach(), _local(state[COMPENSATION]) if COMPENSATION in state else None,
-                    _local(state["exp_avg"]), _local(state["exp_avg_sq"])]  # not a Parameter: compiled as static
+            held = [local_shard(p).detach(), local_shard(state[COMPENSATION]) if COMPENSATION in state else None,
+                    local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"])]  # not a Parameter: compiled as static
             weight, c, m, v = work = [_as_rows(t) for t in held]
             copies += [(t, w) for t, w in zip(held, work) if w is not t]
-            g, fmt, mine = _local(grad), self.format_of(p), calls.setdefault(weight.dtype, [])
+            g, fmt, mine = local_shard(grad), self.format_of(p), calls.setdefault(weight.dtype, [])
             if fmt.quantized:
-                scales = _local(state["exp_avg" + SCALE]), _local(state["exp_avg_sq" + SCALE])
+                scales = local_shard(state["exp_avg" + SCALE]), local_shard(state["exp_avg_sq" + SCALE])
                 for cols, scale_cols, block in _row_parts(weight.shape[-1] if weight.dim() else 1, fmt.block_size):
                     cut = lambda t: t if t is None or t.dim() == 0 else t[..., cols]  # noqa: E731
                     mine.append((("quantized", (("fmt", fmt.name), ("block", block))),
@@ -427,13 +423,13 @@ class AdamW(torch.optim.Optimizer):
         state["step"] = state["step"].to(p.device)
         state["step"] += 1 - skip.float()
         step_size, bias_correction2_sqrt = fused_adamw.bias_corrections(group, state["step"])
-        step_size, bias_correction2_sqrt = _local(step_size), _local(bias_correction2_sqrt)
-        skip, weight, grad = _local(skip), _local(p), _local(grad).float()
-        compensation = _local(state[COMPENSATION]) if COMPENSATION in state else None
+        step_size, bias_correction2_sqrt = local_shard(step_size), local_shard(bias_correction2_sqrt)
+        skip, weight, grad = local_shard(skip), local_shard(p), local_shard(grad).float()
+        compensation = local_shard(state[COMPENSATION]) if COMPENSATION in state else None
         moments = {}
         for key, signed in MOMENTS.items():
-            stored = _local(state[key])
-            moments[key] = (dequantize(stored, _local(state[key + SCALE]), fmt.block_size, signed) if fmt.quantized
+            stored = local_shard(state[key])
+            moments[key] = (dequantize(stored, local_shard(state[key + SCALE]), fmt.block_size, signed) if fmt.quantized
                             else stored.to(torch.float32, copy=True))
         exp_avg, exp_avg_sq = moments["exp_avg"], moments["exp_avg_sq"]
         w = weight.float() if compensation is None else weight.float() + compensation.float()
@@ -447,12 +443,12 @@ class AdamW(torch.optim.Optimizer):
             compensation.copy_(torch.where(skip, compensation, (w - rounded.float()).to(compensation.dtype)))
         weight.copy_(torch.where(skip, weight, rounded))
         for key, signed in MOMENTS.items():
-            stored = _local(state[key])
+            stored = local_shard(state[key])
             if not fmt.quantized:
                 stored.copy_(torch.where(skip, stored, moments[key]))
                 continue
             codes, scales = quantize(moments[key], fmt.name, fmt.block_size, signed)
-            old_scales = _local(state[key + SCALE])
+            old_scales = local_shard(state[key + SCALE])
             bits = stored.view(torch.uint8)
             bits.copy_(torch.where(skip, bits, codes.view(torch.uint8)))
             old_scales.copy_(torch.where(skip, old_scales, scales))

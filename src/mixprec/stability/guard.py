@@ -32,11 +32,12 @@ from torch.utils._pytree import tree_map
 from mixprec.dtypes import dtype_name
 from mixprec.errors import TrainingUnstable, UserError
 from mixprec.rng import rng_state, set_rng_state
+from mixprec.shards import local_shard
 from mixprec.stability.config import StabilityConfig
 from mixprec.stability.diagnose import diagnose
 from mixprec.stability.drills import DrillRunner
 from mixprec.stability.health import HealthMonitor
-from mixprec.stability.locate import Finding, Locator, agree, local_shard
+from mixprec.stability.locate import Finding, Locator, agree
 
 logger = logging.getLogger("mixprec.stability")
 

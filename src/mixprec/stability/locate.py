@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from mixprec.dtypes import dtype_name
+from mixprec.shards import local_shard
 
 
 @dataclass
@@ -48,13 +49,6 @@ class Finding:
 
 def _json_float(x: float):
     return x if math.isfinite(x) else None
-
-
-def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard on this rank, of any mesh (a reduction of a DTensor sharded over an expert-parallel
-    mesh to a bool has no sharding rule); the ranks' findings are agreed after (`agree`), the guard's counts
-    summed over the ranks."""
-    return t.to_local() if hasattr(t, "device_mesh") else t
 
 
 def _floats(tree) -> list[torch.Tensor]:
