@@ -34,19 +34,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from mixprec.dtypes import parse_dtype
-from mixprec.narrow import cuda_compiled, experts, mx
+from mixprec.analysis.cuda_route import ONE_KERNEL, as_on_cuda
+from mixprec.narrow import experts
 from mixprec.narrow.linear import Plan
 from mixprec.narrow.recipe import RECIPES
 
 RECIPE_NAMES = ("tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4", "mxfp4")
-KERNELS = ("tensorwise", "rowwise", "blockwise")  # recipes with GEMM kernels on Hopper (torch's grouped row-wise,
-# mixprec's grouped block-wise); the microscaled GEMMs run the grouped emulation in bfloat16
 BF16_FLOPS, FP8_FLOPS, BANDWIDTH, LAUNCH = 720e12, 1350e12, 3.0e12, 5e-6
 aten = torch.ops.aten
 VIEWS = {aten.view, aten._unsafe_view, aten.t, aten.transpose, aten.permute, aten.expand, aten.slice, aten.select,
          aten.alias, aten.unsqueeze, aten.squeeze, aten.as_strided, aten.narrow, aten.reshape, aten.detach,
          aten.split, aten.unbind, aten.view_as, aten.expand_as, aten.lift_fresh}
-ONE_KERNEL = {"grouped_blockwise_mm", "grouped_blockwise_wgrad"}  # Triton kernels: one launch each
 FP8_GEMMS = {"_scaled_grouped_mm", "grouped_blockwise_mm", "grouped_blockwise_wgrad"}
 BF16_GEMMS = {"_grouped_mm", "bmm", "mm"}
 
@@ -108,26 +106,20 @@ class Cost(TorchDispatchMode):
 
 
 def fused(cost: Cost):
-    """cuda_compiled.compiled as CUDA runs it: one Inductor kernel reading its inputs and writing its outputs once."""
-    def compiled(fn, device_type):
-        def run(*args):
-            with torch.utils._python_dispatch._disable_current_modes():
-                out = fn(*args)
-            cost.record(f"compiled {fn.__name__}", nbytes(args) + nbytes(tuple(vars(out).values())
-                                                                      if hasattr(out, "__dict__") else out))
-            return out
-        return run
-    return compiled
+    """Told of each function the code compiles on CUDA (cuda_route.as_on_cuda): one Inductor kernel reading its
+    inputs and writing its outputs once."""
+    def on_kernel(fn, args, out):
+        cost.record(f"compiled {fn.__name__}", nbytes(args) + nbytes(tuple(vars(out).values())
+                                                                  if hasattr(out, "__dict__") else out))
+    return on_kernel
 
 
 def projection(name: str, E: int, N: int, K: int, which: str):
     """An experts projection as CUDA runs it: the GEMM kernels where the recipe has them on Hopper."""
     recipe = RECIPES[name]
-    grouped = name in KERNELS
-    plan = Plan(recipe, recipe.tiles, torch.bfloat16, (grouped, grouped, grouped and name == "blockwise"),
-                device="cuda")
+    plan = Plan(recipe, recipe.tiles, torch.bfloat16, (False, False, False))
     salts = tuple(zlib.crc32(f"e.{which}.{e}".encode()) for e in range(E)) if hasattr(recipe, "element") else ()
-    return experts.ExpertsGemm(f"e.{which}", plan, False, salts, grouped=grouped)
+    return experts.on_hopper(experts.ExpertsGemm(f"e.{which}", plan, False, salts))
 
 
 def layer_cost(name: str, tokens: int, top_k: int, E: int, H: int, I: int, weights=torch.float32) -> dict:
@@ -170,23 +162,18 @@ def _projections(name: str, cost: Cost, rows: int, offs: torch.Tensor, E: int, H
 def estimate(tokens=16384, top_k=8, experts_=128, hidden=2048, intermediate=768, recipes=RECIPE_NAMES,
              weights=torch.float32) -> dict:
     """{recipe: cost} for bf16 and each recipe, with cuda_compiled and the GEMM operands' dtype as on CUDA."""
-    saved = cuda_compiled.compiled, mx._operand_dtype
-    mx._operand_dtype = lambda device_type: torch.bfloat16  # CUDA's: bfloat16 GEMMs with an FP32 output
-    try:
-        out = {"bf16": layer_cost("bf16", tokens, top_k, experts_, hidden, intermediate)}
-        if weights != torch.bfloat16:  # its FP32 masters, the narrow recipes' own: the peak to hold them to
-            out["bf16-mixed"] = layer_cost("bf16-mixed", tokens, top_k, experts_, hidden, intermediate, weights)
-        for name in recipes:
-            probe = Cost()
-            cuda_compiled.compiled = fused(probe)
+    out = {"bf16": layer_cost("bf16", tokens, top_k, experts_, hidden, intermediate)}
+    if weights != torch.bfloat16:  # its FP32 masters, the narrow recipes' own: the peak to hold them to
+        out["bf16-mixed"] = layer_cost("bf16-mixed", tokens, top_k, experts_, hidden, intermediate, weights)
+    for name in recipes:
+        probe = Cost()
+        with as_on_cuda(fused(probe)):
             c = layer_cost(name, tokens, top_k, experts_, hidden, intermediate, weights)
-            for key in ("ops", "bytes"):
-                c[key] += probe.stats[key]
-            c["by_kind"].update(probe.stats["by_kind"])
-            c["ms"] += (probe.stats["bytes"] / BANDWIDTH + probe.stats["ops"] * LAUNCH) * 1e3
-            out[name] = c
-    finally:
-        cuda_compiled.compiled, mx._operand_dtype = saved
+        for key in ("ops", "bytes"):
+            c[key] += probe.stats[key]
+        c["by_kind"].update(probe.stats["by_kind"])
+        c["ms"] += (probe.stats["bytes"] / BANDWIDTH + probe.stats["ops"] * LAUNCH) * 1e3
+        out[name] = c
     return out
 
 

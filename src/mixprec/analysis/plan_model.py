@@ -129,6 +129,7 @@ def _plan(build_model, planned, name: str, batch, optimizer, loss_fn, mesh=None,
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from mixprec.analysis.cuda_route import Workspaces
     from mixprec.narrow.gemm import route_on
     from mixprec.narrow.microscaling import byte_values
     from mixprec.narrow.mx import MXRecipe
@@ -172,7 +173,7 @@ def _plan(build_model, planned, name: str, batch, optimizer, loss_fn, mesh=None,
         step()  # the first step allocates the optimizer's states: the second is the steady one
         tracker = MemTracker()
         tracker.track_external(model, opt)
-        with tracker:
+        with tracker, Workspaces():  # the experts operators' insides, as CUDA's route allocates them
             step()
         peak = tracker.get_tracker_snapshot("peak")
     (device, kinds), = peak.items()

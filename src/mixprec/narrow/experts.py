@@ -162,6 +162,15 @@ def uses_grouped(plan: Plan) -> bool:
             and grouped_route(plan.device, plan.compute_dtype) is None)
 
 
+def on_hopper(g: ExpertsGemm) -> ExpertsGemm:
+    """g as a Hopper GPU runs it, for tracing CUDA's route on meta (the roofline, the memory plan): row- and
+    tensor-wise on torch's grouped row-wise kernel, block-wise on mixprec's grouped block-wise kernels, the
+    microscaled recipes (and fp8.emulate) on the grouped emulation."""
+    grouped = not g.plan.emulated and g.plan.recipe.granularity in (
+        Granularity.TENSORWISE, Granularity.ROWWISE, Granularity.BLOCKWISE)
+    return replace(g, plan=replace(g.plan, device="cuda"), grouped=grouped)
+
+
 def describe(plan: Plan) -> str:
     """How experts under `plan` run their GEMMs, for the conversion's log line."""
     casts = "every expert's casts in one pass over the stacked tensors, no host read"

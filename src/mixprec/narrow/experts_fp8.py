@@ -108,8 +108,9 @@ def _groups_present(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 
 def _scaled_groups(out: torch.Tensor, g_inv: torch.Tensor, x_inv: torch.Tensor) -> torch.Tensor:
-    """Each expert's (N, K) sum times its scales along N and along K (one kernel on CUDA)."""
-    return out * g_inv[:, :, None] * x_inv[:, None, :]
+    """Each expert's (N, K) sum times its scales along N and along K, in place: no second FP32 (E, N, K)
+    (one kernel on CUDA)."""
+    return out.mul_(g_inv[:, :, None]).mul_(x_inv[:, None, :])
 
 
 @_grouped_mm.register_fake
