@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", default="bfloat16", help="dtype of the floating-point tensors: bfloat16, "
                         "float32 (exact), float16")
     export.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file, GB")
+    export.add_argument("--format", default="bf16", help="bf16: every tensor in --dtype; fp8-block: the decoder "
+                        "layers' Linears in e4m3 with a float32 scale per 128x128 block (transformers' "
+                        "FineGrainedFP8, vLLM), the rest in --dtype")
     generate = sub.add_parser(
         "generate", help="print what a model writes after a prompt",
         description="Load a run folder (its latest checkpoint), a checkpoint or a Hugging Face folder and sample a "
@@ -317,7 +320,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not args.max_shard_gb > 0:
         raise UserError(f"--max-shard-gb: bad value {args.max_shard_gb}; accepted: a positive number")
     dtype = parse_dtype(args.dtype, "--dtype")
-    result = export(args.source, args.out, dtype=dtype, max_shard_bytes=int(args.max_shard_gb * 1e9))
+    result = export(args.source, args.out, dtype=dtype, max_shard_bytes=int(args.max_shard_gb * 1e9),
+                    fmt=args.format)
     print(f"exported step {result['step']} to {args.out}: {len(result['files'])} safetensors file(s), "
           f"{result['bytes'] / 1e6:.1f} MB in {result['seconds']:.1f} s; load it with "
           f"transformers.AutoModelForCausalLM.from_pretrained({str(args.out)!r})")

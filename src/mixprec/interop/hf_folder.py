@@ -106,16 +106,18 @@ def check_out(out: str | Path) -> Path:
 
 
 def write_folder(out: str | Path, tensors: dict[str, torch.Tensor], config: dict, *, dtype: torch.dtype,
-                 max_shard_bytes: int, extra_files: dict[str, str] | None = None, float32=frozenset()) -> dict:
+                 max_shard_bytes: int, extra_files: dict[str, str] | None = None, float32=frozenset(),
+                 as_is=frozenset()) -> dict:
     """Write a Hugging Face folder: config.json, the tensors in `dtype` (floating ones, but those named in
-    `float32`; others as they are), one file up to `max_shard_bytes`, shards and an index above it, and `extra_files`
+    `float32`, and those in `as_is` as they are: a narrow format's elements and scales; others as they are),
+    one file up to `max_shard_bytes`, shards and an index above it, and `extra_files`
     (name -> its text, e.g. tokenizer.json). Written to OUT.tmp, then renamed: a failure
     leaves OUT as it was. Returns {"files", "bytes"}."""
     out = check_out(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    cast = {n: t.to(torch.float32 if n in float32 else dtype) if t.is_floating_point() else t
+    cast = {n: t.to(torch.float32 if n in float32 else dtype) if t.is_floating_point() and n not in as_is else t
             for n, t in tensors.items()}
     shards, size = [[]], 0  # names per shard, in order; a shard closes before it would pass the limit
     for name, t in cast.items():

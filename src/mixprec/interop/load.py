@@ -25,6 +25,7 @@ from mixprec.interop.adapters import adapter_for
 from mixprec.interop.checkpoint import read_checkpoint
 from mixprec.interop.hf_folder import HFFolder, is_hf_folder
 from mixprec.interop.interfaces import NameMap, WeightSource
+from mixprec.interop.quantized import dequantized
 from mixprec.models.ties import retie, tie_pairs, tied_names
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def open_source(path: str | Path, model: nn.Module,
                 key: str = "checkpoint.initial_load") -> tuple[WeightSource, NameMap]:
     """(the source, the map from the model's names to the source's)."""
     if is_hf_folder(path):
-        return HFFolder(path, key), adapter_for(model)
+        return dequantized(HFFolder(path, key), key), adapter_for(model)
     return CheckpointWeights(path, key), OwnNames()
 
 

@@ -10,7 +10,9 @@ mixtures of experts a Glm4MoeForCausalLM, routers kept in float32; a transformer
 its names), and writes config.json, safetensors (sharded above
 `max_shard_bytes`, with an index) and the run's tokenizer.json. FP8 and MX runs keep
 their high-precision weights (the converted Linear layers keep the original parameters):
-those are exported.
+those are exported, in `dtype`, or with `fmt` in a narrow format inference engines load
+(mixprec.interop.quantized: "fp8-block", the decoder layers' Linears in e4m3 with a scale per
+128 x 128 block; embeddings, norms, the head and routers in `dtype`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from mixprec.data.tokenizer import ByteTokenizer
 from mixprec.dtypes import dtype_name
 from mixprec.errors import UserError
+from mixprec.interop import quantized
 from mixprec.interop.adapters import adapter_for
 from mixprec.interop.hf_folder import check_out, write_folder
 from mixprec.interop.load import CheckpointWeights
@@ -35,10 +38,12 @@ logger = logging.getLogger(__name__)
 
 
 def export(source: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloat16,
-           max_shard_bytes: int = 5 << 30) -> dict:
+           max_shard_bytes: int = 5 << 30, fmt: str = "bf16") -> dict:
     """Write the Hugging Face folder; returns {"files", "bytes", "seconds", "step", "tokenizer"}."""
     t0 = time.perf_counter()
     check_out(out)  # before anything is read
+    if fmt not in quantized.FORMATS:
+        raise UserError(f"--format {fmt!r} is not known; accepted: {', '.join(quantized.FORMATS)}")
     kind, path, run = resolve(source)
     if kind == "hf":
         raise UserError(f"{source} is already a Hugging Face folder; accepted: a run folder or a "
@@ -68,10 +73,27 @@ def export(source: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloa
     # a mixture of experts' routers stay in float32 in the folder, as they trained (by role: hf_experts.routers)
     routers = tuple(f"{fqn}." for fqn in hf_experts.routers(model, hf_experts.find_experts(model)))
     float32 = {adapter.hf_name(n) for n in weights.tensors if n.startswith(routers) and n not in tied}
+    tensors, config, as_is = quantized.quantize_folder(tensors, config, *_linears(model, adapter, routers, tied), fmt)
     written = write_folder(out, tensors, config, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                           extra_files={"tokenizer.json": text} if text else None, float32=float32)
+                           extra_files={"tokenizer.json": text} if text else None, float32=float32, as_is=as_is)
     seconds = time.perf_counter() - t0
-    logger.info("export: step %s of %s -> %s: %d tensors in %s, %d file(s), %.1f MB in %.1f s (%.0f MB/s)",
-                weights.step, path, out, len(tensors), dtype_name(dtype), len(written["files"]),
+    logger.info("export: step %s of %s -> %s: %d tensors in %s%s, %d file(s), %.1f MB in %.1f s (%.0f MB/s)",
+                weights.step, path, out, len(tensors), dtype_name(dtype), "" if fmt == "bf16" else f" and {fmt}",
+                len(written["files"]),
                 written["bytes"] / 1e6, seconds, written["bytes"] / 1e6 / seconds)
     return {**written, "seconds": seconds, "step": weights.step, "tokenizer": str(tokenizer) if tokenizer else None}
+
+
+def _linears(model: torch.nn.Module, adapter, routers: tuple[str, ...], tied) -> tuple[dict[str, str], list[str]]:
+    """The folder names of the decoder layers' Linear weights a narrow format converts (weight -> module), and
+    of the Linears it keeps (the head, the routers: never narrow)."""
+    convert, kept = {}, []
+    for fqn, m in model.named_modules():
+        if not isinstance(m, torch.nn.Linear) or f"{fqn}.weight" in tied:
+            continue
+        hf = adapter.hf_name(f"{fqn}.weight")
+        if "layers." in fqn and not f"{fqn}.".startswith(routers):
+            convert[hf] = hf.removesuffix(".weight")
+        else:
+            kept.append(hf.removesuffix(".weight"))
+    return convert, kept

@@ -17,6 +17,7 @@ from mixprec.errors import UserError
 from mixprec.interop.adapters import adapter_for, llama_fields
 from mixprec.interop.hf_folder import HFFolder
 from mixprec.interop.load import CheckpointWeights, OwnNames, load_weights, materialize
+from mixprec.interop.quantized import dequantized
 from mixprec.models.llama import ModelArgs
 from mixprec.runs.resolve import empty_model, resolve, tokenizer_file
 
@@ -28,7 +29,7 @@ def load_model(path: str, device: torch.device | None = None):
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kind, p, run = resolve(path)
     if kind == "hf":
-        source = HFFolder(p, key="folder")
+        source = dequantized(HFFolder(p, key="folder"), "folder")
         try:
             model = empty_model(ModelArgs(**llama_fields(source.config, "folder")).architecture())
         except UserError:  # not a Llama mixprec's own computes: run it as the transformers model
