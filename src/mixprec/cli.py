@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file, GB")
     export.add_argument("--format", default="bf16", help="bf16: every tensor in --dtype; fp8-block: the decoder "
                         "layers' Linears in e4m3 with a float32 scale per 128x128 block (transformers' "
-                        "FineGrainedFP8, vLLM), the rest in --dtype")
+                        "FineGrainedFP8, vLLM); nvfp4, mxfp4: in packed e2m1 (compressed-tensors' pack-quantized "
+                        "layouts); the rest in --dtype")
     generate = sub.add_parser(
         "generate", help="print what a model writes after a prompt",
         description="Load a run folder (its latest checkpoint), a checkpoint or a Hugging Face folder and sample a "

@@ -145,24 +145,29 @@ def test_export_format_on_the_command_line_and_bad_formats_in_one_line(tmp_path,
     capsys.readouterr()
     assert main(["export", str(fp8_run), str(tmp_path / "out"), "--format", "int3"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--format 'int3' is not known; accepted: bf16, fp8-block" in err
+    assert len(err.splitlines()) == 1 and "--format 'int3' is not known; accepted: bf16, fp8-block, nvfp4, mxfp4" in err
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("method", ["awq", "compressed-tensors", None])
+@pytest.mark.parametrize("qc, words", [
+    ({"quant_method": "awq"}, "quant_method 'awq' is not read; accepted: fp8 (FineGrainedFP8"),
+    ("yes", "quant_method None is not read; accepted: fp8"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized"},
+     "compressed-tensors format 'float-quantized' is not read; accepted: nvfp4-pack-quantized, mxfp4-pack-quantized"),
+])
 def test_a_quantization_config_mixprec_does_not_read_is_refused_in_one_line(tmp_path, fp8_run, text_file, capsys,
-                                                                           method):
+                                                                           qc, words):
     export(fp8_run, tmp_path / "hf", dtype=torch.float32)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": method} if method else "yes"
+    config["quantization_config"] = qc
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     capsys.readouterr()
     assert main(["generate", str(tmp_path / "hf"), "--prompt", "x"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and f"quant_method {method!r} is not read; accepted: fp8" in err, err
+    assert len(err.splitlines()) == 1 and words in err, err
     with pytest.raises(AssertionError):  # training refuses it too, and writes nothing
         run_train(tmp_path / "run", text_file, "--checkpoint.initial_load", str(tmp_path / "hf"))
-    assert "quant_method" in capsys.readouterr().err
+    assert words in capsys.readouterr().err
     assert not (tmp_path / "run" / "checkpoint").exists()
 
 
@@ -183,3 +188,83 @@ def test_export_import_export_gives_the_same_elements_and_scales_within_a_step(t
         assert torch.equal(first.read(name).view(torch.uint8), again.read(name).view(torch.uint8)), name
         a, b = first.read(name + "_scale_inv"), again.read(name + "_scale_inv")
         assert ((a.view(torch.int32) - b.view(torch.int32)).abs() <= 1).all(), name
+
+
+# ---- NVFP4 and MXFP4: compressed-tensors' pack-quantized layouts ------------------------------------------------
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_compressed_tensors_decompressor_reads_the_export_as_mixprec_imports_it(tmp_path, fp8_run, fmt):
+    """compressed-tensors' own config model validates the export's quantization_config, and its decompressor
+    gives every packed weight's values bit for bit as mixprec's import of the folder (it returns bfloat16:
+    mixprec's float32 values rounded so)."""
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    from mixprec.interop.quantized import CompressedTensors
+
+    export(fp8_run, tmp_path / "hf", dtype=torch.float32, fmt=fmt)
+    folder = HFFolder(tmp_path / "hf")
+    qc = QuantizationConfig.model_validate(folder.config["quantization_config"])
+    assert qc.format == f"{fmt}-pack-quantized" and "lm_head" in qc.ignore
+    compressor = BaseCompressor.get_value_from_registry(qc.format)
+    source = CompressedTensors(folder, "test", qc.format)
+    assert len(source.packed) == 14  # every Linear of the decoder layers: 64 and 192 columns are whole groups
+    for name, base in source.packed.items():
+        parts = {n.removeprefix(base + "."): folder.read(n) for n in folder.names() if n.startswith(base + ".")}
+        theirs = compressor.decompress(parts, qc.config_groups["group_0"])["weight"]
+        assert torch.equal(source.read(name).to(theirs.dtype), theirs), name
+        assert torch.equal(source.read(name, slice(3, 37)), source.read(name)[3:37]), name  # a rank's rows
+    assert ct.__version__  # the reader that ran
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_transformers_loads_the_packed_export_to_mixprecs_weights(tmp_path, fp8_run, fmt):
+    pytest.importorskip("compressed_tensors")  # transformers reads these folders through it
+    import transformers
+
+    export(fp8_run, tmp_path / "hf", fmt=fmt)  # bfloat16 around the packed weights, as such folders come
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    _logits(hf, x)  # its first forward decompresses the packed weights (bfloat16)
+    for p in hf.parameters():  # then both compute in float32 (transformers refuses .float() on a quantized
+        p.data = p.data.float()  # model): widened, exactly
+    ours, _ = load_model(str(tmp_path / "hf"))
+    q = "model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(hf.state_dict()[q], ours.layers[1].feed_forward.w2.weight.detach().bfloat16().float())
+    for p in ours.parameters():
+        p.data = p.data.bfloat16().float()  # the reader's rounding, then both compute in float32
+    assert (_logits(hf, x) - _logits(ours, x)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_the_packed_bytes_are_those_the_recipes_forward_casts(monkeypatch, fmt):
+    """The nvfp4 / mxfp4 recipe's Linear records its weight's cast in its forward; the export of the same weight
+    holds the same e2m1 codes and block scales (NVFP4's 16 x 16 block scale on each of its rows) and NVFP4's
+    tensor scale as the reciprocal a reader divides by."""
+    from mixprec.narrow import convert_to_fp8, mx
+    from mixprec.narrow.recipe import RECIPES
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32))
+    weights = {f"model.layers.{i}.weight": m.weight.detach().clone() for i, m in enumerate(model)}
+    convert_to_fp8(model, RECIPES[fmt], compute_dtype=torch.float32, exclude=())
+    cast, seen = mx._cast, {}
+
+    def recording(x, *args, **kwargs):
+        q = cast(x, *args, **kwargs)
+        for name, w in weights.items():
+            if x.shape == w.shape and torch.equal(x, w):
+                seen[name] = q
+        return q
+
+    monkeypatch.setattr(mx, "_cast", recording)
+    model(torch.randn(3, 64))
+    assert set(seen) == set(weights)
+    out, _, _ = quantize_folder(weights, {}, {n: n.removesuffix(".weight") for n in weights}, [], fmt)
+    for name, q in seen.items():
+        base, R = name.removesuffix(".weight"), weights[name].shape[0]
+        assert torch.equal(out[base + ".weight_packed"], q.data.view(torch.uint8)[:R]), name
+        scale = q.scale.view(torch.uint8).repeat_interleave(q.block[0], 0)[:R]
+        assert torch.equal(out[base + ".weight_scale"].view(torch.uint8), scale), name
+        if fmt == "nvfp4":
+            assert torch.equal(out[base + ".weight_global_scale"], q.tensor_scale.reciprocal().reshape(1))

@@ -7,7 +7,14 @@ read back as the weights they stand for by every loader of a folder.
                {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size":
                [128, 128], "modules_to_not_convert": [...]}
 
-    tensors, config = quantize_folder(tensors, config, linears, "fp8-block")    # export
+    nvfp4      compressed-tensors' nvfp4-pack-quantized (vLLM, transformers): `weight_packed` (two e2m1 codes a
+               byte, the first in the low nibble), `weight_scale` e4m3 per 1 x 16 group, `weight_global_scale`
+               float32 with that format's convention (it divides: weight = e2m1 x (weight_scale / global));
+               quant_method "compressed-tensors", weights only (NVFP4A16)
+    mxfp4      compressed-tensors' mxfp4-pack-quantized: `weight_packed`, `weight_scale` the E8M0 exponent byte per
+               1 x 32 group (weight = e2m1 x 2^(byte - 127)), weights only (MXFP4A16)
+
+    tensors, config = quantize_folder(tensors, config, linears, kept, "fp8-block")    # export
     source = dequantized(folder, key)       # a folder with a quantization_config, as its dequantized weights
 
 Exported, a weight's e4m3 elements and scales are mixprec's block-wise cast (mixprec.narrow.scaling.quantize,
@@ -18,10 +25,20 @@ quotients round differently. A Linear with a dimension over 128 that is not a mu
 export's dtype (named in modules_to_not_convert, logged): readers that take the block size from the scale grid
 (rows // grid rows) would place such a grid's blocks wrongly.
 
+NVFP4 and MXFP4 are mixprec's casts with the nvfp4 and mxfp4 recipes' weight settings (NVFP4: 16 x 16 blocks, one
+e4m3 scale serving a block's 16 rows, written once per row as the format's 1 x 16 groups; MXFP4: 1 x 32, the
+scale rounded up): the elements and block scales those recipes' forwards cast. NVFP4's tensor scale is mixprec's
+amax / (448 x 6), written as its reciprocal (rounded), which a reader divides by: a block's scale then differs from
+the forward's product by at most a rounding (2^-24 relative). A Linear whose input dimension is not a multiple of
+the group stays in the export's dtype.
+
 Read (checkpoint.initial_load, generate, load_model): FineGrainedFP8 folders with float32, bfloat16 or ue8m0
 (float8_e8m0fnu, or its bytes as uint8: 2^(byte - 127)) scales, any block size, dequantized as the format
 defines (the product in float32, then the model's dtype: transformers' own dequantization), each rank reading
-only its rows' blocks. Any other quantization_config is refused in one line.
+only its rows' blocks; compressed-tensors folders in nvfp4-pack-quantized or mxfp4-pack-quantized, as that
+package's decompressor computes each value (in float32: NVFP4's block scale divided by the global scale first,
+then the product; the decompressor then rounds to bfloat16, the model's dtype here). Any other
+quantization_config is refused in one line.
 """
 
 from __future__ import annotations
@@ -35,8 +52,11 @@ from mixprec.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("bf16", "fp8-block")  # mixprec export --format: the export dtype as it is, or a narrow format
-READ = {"fp8": "FineGrainedFP8 (e4m3 weights, weight_scale_inv per block)"}  # quant_method -> what is read
+FORMATS = ("bf16", "fp8-block", "nvfp4", "mxfp4")  # mixprec export --format: the export dtype as it is, or a narrow one
+READ = {"fp8": "FineGrainedFP8 (e4m3 weights, weight_scale_inv per block)",  # quant_method -> what is read
+        "compressed-tensors": "formats nvfp4-pack-quantized, mxfp4-pack-quantized"}
+PACKED = {"nvfp4": ("nvfp4-pack-quantized", 16), "mxfp4": ("mxfp4-pack-quantized", 32)}  # format -> (name, group)
+COMPRESSED = {name: group for name, group in PACKED.values()}  # compressed-tensors formats read
 BLOCK = 128
 SCALE = "_scale_inv"
 
@@ -50,16 +70,22 @@ def convertible(shape: tuple[int, ...]) -> bool:
 def quantize_folder(tensors: dict[str, torch.Tensor], config: dict, linears: dict[str, str], kept: list[str],
                     fmt: str) -> tuple[dict[str, torch.Tensor], dict, set[str]]:
     """(tensors, config.json, the names written as they are) in `fmt`: each of `linears` (folder name of a
-    Linear's weight -> the Linear's folder name) converted where `convertible`; the Linears `kept` (the head,
-    routers) and those not convertible named in modules_to_not_convert."""
-    from mixprec.narrow.recipe import E4M3
-    from mixprec.narrow.scaling import quantize
-
+    Linear's weight -> the Linear's folder name) converted where the format takes its shape; the Linears `kept`
+    (the head, routers) and the others named as left out (modules_to_not_convert, or compressed-tensors' ignore)."""
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt!r} is not known; accepted: {', '.join(FORMATS)}")
     if fmt == "bf16":
         return tensors, config, set()
-    out, narrow, kept = dict(tensors), set(), list(kept)
+    if fmt in PACKED:
+        return _packed(tensors, config, linears, list(kept), fmt)
+    return _fp8_block(tensors, config, linears, list(kept))
+
+
+def _fp8_block(tensors, config, linears, kept):
+    from mixprec.narrow.recipe import E4M3
+    from mixprec.narrow.scaling import quantize
+
+    out, narrow = dict(tensors), set()
     for name, module in linears.items():
         w = tensors[name]
         if not convertible(tuple(w.shape)):
@@ -76,6 +102,49 @@ def quantize_folder(tensors: dict[str, torch.Tensor], config: dict, linears: dic
         "modules_to_not_convert": sorted(kept)}}
     logger.info("export: %d of %d Linear weights in e4m3 with a float32 scale per %dx%d block (fp8-block)",
                 len(narrow) // 2, len(linears), BLOCK, BLOCK)
+    return out, config, narrow
+
+
+def _packed(tensors, config, linears, kept, fmt):
+    """NVFP4 or MXFP4 in compressed-tensors' pack-quantized layout, cast as the recipe of that name casts weights."""
+    from mixprec.narrow.microscaling import E2M1, quantize_mx, quantize_nvfp4
+    from mixprec.narrow.recipe import RECIPES
+
+    name, group = PACKED[fmt]
+    r = RECIPES[fmt]
+    out, narrow, converted = dict(tensors), set(), 0
+    for weight, module in linears.items():
+        w = tensors[weight]
+        if w.dim() != 2 or w.shape[1] % group:
+            kept.append(module)
+            logger.info("export: %s stays in the export's dtype: its input dimension %d is not a multiple of %s's "
+                        "%d-element groups", module, w.shape[-1], fmt, group)
+            continue
+        R = w.shape[0]
+        base = weight.removesuffix(".weight")
+        if fmt == "nvfp4":
+            q = quantize_nvfp4(w.float(), block=(group, group) if r.weight_2d else (1, group),
+                               four_over_six=r.four_over_six)
+            scale = q.scale.repeat_interleave(q.block[0], 0)[:R]  # a 16 x 16 block's scale on each of its rows
+            out[base + ".weight_global_scale"] = q.tensor_scale.reciprocal().reshape(1)
+            narrow.add(base + ".weight_global_scale")
+        else:
+            q = quantize_mx(w.float(), E2M1, block=group, rounding=r.scale_rounding)
+            scale = q.scale.view(torch.uint8)  # the E8M0 byte, as compressed-tensors stores it
+        del out[weight]
+        out[base + ".weight_packed"] = q.data.view(torch.uint8)[:R].contiguous()
+        out[base + ".weight_scale"] = scale.contiguous()
+        narrow |= {base + ".weight_packed", base + ".weight_scale"}
+        converted += 1
+    weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": group, "dynamic": False,
+               "strategy": "tensor_group" if fmt == "nvfp4" else "group",
+               "scale_dtype": "torch.float8_e4m3fn" if fmt == "nvfp4" else "torch.uint8"}
+    config = {**config, "quantization_config": {
+        "quant_method": "compressed-tensors", "format": name, "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                      "output_activations": None, "format": name}},
+        "ignore": sorted(kept), "kv_cache_scheme": None}}
+    logger.info("export: %d of %d Linear weights in %s (%s)", converted, len(linears), fmt, name)
     return out, config, narrow
 
 
@@ -131,6 +200,55 @@ class FineGrainedFP8:
         return q * s.repeat_interleave(bc, 1)[:, :q.shape[1]]
 
 
+class CompressedTensors:
+    """A compressed-tensors folder in nvfp4- or mxfp4-pack-quantized read as its weights: each `X.weight_packed`
+    (with `X.weight_scale`, NVFP4's `X.weight_global_scale`) as `X.weight` (a WeightSource over the folder)."""
+
+    def __init__(self, folder, key: str, fmt: str):
+        self.folder, self.path, self.config = folder, folder.path, folder.config
+        self.group, self.nv = COMPRESSED[fmt], fmt.startswith("nvfp4")
+        self.packed = {n.removesuffix("_packed"): n.removesuffix(".weight_packed") for n in folder.names()
+                       if n.endswith(".weight_packed")}
+        self.hidden = {f"{base}.{part}" for base in self.packed.values()
+                       for part in ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")}
+        for name, base in self.packed.items():
+            R, half = folder.shape(base + ".weight_packed")
+            want = (R, 2 * half // self.group)
+            if (folder.dtype(base + ".weight_packed") != torch.uint8 or 2 * half % self.group
+                    or tuple(folder.shape(base + ".weight_scale")) != want):
+                raise UserError(f"{key} {folder.path}: {base}.weight_packed {list(folder.shape(base + '.weight_packed'))}"
+                                f" with weight_scale {list(folder.shape(base + '.weight_scale'))}; accepted: uint8 "
+                                f"pairs of e2m1 codes and one scale per {self.group} elements ({list(want)})")
+        logger.info("%s: %s, compressed-tensors %s: %d weights in e2m1, dequantized as its decompressor computes them",
+                    key, folder.path, fmt, len(self.packed))
+
+    def names(self) -> list[str]:
+        return [n for n in self.folder.names() if n not in self.hidden] + list(self.packed)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.packed:
+            return self.folder.shape(name)
+        R, half = self.folder.shape(self.packed[name] + ".weight_packed")
+        return R, 2 * half
+
+    def dtype(self, name: str) -> torch.dtype:
+        return torch.float32 if name in self.packed else self.folder.dtype(name)
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        from mixprec.narrow.microscaling import decode_e2m1
+
+        if name not in self.packed:
+            return self.folder.read(name, rows)
+        base = self.packed[name]
+        values = decode_e2m1(self.folder.read(base + ".weight_packed", rows))  # (rows, C) float32
+        scale = self.folder.read(base + ".weight_scale", rows)
+        if self.nv:  # the block scale over the global one, rounded once, as the decompressor divides
+            scale = scale.float() / self.folder.read(base + ".weight_global_scale").float().reshape(())
+        else:
+            scale = _scale_values(scale)
+        return values * scale.repeat_interleave(self.group, 1)
+
+
 def _scale_values(s: torch.Tensor) -> torch.Tensor:
     """A scale tensor's values in float32: ue8m0 as float8_e8m0fnu, or its bytes (uint8) as 2^(byte - 127)."""
     if s.dtype == torch.uint8:
@@ -149,6 +267,12 @@ def dequantized(folder, key: str):
         accepted = "; ".join(f"{m} ({what})" for m, what in READ.items())
         raise UserError(f"{key} {folder.path}: quantization_config quant_method {method!r} is not read; accepted: "
                         f"{accepted}, or a folder without quantization_config")
+    if method == "compressed-tensors":
+        fmt = qc.get("format")
+        if fmt not in COMPRESSED:
+            raise UserError(f"{key} {folder.path}: compressed-tensors format {fmt!r} is not read; accepted: "
+                            f"{', '.join(COMPRESSED)}")
+        return CompressedTensors(folder, key, fmt)
     if qc.get("fmt", "e4m3") != "e4m3":
         raise UserError(f"{key} {folder.path}: quantization_config fmt {qc.get('fmt')!r}; accepted: e4m3")
     return FineGrainedFP8(folder, key)
