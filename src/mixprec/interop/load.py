@@ -23,6 +23,7 @@ from mixprec.dtypes import dtype_name
 from mixprec.errors import UserError, dcp_failures, unreadable
 from mixprec.interop.adapters import adapter_for
 from mixprec.interop.checkpoint import read_checkpoint
+from mixprec.interop.expert_files import Fused
 from mixprec.interop.hf_folder import HFFolder, is_hf_folder
 from mixprec.interop.interfaces import NameMap, WeightSource
 from mixprec.interop.quantized import dequantized
@@ -97,7 +98,12 @@ def open_source(path: str | Path, model: nn.Module,
                 key: str = "checkpoint.initial_load") -> tuple[WeightSource, NameMap]:
     """(the source, the map from the model's names to the source's)."""
     if is_hf_folder(path):
-        return dequantized(HFFolder(path, key), key), adapter_for(model)
+        adapter = adapter_for(model)
+        source = dequantized(HFFolder(path, key), key)
+        fused = Fused(source, {adapter.hf_name(n) for n in _targets(model)})
+        if fused:
+            logger.info("%s: the experts' per-expert weights merged into the fused tensors the model holds", key)
+        return (fused if fused else source), adapter
     return CheckpointWeights(path, key), OwnNames()
 
 

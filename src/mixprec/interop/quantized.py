@@ -29,8 +29,10 @@ NVFP4 and MXFP4 are mixprec's casts with the nvfp4 and mxfp4 recipes' weight set
 e4m3 scale serving a block's 16 rows, written once per row as the format's 1 x 16 groups; MXFP4: 1 x 32, the
 scale rounded up): the elements and block scales those recipes' forwards cast. NVFP4's tensor scale is mixprec's
 amax / (448 x 6), written as its reciprocal (rounded), which a reader divides by: a block's scale then differs from
-the forward's product by at most a rounding (2^-24 relative). A Linear whose input dimension is not a multiple of
-the group stays in the export's dtype.
+the forward's product by at most a rounding (2^-24 relative). Linears an engine fuses (q, k and v; gate and up)
+share one tensor scale, from the group's largest amax (a fused GEMM reads one): theirs are cast under it, not
+under each one's own as the recipe's forward casts them. A Linear whose input dimension is not a multiple of the
+group stays in the export's dtype.
 
 Read (checkpoint.initial_load, generate, load_model): FineGrainedFP8 folders with float32, bfloat16 or ue8m0
 (float8_e8m0fnu, or its bytes as uint8: 2^(byte - 127)) scales, any block size, dequantized as the format
@@ -113,6 +115,7 @@ def _packed(tensors, config, linears, kept, fmt):
     name, group = PACKED[fmt]
     r = RECIPES[fmt]
     out, narrow, converted = dict(tensors), set(), 0
+    shared = _shared_amax(tensors, linears) if fmt == "nvfp4" else {}
     for weight, module in linears.items():
         w = tensors[weight]
         if w.dim() != 2 or w.shape[1] % group:
@@ -124,7 +127,7 @@ def _packed(tensors, config, linears, kept, fmt):
         base = weight.removesuffix(".weight")
         if fmt == "nvfp4":
             q = quantize_nvfp4(w.float(), block=(group, group) if r.weight_2d else (1, group),
-                               four_over_six=r.four_over_six)
+                               four_over_six=r.four_over_six, amax=shared.get(module))
             scale = q.scale.repeat_interleave(q.block[0], 0)[:R]  # a 16 x 16 block's scale on each of its rows
             out[base + ".weight_global_scale"] = q.tensor_scale.reciprocal().reshape(1)
             narrow.add(base + ".weight_global_scale")
@@ -146,6 +149,26 @@ def _packed(tensors, config, linears, kept, fmt):
         "ignore": sorted(kept), "kv_cache_scheme": None}}
     logger.info("export: %d of %d Linear weights in %s (%s)", converted, len(linears), fmt, name)
     return out, config, narrow
+
+
+_FUSED_GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def _shared_amax(tensors, linears) -> dict[str, torch.Tensor]:
+    """NVFP4's tensor amax of each Linear that an inference engine fuses with its siblings (q, k and v; gate and
+    up, of an MLP or of one expert): the group's largest, so that they share one global scale, as a fused
+    GEMM reads one (vLLM takes one per fused layer; llm-compressor writes them equal)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for weight, module in linears.items():
+        parent, _, leaf = module.rpartition(".")
+        if leaf in _FUSED_GROUPS and tensors[weight].dim() == 2:
+            groups.setdefault((parent, _FUSED_GROUPS[leaf]), []).append(weight)
+    shared = {}
+    for members in groups.values():
+        if len(members) > 1:
+            amax = torch.stack([tensors[w].float().abs().amax() for w in members]).amax()
+            shared.update({linears[w]: amax for w in members})
+    return shared
 
 
 class FineGrainedFP8:

@@ -11,8 +11,9 @@ its names), and writes config.json, safetensors (sharded above
 `max_shard_bytes`, with an index) and the run's tokenizer.json. FP8 and MX runs keep
 their high-precision weights (the converted Linear layers keep the original parameters):
 those are exported, in `dtype`, or with `fmt` in a narrow format inference engines load
-(mixprec.interop.quantized: "fp8-block", the decoder layers' Linears in e4m3 with a scale per
-128 x 128 block; embeddings, norms, the head and routers in `dtype`).
+(mixprec.interop.quantized: "fp8-block", "nvfp4", "mxfp4": the decoder layers' Linears, and
+each expert's projections as a Linear of its own (mixprec.interop.expert_files); embeddings,
+norms, the head and routers in `dtype`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from mixprec.dtypes import dtype_name
 from mixprec.errors import UserError
 from mixprec.interop import quantized
 from mixprec.interop.adapters import adapter_for
+from mixprec.interop.expert_files import per_expert
 from mixprec.interop.hf_folder import check_out, write_folder
 from mixprec.interop.load import CheckpointWeights
 from mixprec.models.ties import tied_names
@@ -73,7 +75,11 @@ def export(source: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloa
     # a mixture of experts' routers stay in float32 in the folder, as they trained (by role: hf_experts.routers)
     routers = tuple(f"{fqn}." for fqn in hf_experts.routers(model, hf_experts.find_experts(model)))
     float32 = {adapter.hf_name(n) for n in weights.tensors if n.startswith(routers) and n not in tied}
-    tensors, config, as_is = quantized.quantize_folder(tensors, config, *_linears(model, adapter, routers, tied), fmt)
+    convert, kept = _linears(model, adapter, routers, tied)
+    if fmt != "bf16":  # a narrow format's experts one Linear each, as transformers and inference engines read them
+        tensors, experts = per_expert(tensors)
+        convert.update(experts)
+    tensors, config, as_is = quantized.quantize_folder(tensors, config, convert, kept, fmt)
     written = write_folder(out, tensors, config, dtype=dtype, max_shard_bytes=max_shard_bytes,
                            extra_files={"tokenizer.json": text} if text else None, float32=float32, as_is=as_is)
     seconds = time.perf_counter() - t0
@@ -86,13 +92,14 @@ def export(source: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloa
 
 def _linears(model: torch.nn.Module, adapter, routers: tuple[str, ...], tied) -> tuple[dict[str, str], list[str]]:
     """The folder names of the decoder layers' Linear weights a narrow format converts (weight -> module), and
-    of the Linears it keeps (the head, the routers: never narrow)."""
+    of the modules it keeps (the head; the routers, Linear or not: never narrow)."""
     convert, kept = {}, []
     for fqn, m in model.named_modules():
-        if not isinstance(m, torch.nn.Linear) or f"{fqn}.weight" in tied:
+        router = f"{fqn}." in routers
+        if not (isinstance(m, torch.nn.Linear) or router) or f"{fqn}.weight" in tied:
             continue
         hf = adapter.hf_name(f"{fqn}.weight")
-        if "layers." in fqn and not f"{fqn}.".startswith(routers):
+        if "layers." in fqn and not router:
             convert[hf] = hf.removesuffix(".weight")
         else:
             kept.append(hf.removesuffix(".weight"))

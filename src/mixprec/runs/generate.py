@@ -14,10 +14,9 @@ import torch
 
 from mixprec.data.tokenizer import ByteTokenizer, load_tokenizer_file
 from mixprec.errors import UserError
-from mixprec.interop.adapters import adapter_for, llama_fields
+from mixprec.interop.adapters import llama_fields
 from mixprec.interop.hf_folder import HFFolder
-from mixprec.interop.load import CheckpointWeights, OwnNames, load_weights, materialize
-from mixprec.interop.quantized import dequantized
+from mixprec.interop.load import CheckpointWeights, OwnNames, load_weights, materialize, open_source
 from mixprec.models.llama import ModelArgs
 from mixprec.runs.resolve import empty_model, resolve, tokenizer_file
 
@@ -29,12 +28,12 @@ def load_model(path: str, device: torch.device | None = None):
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kind, p, run = resolve(path)
     if kind == "hf":
-        source = dequantized(HFFolder(p, key="folder"), "folder")
+        config = HFFolder(p, key="folder").config
         try:
-            model = empty_model(ModelArgs(**llama_fields(source.config, "folder")).architecture())
+            model = empty_model(ModelArgs(**llama_fields(config, "folder")).architecture())
         except UserError:  # not a Llama mixprec's own computes: run it as the transformers model
-            model = empty_model({"hf_config": source.config})
-        adapter = adapter_for(model)
+            model = empty_model({"hf_config": config})
+        source, adapter = open_source(p, model, key="folder")  # narrow formats dequantized, experts merged
         file = p / "tokenizer.json"
     else:
         source = CheckpointWeights(p, key="folder")

@@ -1,0 +1,85 @@
+"""A mixture of experts' weights as Hugging Face folders hold them on disk: one Linear per expert and projection
+(`mlp.experts.{e}.gate_proj.weight` (I, D), `up_proj` (I, D), `down_proj` (D, I)), which transformers merges
+into the fused tensors its models hold (`mlp.experts.gate_up_proj` (E, 2I, D), gate first; `down_proj`
+(E, D, I)) and which inference engines read per expert, each with its own scales in a narrow format.
+
+    tensors, linears = per_expert(tensors)        # fused -> per expert (export in a narrow format)
+    source = Fused(source, wanted)                 # a per-expert folder read as the fused tensors a model wants
+
+Only the fused layout transformers' qwen2_moe conversion maps (Qwen2/3-MoE, DeepSeek-V3, GLM-4-MoE, mixprec's
+MoE flavors as Glm4Moe) is split or merged; other fused layouts stay as they are.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+_FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+_SPLIT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def per_expert(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(the tensors with each fused (E, N, K) experts tensor split into one 2-D weight per expert and
+    projection, the new weights' names -> their Linear's name)."""
+    out, linears = {}, {}
+    for name, t in tensors.items():
+        m = _FUSED.match(name)
+        if m is None or t.dim() != 3:
+            out[name] = t
+            continue
+        prefix, proj = m.groups()
+        parts = (("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",))
+        for e in range(t.shape[0]):
+            for part, w in zip(parts, t[e].chunk(len(parts), dim=0)):
+                module = f"{prefix}.{e}.{part}"
+                out[module + ".weight"] = w.contiguous()
+                linears[module + ".weight"] = module
+    return out, linears
+
+
+class Fused:
+    """A folder with one weight per expert read as the fused experts tensors of `wanted` (a WeightSource over
+    it); a rank's rows of a fused tensor are its experts, and only theirs are read."""
+
+    def __init__(self, source, wanted):
+        self.source, self.path = source, getattr(source, "path", "")
+        groups: dict[tuple[str, str], dict[int, str]] = {}
+        for name in source.names():
+            m = _SPLIT.match(name)
+            if m is not None:
+                prefix, e, part = m.groups()
+                groups.setdefault((prefix, part), {})[int(e)] = name
+        self.fused: dict[str, tuple[list[str], ...]] = {}
+        for (prefix, part), by_expert in groups.items():
+            experts = [by_expert[e] for e in sorted(by_expert)]
+            if part == "down_proj" and f"{prefix}.down_proj" in wanted:
+                self.fused[f"{prefix}.down_proj"] = (experts,)
+            elif part == "gate_proj" and f"{prefix}.gate_up_proj" in wanted and (prefix, "up_proj") in groups:
+                ups = groups[(prefix, "up_proj")]
+                self.fused[f"{prefix}.gate_up_proj"] = (experts, [ups[e] for e in sorted(ups)])
+        self.hidden = {n for parts in self.fused.values() for names in parts for n in names}
+
+    def __bool__(self) -> bool:
+        return bool(self.fused)
+
+    def names(self) -> list[str]:
+        return [n for n in self.source.names() if n not in self.hidden] + list(self.fused)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.fused:
+            return self.source.shape(name)
+        parts = self.fused[name]
+        rows, cols = self.source.shape(parts[0][0])
+        return len(parts[0]), rows * len(parts), cols
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.source.dtype(self.fused[name][0][0] if name in self.fused else name)
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        if name not in self.fused:
+            return self.source.read(name, rows)
+        parts = self.fused[name]
+        experts = range(len(parts[0]))[rows] if rows is not None else range(len(parts[0]))
+        return torch.stack([torch.cat([self.source.read(names[e]) for names in parts]) for e in experts])
