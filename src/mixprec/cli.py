@@ -111,6 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "layers' Linears in e4m3 with a float32 scale per 128x128 block (transformers' "
                         "FineGrainedFP8, vLLM); nvfp4, mxfp4: in packed e2m1 (compressed-tensors' pack-quantized "
                         "layouts); the rest in --dtype")
+    gap = sub.add_parser(
+        "serve-gap", help="what serving a run's model in FP8 or FP4 changes, on its validation data",
+        description="Export the run's latest checkpoint in each format, read it back as inference engines "
+                    "dequantize it (fp8-block also quantizing each converted Linear's input per token in 1x128 "
+                    "groups), and compare its forward with the trained model's on the run's validation batches: "
+                    "the absolute gap in each target token's log-probability, KL(trained || served), and the share "
+                    "of tokens whose likeliest next token changes.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gap.add_argument("run", metavar="RUN", help="a run folder (config.toml and a checkpoint)")
+    gap.add_argument("--format", default="fp8-block,nvfp4,mxfp4", help="formats, separated by commas")
+    gap.add_argument("--batches", type=int, default=0, help="validation batches (0: the run's eval_batches)")
+    gap.add_argument("--json", action="store_true", help="print JSON")
     generate = sub.add_parser(
         "generate", help="print what a model writes after a prompt",
         description="Load a run folder (its latest checkpoint), a checkpoint or a Hugging Face folder and sample a "
@@ -329,6 +341,22 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_gap(args: argparse.Namespace) -> int:
+    from mixprec.runs.serve_gap import serve_gap
+
+    if args.batches < 0:
+        raise UserError(f"--batches: bad value {args.batches}; accepted: 0 (the run's eval_batches) or more")
+    result = serve_gap(args.run, [f.strip() for f in args.format.split(",") if f.strip()], args.batches or None)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{'format':<10} {'|d log p|':>10} {'KL':>10} {'top-1 changed':>14} {'val loss':>9} {'served':>9}  served as")
+    for fmt, r in result.items():
+        print(f"{fmt:<10} {r['logprob_gap']:>10.4g} {r['kl']:>10.4g} {100 * r['top1_changed']:>13.2f}% "
+              f"{r['val_loss']:>9.4f} {r['served_val_loss']:>9.4f}  {r['served']}")
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from mixprec.runs.generate import generate, load_model
 
@@ -471,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _setup_logging("stderr" if getattr(args, "json", False) else "stdout")  # --json: stdout is the JSON
     commands = {"train": cmd_train, "compare": cmd_compare, "audit": cmd_audit, "plan": cmd_plan, "formats": cmd_formats, "memory": cmd_memory,
-                "prepare": cmd_prepare, "export": cmd_export, "generate": cmd_generate,
+                "prepare": cmd_prepare, "export": cmd_export, "generate": cmd_generate, "serve-gap": cmd_serve_gap,
                 "analyze": cmd_analyze, "demo": cmd_demo}
     try:
         code = commands[args.command](args)

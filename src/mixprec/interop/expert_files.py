@@ -7,7 +7,8 @@ into the fused tensors its models hold (`mlp.experts.gate_up_proj` (E, 2I, D), g
     source = Fused(source, wanted)                 # a per-expert folder read as the fused tensors a model wants
 
 Only the fused layout transformers' qwen2_moe conversion maps (Qwen2/3-MoE, DeepSeek-V3, GLM-4-MoE, mixprec's
-MoE flavors as Glm4Moe) is split or merged; other fused layouts stay as they are.
+MoE flavors as Glm4Moe: `PER_EXPERT`) is split or merged; other families' fused experts (gpt-oss's, transposed
+with their gate and up interleaved) stay as they are.
 """
 
 from __future__ import annotations
@@ -20,9 +21,16 @@ _FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 _SPLIT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-def per_expert(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+# model types whose checkpoints hold one Linear per expert that transformers merges as qwen2_moe's conversion does
+PER_EXPERT = ("qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2", "deepseek_v3", "olmoe")
+
+
+def per_expert(tensors: dict[str, torch.Tensor], model_type: str = "glm4_moe") -> tuple[dict[str, torch.Tensor],
+                                                                                       dict[str, str]]:
     """(the tensors with each fused (E, N, K) experts tensor split into one 2-D weight per expert and
-    projection, the new weights' names -> their Linear's name)."""
+    projection, the new weights' names -> their Linear's name); a model type not in PER_EXPERT unchanged."""
+    if model_type not in PER_EXPERT:
+        return tensors, {}
     out, linears = {}, {}
     for name, t in tensors.items():
         m = _FUSED.match(name)

@@ -77,8 +77,12 @@ def export(source: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloa
     float32 = {adapter.hf_name(n) for n in weights.tensors if n.startswith(routers) and n not in tied}
     convert, kept = _linears(model, adapter, routers, tied)
     if fmt != "bf16":  # a narrow format's experts one Linear each, as transformers and inference engines read them
-        tensors, experts = per_expert(tensors)
+        tensors, experts = per_expert(tensors, config.get("model_type", ""))
         convert.update(experts)
+        fused = [n for n in tensors if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]
+        if fused:
+            logger.info("export: %d fused experts tensors (%s, ...) stay in %s: %s's experts have no per-expert "
+                        "layout mixprec writes", len(fused), fused[0], dtype_name(dtype), config.get("model_type"))
     tensors, config, as_is = quantized.quantize_folder(tensors, config, convert, kept, fmt)
     written = write_folder(out, tensors, config, dtype=dtype, max_shard_bytes=max_shard_bytes,
                            extra_files={"tokenizer.json": text} if text else None, float32=float32, as_is=as_is)
