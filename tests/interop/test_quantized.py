@@ -10,7 +10,7 @@ import torch
 from conftest import run_train
 from mixprec.cli import main
 from mixprec.interop.hf_folder import HFFolder
-from mixprec.interop.quantized import FineGrainedFP8, quantize_folder
+from mixprec.interop.quantized import FineGrainedFP8, dequantized, quantize_folder
 from mixprec.interop.safetensors_io import write_file
 from mixprec.runs.export import export
 from mixprec.runs.generate import load_model
@@ -415,3 +415,90 @@ def test_serve_gap_on_the_command_line(tmp_path, moe_run, capsys):
     export(moe_run, tmp_path / "hf")
     assert main(["serve-gap", str(tmp_path / "hf")]) == 2
     assert "not a run folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_a_packed_export_imported_and_exported_again_holds_the_same_weights(tmp_path, fp8_run, text_file, fmt):
+    """Export, fine-tune from the folder one step at a learning rate of 1e-30 (under every weight's last bit),
+    export again: the same values; NVFP4's scales and codes the same bytes but for the sign of a zero (-0 comes
+    back +0 from the optimizer's step); MXFP4's bytes may differ (a block whose largest code is 3 comes back at
+    half its scale with every code doubled: the rounded-up scale's rule on values that already fit)."""
+    from mixprec.interop.quantized import CompressedTensors
+    from mixprec.narrow.microscaling import decode_codes
+
+    def unsigned_zeros(packed):
+        codes = decode_codes(packed)
+        return torch.where(codes == 8, 0, codes)
+
+    export(fp8_run, tmp_path / "first", dtype=torch.float32, fmt=fmt)
+    run_train(tmp_path / "run", text_file, "--checkpoint.initial_load", str(tmp_path / "first"), "--precision.preset",
+              "fp32", "--training.steps", "1", "--checkpoint.interval", "1", "--training.lr", "1e-30",
+              "--training.warmup_steps", "0")
+    export(tmp_path / "run", tmp_path / "again", dtype=torch.float32, fmt=fmt)
+    first, again = (CompressedTensors(HFFolder(tmp_path / n), "test", f"{fmt}-pack-quantized") for n in ("first", "again"))
+    assert first.packed and first.names() == again.names()
+    for name, base in first.packed.items():
+        assert torch.equal(first.read(name), again.read(name)), name
+        if fmt == "nvfp4":
+            for part in ("weight_scale", "weight_global_scale"):
+                a, b = (source.folder.read(f"{base}.{part}") for source in (first, again))
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (name, part)
+            a, b = (source.folder.read(f"{base}.weight_packed") for source in (first, again))
+            assert torch.equal(unsigned_zeros(a), unsigned_zeros(b)), name
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_a_folder_written_by_compressed_tensors_imports_as_its_decompressor_and_transformers_read_it(
+        tmp_path, fp8_run, fmt):
+    """compressed-tensors' own scale rules (its global scale 2688 / amax, its group scales) and compressor write
+    the folder from the run's weights; mixprec imports every weight as the package's decompressor and
+    transformers' loader give it."""
+    pytest.importorskip("compressed_tensors")
+    import transformers
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    export(fp8_run, tmp_path / "plain")  # bfloat16, as such folders are written from
+    folder = HFFolder(tmp_path / "plain")
+    name = f"{fmt}-pack-quantized"
+    scheme = preset_name_to_scheme(fmt.upper() + "A16", ["Linear"])
+    compressor = BaseCompressor.get_value_from_registry(name)
+    group = scheme.weights.group_size
+    tensors, compressed = {}, {}
+    for n in folder.names():
+        w = folder.read(n)
+        if not (n.endswith("_proj.weight") and "layers." in n):
+            tensors[n] = w
+            continue
+        groups = w.float().unflatten(1, (-1, group))
+        parts = {"weight": w}
+        g = generate_gparam(w.float().min(), w.float().max()) if fmt == "nvfp4" else None
+        parts["weight_scale"], _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights, global_scale=g)
+        if g is not None:
+            parts["weight_global_scale"] = g
+        out = compressor.compress(parts, scheme)
+        base = n.removesuffix(".weight")
+        compressed[n] = out
+        tensors.update({f"{base}.{k}": v.contiguous() for k, v in out.items()})
+    qc = QuantizationConfig(config_groups={"group_0": scheme}, format=name, quantization_status="compressed",
+                            ignore=["lm_head"])
+    (tmp_path / "ct").mkdir()
+    write_file(tmp_path / "ct" / "model.safetensors", tensors, metadata={"format": "pt"})
+    config = {**folder.config, "quantization_config": qc.model_dump(mode="json")}
+    (tmp_path / "ct" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "ct" / "tokenizer.json").write_text((tmp_path / "plain" / "tokenizer.json").read_text())
+    source = dequantized(HFFolder(tmp_path / "ct"), "test")
+    assert len(compressed) == 14
+    for n, parts in compressed.items():
+        theirs = compressor.decompress(parts, scheme)["weight"]
+        assert torch.equal(source.read(n).to(theirs.dtype), theirs), n
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ct").eval()
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    _logits(hf, x)  # the first forward decompresses
+    for p in hf.parameters():
+        p.data = p.data.float()
+    ours, _ = load_model(str(tmp_path / "ct"))
+    for p in ours.parameters():
+        p.data = p.data.bfloat16().float()  # the reader's rounding
+    assert (_logits(hf, x) - _logits(ours, x)).abs().max() < 1e-5
