@@ -152,8 +152,9 @@ def test_export_format_on_the_command_line_and_bad_formats_in_one_line(tmp_path,
 @pytest.mark.parametrize("qc, words", [
     ({"quant_method": "awq"}, "quant_method 'awq' is not read; accepted: fp8 (FineGrainedFP8"),
     ("yes", "quant_method None is not read; accepted: fp8"),
-    ({"quant_method": "compressed-tensors", "format": "float-quantized"},
-     "compressed-tensors format 'float-quantized' is not read; accepted: nvfp4-pack-quantized, mxfp4-pack-quantized"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized"},
+     "compressed-tensors format 'int-quantized' is not read; accepted: nvfp4-pack-quantized, mxfp4-pack-quantized, "
+     "float-quantized"),
 ])
 def test_a_quantization_config_mixprec_does_not_read_is_refused_in_one_line(tmp_path, fp8_run, text_file, capsys,
                                                                            qc, words):
@@ -447,6 +448,34 @@ def test_a_packed_export_imported_and_exported_again_holds_the_same_weights(tmp_
             assert torch.equal(unsigned_zeros(a), unsigned_zeros(b)), name
 
 
+def _compressed_folder(tmp_path, run, scheme, fmt: str, scales) -> tuple[HFFolder, dict]:
+    """A folder of the run's weights written by compressed-tensors' own compressor in `fmt`: each decoder
+    Linear's parts ({"weight", "weight_scale", ...}) from scales(weight); returns the bfloat16 folder it was
+    made from and {weight name: the parts as the compressor wrote them}."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    export(run, tmp_path / "plain")  # bfloat16, as such folders are written from
+    folder = HFFolder(tmp_path / "plain")
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    tensors, compressed = {}, {}
+    for n in folder.names():
+        w = folder.read(n)
+        if not (n.endswith("_proj.weight") and "layers." in n):
+            tensors[n] = w
+            continue
+        compressed[n] = compressor.compress({"weight": w, **scales(w.float())}, scheme)
+        tensors.update({f"{n.removesuffix('.weight')}.{k}": v.contiguous() for k, v in compressed[n].items()})
+    qc = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed",
+                            ignore=["lm_head"])
+    (tmp_path / "ct").mkdir()
+    write_file(tmp_path / "ct" / "model.safetensors", tensors, metadata={"format": "pt"})
+    (tmp_path / "ct" / "config.json").write_text(json.dumps({**folder.config,
+                                                             "quantization_config": qc.model_dump(mode="json")}))
+    (tmp_path / "ct" / "tokenizer.json").write_text((tmp_path / "plain" / "tokenizer.json").read_text())
+    return folder, compressed
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_a_folder_written_by_compressed_tensors_imports_as_its_decompressor_and_transformers_read_it(
         tmp_path, fp8_run, fmt):
@@ -456,38 +485,20 @@ def test_a_folder_written_by_compressed_tensors_imports_as_its_decompressor_and_
     pytest.importorskip("compressed_tensors")
     import transformers
     from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization import preset_name_to_scheme
     from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
 
-    export(fp8_run, tmp_path / "plain")  # bfloat16, as such folders are written from
-    folder = HFFolder(tmp_path / "plain")
     name = f"{fmt}-pack-quantized"
     scheme = preset_name_to_scheme(fmt.upper() + "A16", ["Linear"])
     compressor = BaseCompressor.get_value_from_registry(name)
-    group = scheme.weights.group_size
-    tensors, compressed = {}, {}
-    for n in folder.names():
-        w = folder.read(n)
-        if not (n.endswith("_proj.weight") and "layers." in n):
-            tensors[n] = w
-            continue
-        groups = w.float().unflatten(1, (-1, group))
-        parts = {"weight": w}
-        g = generate_gparam(w.float().min(), w.float().max()) if fmt == "nvfp4" else None
-        parts["weight_scale"], _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights, global_scale=g)
-        if g is not None:
-            parts["weight_global_scale"] = g
-        out = compressor.compress(parts, scheme)
-        base = n.removesuffix(".weight")
-        compressed[n] = out
-        tensors.update({f"{base}.{k}": v.contiguous() for k, v in out.items()})
-    qc = QuantizationConfig(config_groups={"group_0": scheme}, format=name, quantization_status="compressed",
-                            ignore=["lm_head"])
-    (tmp_path / "ct").mkdir()
-    write_file(tmp_path / "ct" / "model.safetensors", tensors, metadata={"format": "pt"})
-    config = {**folder.config, "quantization_config": qc.model_dump(mode="json")}
-    (tmp_path / "ct" / "config.json").write_text(json.dumps(config))
-    (tmp_path / "ct" / "tokenizer.json").write_text((tmp_path / "plain" / "tokenizer.json").read_text())
+
+    def scales(w):
+        groups = w.unflatten(1, (-1, scheme.weights.group_size))
+        g = generate_gparam(w.min(), w.max()) if fmt == "nvfp4" else None
+        scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights, global_scale=g)
+        return {"weight_scale": scale} if g is None else {"weight_scale": scale, "weight_global_scale": g}
+
+    _, compressed = _compressed_folder(tmp_path, fp8_run, scheme, name, scales)
     source = dequantized(HFFolder(tmp_path / "ct"), "test")
     assert len(compressed) == 14
     for n, parts in compressed.items():
@@ -502,3 +513,42 @@ def test_a_folder_written_by_compressed_tensors_imports_as_its_decompressor_and_
     for p in ours.parameters():
         p.data = p.data.bfloat16().float()  # the reader's rounding
     assert (_logits(hf, x) - _logits(ours, x)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("preset", ["FP8", "FP8_DYNAMIC", "FP8_BLOCK"])
+def test_a_compressed_tensors_fp8_folder_imports_as_its_decompressor_reads_it(tmp_path, fp8_run, preset):
+    """compressed-tensors' FP8 schemes (a weight scale per tensor, per channel, per 128 x 128 block), their
+    scales by its own rules and its compressor writing the folder: mixprec imports each weight as its
+    decompressor gives it, bit for bit (transformers 5.24's model holds these weights up to two bfloat16 steps
+    from the decompressor's values: not a reference of them)."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    compressor = BaseCompressor.get_value_from_registry("float-quantized")
+
+    def scales(x):
+        if preset == "FP8":
+            lo, hi = x.min(), x.max()
+        elif preset == "FP8_DYNAMIC":
+            lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
+        else:  # 128 x 128 blocks, the last partial: each block's min and max
+            pad = torch.nn.functional.pad(x, (0, -x.shape[1] % 128, 0, -x.shape[0] % 128))
+            blocks = pad.unflatten(0, (-1, 128)).unflatten(2, (-1, 128)).transpose(1, 2).flatten(2)
+            lo, hi = blocks.amin(-1), blocks.amax(-1)
+        return {"weight_scale": calculate_qparams(lo, hi, scheme.weights)[0]}
+
+    _, compressed = _compressed_folder(tmp_path, fp8_run, scheme, "float-quantized", scales)
+    source = dequantized(HFFolder(tmp_path / "ct"), "test")
+    assert len(compressed) == 14 and len(source.scales) == 14
+    for n, parts in compressed.items():
+        theirs = compressor.decompress(parts, scheme)["weight"]
+        assert torch.equal(source.read(n).to(theirs.dtype), theirs), n
+        assert torch.equal(source.read(n, slice(5, 70)), source.read(n)[5:70]), n  # a rank's rows
+    import transformers
+
+    ours, _ = load_model(str(tmp_path / "ct"))  # through the loader, into the model
+    v = "model.layers.1.self_attn.v_proj.weight"
+    assert torch.equal(ours.layers[1].attention.wv.weight.detach(), source.read(v))

@@ -37,8 +37,9 @@ group stays in the export's dtype.
 Read (checkpoint.initial_load, generate, load_model): FineGrainedFP8 folders with float32, bfloat16 or ue8m0
 (float8_e8m0fnu, or its bytes as uint8: 2^(byte - 127)) scales, any block size, dequantized as the format
 defines (the product in float32, then the model's dtype: transformers' own dequantization), each rank reading
-only its rows' blocks; compressed-tensors folders in nvfp4-pack-quantized or mxfp4-pack-quantized, as that
-package's decompressor computes each value (in float32: NVFP4's block scale divided by the global scale first,
+only its rows' blocks; compressed-tensors folders in nvfp4-pack-quantized, mxfp4-pack-quantized or
+float-quantized (FP8 weights, a scale per tensor, channel, group or block), as that package's decompressor
+computes each value (in float32: NVFP4's block scale divided by the global scale first,
 then the product; the decompressor then rounds to bfloat16, the model's dtype here). Any other
 quantization_config is refused in one line.
 """
@@ -56,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 FORMATS = ("bf16", "fp8-block", "nvfp4", "mxfp4")  # mixprec export --format: the export dtype as it is, or a narrow one
 READ = {"fp8": "FineGrainedFP8 (e4m3 weights, weight_scale_inv per block)",  # quant_method -> what is read
-        "compressed-tensors": "formats nvfp4-pack-quantized, mxfp4-pack-quantized"}
+        "compressed-tensors": "formats nvfp4-pack-quantized, mxfp4-pack-quantized, float-quantized"}
 PACKED = {"nvfp4": ("nvfp4-pack-quantized", 16), "mxfp4": ("mxfp4-pack-quantized", 32)}  # format -> (name, group)
 COMPRESSED = {name: group for name, group in PACKED.values()}  # compressed-tensors formats read
 BLOCK = 128
@@ -171,15 +172,35 @@ def _shared_amax(tensors, linears) -> dict[str, torch.Tensor]:
     return shared
 
 
-class FineGrainedFP8:
+class _ScaledWeights:
+    """A folder's FP8 weights, each with its scale tensor beside it (`scales`: weight -> scale), read as the
+    weights they stand for (a WeightSource over the folder); `hidden`: the folder's names that are not weights."""
+
+    folder: object
+    scales: dict[str, str]
+    hidden: set[str]
+
+    def names(self) -> list[str]:
+        return [n for n in self.folder.names() if n not in self.hidden]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.folder.shape(name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return torch.float32 if name in self.scales else self.folder.dtype(name)
+
+
+class FineGrainedFP8(_ScaledWeights):
     """A folder's tensors as the weights they stand for: each `name` with a `name_scale_inv` beside it read
-    as e4m3 x its block's scale (a WeightSource over the folder)."""
+    as e4m3 x its block's scale."""
 
     def __init__(self, folder, key: str):
         self.folder, self.path, self.config = folder, folder.path, folder.config
         qc = folder.config["quantization_config"]
         block = qc.get("weight_block_size")
         self.scales = {n.removesuffix(SCALE): n for n in folder.names() if n.endswith(".weight" + SCALE)}
+        self.hidden = set(self.scales.values()) | {n for n in folder.names()
+                                                   if n.endswith((".input_scale", ".activation_scale"))}
         if block is not None and (not isinstance(block, (list, tuple)) or len(block) != 2
                                   or not all(isinstance(b, int) and b > 0 for b in block)):
             raise UserError(f"{key} {folder.path}: quantization_config weight_block_size {block!r}; accepted: two "
@@ -199,28 +220,57 @@ class FineGrainedFP8:
         dtypes = {str(self.folder.dtype(s)).removeprefix("torch.") for s in self.scales.values()}
         return "/".join(sorted(dtypes)) or "no"
 
-    def names(self) -> list[str]:
-        return [n for n in self.folder.names() if n not in set(self.scales.values())
-                and not n.endswith((".input_scale", ".activation_scale"))]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.folder.shape(name)
-
-    def dtype(self, name: str) -> torch.dtype:
-        return torch.float32 if name in self.scales else self.folder.dtype(name)
-
     def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
         if name not in self.scales:
             return self.folder.read(name, rows)
         q = self.folder.read(name, rows).float()
-        first = 0 if rows is None else rows.start
         if self.block is None:
             return q * _scale_values(self.folder.read(self.scales[name])).reshape(())
-        br, bc = self.block
-        grid = slice(first // br, math.ceil((first + q.shape[0]) / br))
-        s = _scale_values(self.folder.read(self.scales[name], grid))  # this rank's rows' blocks only
-        s = s.repeat_interleave(br, 0)[first - grid.start * br:][:q.shape[0]]
-        return q * s.repeat_interleave(bc, 1)[:, :q.shape[1]]
+        scale = _block_scales(self.folder, self.scales[name], rows, q.shape, self.block)
+        return q * _scale_values(scale)
+
+
+def _block_scales(folder, name: str, rows: slice | None, shape, block) -> torch.Tensor:
+    """The scales of tensor `name` (one per block of `block` elements, the last of a dimension partial) spread
+    over the `shape` elements of `rows`: only those rows' blocks are read."""
+    (br, bc), first = block, 0 if rows is None else rows.start
+    grid = slice(first // br, math.ceil((first + shape[0]) / br))
+    s = folder.read(name, grid)
+    s = s.repeat_interleave(br, 0)[first - grid.start * br:][:shape[0]]
+    return s.repeat_interleave(bc, 1)[:, :shape[1]]
+
+
+class FloatQuantized(_ScaledWeights):
+    """A compressed-tensors float-quantized folder (FP8 weights) read as its weights: each e4m3 `X.weight` times
+    its `X.weight_scale` (per tensor, channel, group or block, as the config's weights say), the product in the
+    scale's dtype, as the package's decompressor computes it."""
+
+    def __init__(self, folder, key: str, weights: dict):
+        self.folder, self.path, self.config = folder, folder.path, folder.config
+        self.strategy = weights.get("strategy")
+        if self.strategy not in ("tensor", "channel", "group", "block"):
+            raise UserError(f"{key} {folder.path}: compressed-tensors float-quantized weights with strategy "
+                            f"{self.strategy!r}; accepted: tensor, channel, group, block")
+        self.block = ((1, weights.get("group_size")) if self.strategy == "group" else
+                      tuple(weights.get("block_structure") or ()) if self.strategy == "block" else None)
+        self.scales = {n: n + "_scale" for n in folder.names()
+                       if folder.dtype(n) in (torch.float8_e4m3fn, torch.float8_e5m2) and n + "_scale" in folder.where}
+        self.hidden = {s for s in self.scales.values()} | {n.removesuffix("weight") + "input_scale"
+                                                           for n in self.scales}
+        logger.info("%s: %s, compressed-tensors float-quantized (%s scales): %d weights in FP8, dequantized as its "
+                    "decompressor computes them", key, folder.path, self.strategy, len(self.scales))
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        if name not in self.scales:
+            return self.folder.read(name, rows)
+        q = self.folder.read(name, rows)
+        if self.strategy == "tensor":
+            scale = self.folder.read(self.scales[name]).reshape(())
+        elif self.strategy == "channel":
+            scale = self.folder.read(self.scales[name], rows).reshape(-1, 1)
+        else:
+            scale = _block_scales(self.folder, self.scales[name], rows, q.shape, self.block)
+        return (q.to(scale.dtype) * scale).float()
 
 
 class CompressedTensors:
@@ -292,9 +342,15 @@ def dequantized(folder, key: str):
                         f"{accepted}, or a folder without quantization_config")
     if method == "compressed-tensors":
         fmt = qc.get("format")
+        if fmt == "float-quantized":
+            groups = list((qc.get("config_groups") or {}).values())
+            if len(groups) != 1 or not isinstance(groups[0].get("weights"), dict):
+                raise UserError(f"{key} {folder.path}: compressed-tensors float-quantized with {len(groups)} "
+                                "config groups; accepted: one, with its weights' quantization")
+            return FloatQuantized(folder, key, groups[0]["weights"])
         if fmt not in COMPRESSED:
             raise UserError(f"{key} {folder.path}: compressed-tensors format {fmt!r} is not read; accepted: "
-                            f"{', '.join(COMPRESSED)}")
+                            f"{', '.join((*COMPRESSED, 'float-quantized'))}")
         return CompressedTensors(folder, key, fmt)
     if qc.get("fmt", "e4m3") != "e4m3":
         raise UserError(f"{key} {folder.path}: quantization_config fmt {qc.get('fmt')!r}; accepted: e4m3")
