@@ -552,3 +552,37 @@ def test_a_compressed_tensors_fp8_folder_imports_as_its_decompressor_reads_it(tm
     ours, _ = load_model(str(tmp_path / "ct"))  # through the loader, into the model
     v = "model.layers.1.self_attn.v_proj.weight"
     assert torch.equal(ours.layers[1].attention.wv.weight.detach(), source.read(v))
+
+
+def test_a_gpt_oss_run_exports_its_experts_in_the_familys_mxfp4_and_transformers_reads_them(tmp_path, text_file):
+    """gpt-oss's own MXFP4 layout (_blocks, _scales; quant_method mxfp4), which transformers dequantizes on the
+    CPU: the weights mixprec imports from the folder, bit for bit, and the same logits; attention stays in the
+    export's dtype."""
+    import transformers
+
+    (tmp_path / "cfg").mkdir()
+    small = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512, num_experts_per_tok=2,
+                 max_position_embeddings=64, num_local_experts=8, layer_types=["full_attention"] * 2)
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps({"model_type": "gpt_oss", **small}))
+    run_train(tmp_path / "run", text_file, "--model.hf_config", str(tmp_path / "cfg"), "--data.tokenizer", "byte",
+              "--precision.preset", "fp32", "--training.steps", "2", "--checkpoint.interval", "2")
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "hf"), "--format", "mxfp4", "--dtype",
+                 "float32"]) == 0
+    folder = HFFolder(tmp_path / "hf")
+    assert folder.config["quantization_config"]["quant_method"] == "mxfp4"
+    assert folder.shape("model.layers.0.mlp.experts.gate_up_proj_blocks") == (8, 128, 2, 16)  # (E, 2I, H/32, 16)
+    assert folder.dtype("model.layers.0.self_attn.q_proj.weight") == torch.float32
+    source, name = dequantized(folder, "test"), "model.layers.1.mlp.experts.down_proj"
+    assert source.shape(name) == (8, 64, 64) and torch.equal(source.read(name, slice(2, 5)), source.read(name)[2:5])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ours, _ = load_model(str(tmp_path / "hf"))
+    theirs = hf.state_dict()
+    for layer in range(2):
+        for proj in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{layer}.mlp.experts.{proj}"
+            assert torch.equal(theirs[name], ours.state_dict()["hf." + name]), name
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(_logits(hf, x), _logits(ours, x))  # the same transformers code on the same weights
+    trained, _ = load_model(str(tmp_path / "run"))
+    assert not torch.equal(_logits(trained, x), _logits(ours, x))  # and they are the run's, in e2m1

@@ -14,6 +14,11 @@ read back as the weights they stand for by every loader of a folder.
     mxfp4      compressed-tensors' mxfp4-pack-quantized: `weight_packed`, `weight_scale` the E8M0 exponent byte per
                1 x 32 group (weight = e2m1 x 2^(byte - 127)), weights only (MXFP4A16)
 
+    mxfp4 of a gpt-oss model: its own layout, which transformers reads for the family: each experts tensor
+               (E, K, N) as `X_blocks` (E, N, K/32, 16), two e2m1 codes a byte, and `X_scales` (E, N, K/32),
+               the E8M0 exponent bytes; quantization_config {"quant_method": "mxfp4"}; attention, routers,
+               embeddings and the head stay in the export's dtype, as the family's checkpoints keep them
+
     tensors, config = quantize_folder(tensors, config, linears, kept, "fp8-block")    # export
     source = dequantized(folder, key)       # a folder with a quantization_config, as its dequantized weights
 
@@ -57,7 +62,8 @@ logger = logging.getLogger(__name__)
 
 FORMATS = ("bf16", "fp8-block", "nvfp4", "mxfp4")  # mixprec export --format: the export dtype as it is, or a narrow one
 READ = {"fp8": "FineGrainedFP8 (e4m3 weights, weight_scale_inv per block)",  # quant_method -> what is read
-        "compressed-tensors": "formats nvfp4-pack-quantized, mxfp4-pack-quantized, float-quantized"}
+        "compressed-tensors": "formats nvfp4-pack-quantized, mxfp4-pack-quantized, float-quantized",
+        "mxfp4": "gpt-oss's MXFP4 experts (_blocks, _scales)"}
 PACKED = {"nvfp4": ("nvfp4-pack-quantized", 16), "mxfp4": ("mxfp4-pack-quantized", 32)}  # format -> (name, group)
 COMPRESSED = {name: group for name, group in PACKED.values()}  # compressed-tensors formats read
 BLOCK = 128
@@ -79,6 +85,8 @@ def quantize_folder(tensors: dict[str, torch.Tensor], config: dict, linears: dic
         raise UserError(f"--format {fmt!r} is not known; accepted: {', '.join(FORMATS)}")
     if fmt == "bf16":
         return tensors, config, set()
+    if own_layout(fmt, config):
+        return _gpt_oss(tensors, config)
     if fmt in PACKED:
         return _packed(tensors, config, linears, list(kept), fmt)
     return _fp8_block(tensors, config, linears, list(kept))
@@ -150,6 +158,78 @@ def _packed(tensors, config, linears, kept, fmt):
         "ignore": sorted(kept), "kv_cache_scheme": None}}
     logger.info("export: %d of %d Linear weights in %s (%s)", converted, len(linears), fmt, name)
     return out, config, narrow
+
+
+def own_layout(fmt: str, config: dict) -> bool:
+    """Whether the model family has a layout of its own for `fmt` that holds its fused experts (gpt-oss's MXFP4)."""
+    return fmt == "mxfp4" and config.get("model_type") == "gpt_oss"
+
+
+def _gpt_oss(tensors, config):
+    """gpt-oss's experts in its MXFP4 layout, cast as the mxfp4 recipe casts weights (1 x 32, the scale rounded
+    up), along each expert's input dimension."""
+    from mixprec.narrow.microscaling import E2M1, quantize_mx
+    from mixprec.narrow.recipe import RECIPES
+
+    out, narrow = {}, set()
+    for name, w in tensors.items():
+        if not (name.endswith((".experts.gate_up_proj", ".experts.down_proj")) and w.dim() == 3):
+            out[name] = w
+            continue
+        E, K, N = w.shape
+        if K % 32:
+            raise UserError(f"--format mxfp4: {name} sums over {K} elements, not a multiple of 32; accepted: a "
+                            "gpt-oss model whose hidden and intermediate sizes are multiples of 32")
+        q = quantize_mx(w.transpose(1, 2).reshape(E * N, K).float(), E2M1, rounding=RECIPES["mxfp4"].scale_rounding)
+        out[name + "_blocks"] = q.data.view(torch.uint8).reshape(E, N, K // 32, 16)
+        out[name + "_scales"] = q.scale.view(torch.uint8).reshape(E, N, K // 32)
+        narrow |= {name + "_blocks", name + "_scales"}
+    config = {**config, "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}}
+    logger.info("export: %d gpt-oss experts tensors in MXFP4 (_blocks, _scales); attention, routers, embeddings "
+                "and the head in the export's dtype", len(narrow) // 2)
+    return out, config, narrow
+
+
+class GptOssMxfp4:
+    """A gpt-oss MXFP4 folder read as its weights: each `X_blocks` with `X_scales` as the experts tensor `X`
+    (E, K, N), e2m1 x 2^(byte - 127) (a WeightSource over the folder); a rank's rows are its experts."""
+
+    def __init__(self, folder, key: str):
+        self.folder, self.path, self.config = folder, folder.path, folder.config
+        self.packed = {n.removesuffix("_blocks"): n for n in folder.names() if n.endswith("_blocks")}
+        for name, blocks in self.packed.items():
+            shape, scales = folder.shape(blocks), name + "_scales"
+            if (len(shape) != 4 or shape[-1] != 16 or scales not in folder.where
+                    or tuple(folder.shape(scales)) != tuple(shape[:3])):
+                raise UserError(f"{key} {folder.path}: {blocks!r} is {list(shape)}; accepted: gpt-oss MXFP4 blocks "
+                                "(E, N, K/32, 16) with scales (E, N, K/32) beside them")
+        self.hidden = set(self.packed.values()) | {n + "_scales" for n in self.packed}
+        logger.info("%s: %s, gpt-oss MXFP4 (quant_method mxfp4): %d experts tensors dequantized as the format "
+                    "defines (e2m1 x 2^(scale - 127))", key, folder.path, len(self.packed))
+
+    def names(self) -> list[str]:
+        return [n for n in self.folder.names() if n not in self.hidden] + list(self.packed)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.packed:
+            return self.folder.shape(name)
+        E, N, G, _ = self.folder.shape(self.packed[name])
+        return E, G * 32, N
+
+    def dtype(self, name: str) -> torch.dtype:
+        return torch.float32 if name in self.packed else self.folder.dtype(name)
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        from mixprec.narrow.microscaling import decode_e2m1
+
+        if name not in self.packed:
+            return self.folder.read(name, rows)
+        blocks = self.folder.read(self.packed[name], rows)  # (e, N, G, 16): this rank's experts only
+        scales = _scale_values(self.folder.read(name + "_scales", rows).view(torch.uint8))
+        e, N, G, _ = blocks.shape
+        values = decode_e2m1(blocks.reshape(e * N * G, 16)).reshape(e, N, G, 32) * scales[..., None]
+        return values.reshape(e, N, G * 32).transpose(1, 2)
 
 
 _FUSED_GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
@@ -340,6 +420,8 @@ def dequantized(folder, key: str):
         accepted = "; ".join(f"{m} ({what})" for m, what in READ.items())
         raise UserError(f"{key} {folder.path}: quantization_config quant_method {method!r} is not read; accepted: "
                         f"{accepted}, or a folder without quantization_config")
+    if method == "mxfp4":
+        return GptOssMxfp4(folder, key)
     if method == "compressed-tensors":
         fmt = qc.get("format")
         if fmt == "float-quantized":

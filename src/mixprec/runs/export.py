@@ -80,7 +80,7 @@ def export(source: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloa
         tensors, experts = per_expert(tensors, config.get("model_type", ""))
         convert.update(experts)
         fused = [n for n in tensors if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]
-        if fused:
+        if fused and not quantized.own_layout(fmt, config):
             logger.info("export: %d fused experts tensors (%s, ...) stay in %s: %s's experts have no per-expert "
                         "layout mixprec writes", len(fused), fused[0], dtype_name(dtype), config.get("model_type"))
     tensors, config, as_is = quantized.quantize_folder(tensors, config, convert, kept, fmt)
