@@ -373,7 +373,7 @@ def test_a_per_expert_folder_loads_into_the_fused_experts(tmp_path, moe_run):
 
 # ---- what serving in a narrow format changes -------------------------------------------------------------------
 def test_serve_gap_measures_each_format_against_the_trained_forward(fp8_run, monkeypatch, capsys):
-    from mixprec.interop import quantized
+    from mixprec.interop.quantized import compressed
     from mixprec.runs.serve_gap import serve_gap
 
     gap = serve_gap(fp8_run)
@@ -397,7 +397,7 @@ def test_serve_gap_measures_each_format_against_the_trained_forward(fp8_run, mon
                   for x, y, _ in data]
     assert abs(float(sum(losses)) / 256 - gap["mxfp4"]["val_loss"]) < 1e-5
     # a format that changes nothing serves the trained model: every figure 0
-    monkeypatch.setattr(quantized, "_packed", lambda tensors, config, linears, kept, fmt: (tensors, config, set()))
+    monkeypatch.setattr(compressed, "write", lambda tensors, config, linears, kept, fmt: (tensors, config, set()))
     same = serve_gap(fp8_run, ["mxfp4"])["mxfp4"]
     assert same["logprob_gap"] == same["kl"] == same["top1_changed"] == 0
 
