@@ -140,8 +140,10 @@ def test_fine_tuning_from_an_fp8_folder_starts_where_its_dequantized_twin_does(t
 
 
 def test_export_format_on_the_command_line_and_bad_formats_in_one_line(tmp_path, fp8_run, capsys):
-    assert main(["export", str(fp8_run), str(tmp_path / "hf"), "--format", "fp8-block"]) == 0
-    assert "quantization_config" in json.loads((tmp_path / "hf" / "config.json").read_text())
+    for fmt, method in (("fp8-block", "fp8"), ("nvfp4", "compressed-tensors"), ("mxfp4", "compressed-tensors")):
+        assert main(["export", str(fp8_run), str(tmp_path / fmt), "--format", fmt]) == 0  # docs/pretrained.md's
+        qc = json.loads((tmp_path / fmt / "config.json").read_text())["quantization_config"]
+        assert qc["quant_method"] == method
     capsys.readouterr()
     assert main(["export", str(fp8_run), str(tmp_path / "out"), "--format", "int3"]) == 2
     err = capsys.readouterr().err.strip()
@@ -586,3 +588,21 @@ def test_a_gpt_oss_run_exports_its_experts_in_the_familys_mxfp4_and_transformers
     assert torch.equal(_logits(hf, x), _logits(ours, x))  # the same transformers code on the same weights
     trained, _ = load_model(str(tmp_path / "run"))
     assert not torch.equal(_logits(trained, x), _logits(ours, x))  # and they are the run's, in e2m1
+
+
+def test_a_qwen3_moe_run_exports_its_experts_in_fp8_blocks_that_transformers_reads(tmp_path, text_file):
+    """A transformers MoE family trained through the experts interface (model.hf_config): its fused experts
+    written one e4m3 Linear per expert, which transformers merges back; its logits are mixprec's."""
+    import transformers
+    from conftest import tiny_qwen3_moe
+
+    config = tiny_qwen3_moe(tmp_path / "cfg")
+    run_train(tmp_path / "run", text_file, "--model.hf_config", str(config), "--data.tokenizer", "byte",
+              "--precision.preset", "fp8-rowwise", "--training.steps", "2", "--checkpoint.interval", "2")
+    export(tmp_path / "run", tmp_path / "hf", dtype=torch.float32, fmt="fp8-block")
+    folder = HFFolder(tmp_path / "hf")
+    assert folder.dtype("model.layers.1.mlp.experts.7.down_proj.weight") == torch.float8_e4m3fn
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ours, _ = load_model(str(tmp_path / "hf"))
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    assert (_logits(hf, x) - _logits(ours, x)).abs().max() < 1e-6
