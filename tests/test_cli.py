@@ -58,7 +58,7 @@ def test_cli_surface_is_frozen():
 def test_commands():
     sub = build_parser()._subparsers._group_actions[0].choices
     assert sorted(sub) == ["analyze", "audit", "compare", "demo", "export", "formats", "generate", "memory", "plan",
-                           "prepare", "train"]
+                           "prepare", "serve-gap", "train"]
 
 
 def test_help_lists_every_key_with_doc_and_default():
