@@ -28,7 +28,7 @@ _WHERE = {
     "plan_precision": "mixprec.plan.planner", "format_plan": "mixprec.plan.planner",
     "PlanConfig": "mixprec.plan.config",
     # config
-    "Config": "mixprec.config", "load_config": "mixprec.config", "build_policy": "mixprec.config",
+    "Config": "mixprec.config", "load_config": "mixprec.config", "build_policy": "mixprec.train.policy",
     # errors
     "UserError": "mixprec.errors", "TrainingUnstable": "mixprec.errors",
 }

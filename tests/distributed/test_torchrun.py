@@ -11,7 +11,8 @@ from conftest import run_train, tiny_args, tiny_qwen3_moe
 import torch
 
 from mixprec import UserError
-from mixprec.config import Parallelism, build_policy, load_config
+from mixprec.config import Parallelism, load_config
+from mixprec.train.policy import build_policy
 from mixprec.distributed.parallel import ParallelDims
 from mixprec.train.parallelize import parallelize
 

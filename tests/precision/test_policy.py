@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from mixprec import Policy, UserError
-from mixprec.config import Precision, Training, build_policy
+from mixprec.config import Precision, Training
+from mixprec.train.policy import build_policy
 
 FP32, BF16 = torch.float32, torch.bfloat16
 

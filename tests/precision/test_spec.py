@@ -105,7 +105,8 @@ def test_toml_override_tables(tmp_path, text_file):
     config = tmp_path / "run.toml"
     config.write_text('[precision]\npreset = "bf16-mixed"\n[[precision.override]]\nmodules = "layers.0.*"\n'
                       'compute = "float32"\n')
-    from mixprec.config import build_policy, load_config
+    from mixprec.config import load_config
+    from mixprec.train.policy import build_policy
 
     cfg = load_config(str(config))
     assert cfg.precision.override == ("layers.0.*=float32",)

@@ -78,7 +78,7 @@ def _memory_advice(config, error: BaseException) -> str:
     import torch
 
     from mixprec.analysis.memory import Setup, plan
-    from mixprec.config import build_policy
+    from mixprec.train.policy import build_policy
     from mixprec.train.build import model_shape
 
     name = type(error).__name__

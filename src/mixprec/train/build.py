@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec.config import Config, build_policy
+from mixprec.config import Config
 from mixprec.data.corpus import load_corpus
 from mixprec.data.loader import TrainLoader, val_batches
 from mixprec.data.shards import is_prepared, open_prepared
@@ -28,7 +28,6 @@ from mixprec.data.tokenizer import build_tokenizer, tokenizer_path
 from mixprec.distributed.expert_parallel import check as check_expert_parallel
 from mixprec.distributed.parallel import ParallelDims, init_distributed, resolve_device
 from mixprec.distributed.tensor_parallel import check_tensor_parallel
-from mixprec.dtypes import dtype_name
 from mixprec.errors import UserError
 from mixprec.interop.adapters import llama_fields
 from mixprec.interop.checkpoint import CheckpointManager
@@ -45,6 +44,7 @@ from mixprec.rng import seed_all
 from mixprec.plan.live import Replanner
 from mixprec.stability.guard import StabilityGuard
 from mixprec.train.parallelize import parallelize
+from mixprec.train.policy import build_policy
 from mixprec.train.run_folder import check_writable
 from mixprec.train.state import TrainingState
 
