@@ -90,7 +90,7 @@ def state_format_row(model, optimizer, moments) -> tuple[dict, list[str]]:
     """Each parameter's AdamW moments as stored (their codes' dtype, the block scales' shape, the
     block size recorded) against the spec's format: quantized, or FP32 where the format leaves
     the tensor out (small tensors, embeddings)."""
-    from mixprec.optim.adamw import saved_format
+    from mixprec.optim.saved_state import saved_format
     from mixprec.optim.state_formats import SCALE, scale_shape
     from mixprec.precision.optimizer_states import embeddings_of
 

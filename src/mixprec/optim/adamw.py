@@ -20,79 +20,22 @@ import logging
 
 import torch
 
-from mixprec.errors import UserError
 from mixprec.optim import fused_adamw
-from mixprec.optim.state_formats import (SCALE, StateFormat, code_on, dequantize, lookup_on, quantize,
-                                         scale_shape)
-from mixprec.shards import local_shard
+from mixprec.optim.saved_state import BLOCK, MOMENTS, in_formats
+from mixprec.optim.state_formats import SCALE, StateFormat, code_on, dequantize, lookup_on, quantize, scale_shape
+from mixprec.shards import local_shard, shaped_as
 
 logger = logging.getLogger(__name__)
 
 COMPENSATION = "kahan_compensation"  # as mixprec.optim.updates
-BLOCK = "moments_block"  # the state key of a quantized format's block size (an int)
 # parameters of one shape one compiled call steps, by device type: on a GPU the step was its host work,
 # ~140 us a call; on a CPU its arithmetic (the same time either way), and a graph of 8 parameters took
 # 5x longer to compile than 8 calls of one (small flavor, 151 s against 31 s: Inductor's work grows with
 # the graph, its kernels are not shared within it)
 PER_KERNEL = {"cuda": 8, "cpu": 1}
 COMPILE_MIN_NUMEL = 2**16  # CPU tensors smaller than this step eagerly by default (AdamW._compiles)
-MOMENTS = {"exp_avg": True, "exp_avg_sq": False}  # key -> signed code
 NOT_IMPLEMENTED = ("amsgrad", "capturable", "differentiable")  # torch.optim.AdamW's options refused here
 FP32_MOMENTS = StateFormat("fp32")
-
-
-def _shaped_as(p: torch.Tensor, local: torch.Tensor, shape) -> torch.Tensor:
-    """`local` as p's shard of a tensor of global `shape` (a DTensor placed as p where p is one)."""
-    if not hasattr(p, "device_mesh"):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),
-                              stride=stride)
-
-
-def saved_format(saved: dict) -> str:
-    """The moment format of one parameter's saved state: 8bit, fp8, or a dense dtype's name."""
-    m = saved.get("exp_avg")
-    if not torch.is_tensor(m):
-        return "none"
-    if "exp_avg" + SCALE in saved:
-        return f"{'8bit' if m.dtype == torch.uint8 else 'fp8'} (blocks of {saved.get(BLOCK)})"
-    return StateFormat.of(m.dtype).name if m.dtype in (torch.float32, torch.bfloat16, torch.float16) else str(m.dtype)
-
-
-def _dequantized(entry: dict) -> dict:
-    """One parameter's saved state with its quantized moments as FP32 (placed as their codes were); a state of
-    dense moments as it is."""
-    if "exp_avg" + SCALE not in entry:
-        return entry
-    out = dict(entry)
-    block = int(out.pop(BLOCK))
-    for key, signed in MOMENTS.items():
-        codes, scales = out[key], out.pop(key + SCALE)
-        out[key] = _shaped_as(codes, dequantize(local_shard(codes), local_shard(scales), block, signed), codes.shape)
-    return out
-
-
-def for_dense_optimizer(optimizer: torch.optim.Optimizer, state_dict: dict, convert: bool) -> dict:
-    """A saved optimizer state made fit for an optimizer that keeps dense moments of its own (torch's
-    AdamW: it would load 8-bit codes as moments, values up to 255, with a warning at most). Saved
-    quantized moments are refused in one line, or, `convert`, dequantized to FP32 (the optimizer's own
-    load casts them to its parameters' dtype). mixprec's AdamW checks its own (AdamW.load_state_dict)."""
-    if isinstance(optimizer, AdamW):
-        return state_dict
-    quantized = [e for e in state_dict.get("state", {}).values() if "exp_avg" + SCALE in e]
-    if not quantized:
-        return state_dict
-    if not convert:
-        raise UserError(f"optimizer state: saved with {saved_format(quantized[0])} moments, this run's "
-                        f"{type(optimizer).__name__} keeps dense moments; accepted: the saved moments "
-                        "(precision.optimizer_states), or checkpoint.convert_optimizer_states true to convert")
-    state = {index: _dequantized(entry) for index, entry in state_dict["state"].items()}
-    logger.info("optimizer: the checkpoint's %s moments dequantized for %s (checkpoint.convert_optimizer_states)",
-                saved_format(quantized[0]), type(optimizer).__name__)
-    return {**state_dict, "state": state}
 
 
 class AdamW(torch.optim.Optimizer):
@@ -187,8 +130,8 @@ class AdamW(torch.optim.Optimizer):
             if fmt.quantized:
                 codes, scales = quantize(torch.zeros_like(local_shard(p), dtype=torch.float32), fmt.name, fmt.block_size,
                                          signed)
-                state[key] = _shaped_as(p, codes, p.shape)
-                state[key + SCALE] = _shaped_as(p, scales, scale_shape(p.shape, fmt.block_size))
+                state[key] = shaped_as(p, codes, p.shape)
+                state[key + SCALE] = shaped_as(p, scales, scale_shape(p.shape, fmt.block_size))
                 state[BLOCK] = fmt.block_size
             else:
                 state[key] = torch.zeros_like(p, dtype=fmt.dtype)
@@ -201,19 +144,7 @@ class AdamW(torch.optim.Optimizer):
         round). A parameter saved in another moment format is refused in one line, or
         converted (dequantized, then stored in this one) where `convert` is set."""
         params = [p for g in self.param_groups for p in g["params"]]
-        saved = {k: dict(v) for k, v in state_dict["state"].items()}
-        for index, entry in saved.items():
-            p = params[index] if isinstance(index, int) and index < len(params) else None
-            if p is None:
-                continue
-            have, want = saved_format(entry), self.format_of(p).label
-            if have in ("none", want):
-                continue
-            if not self.convert:
-                raise UserError(f"optimizer state: saved with {have} moments, this run keeps {want} moments "
-                                f"(precision.optimizer_states); accepted: the saved format, or "
-                                "checkpoint.convert_optimizer_states true to convert")
-            saved[index] = self._converted(p, entry)
+        saved = in_formats(params, state_dict["state"], self.format_of, self.convert)
         groups, dicts = self.param_groups, list(self.param_groups)
         super().load_state_dict({**state_dict, "state": saved})
         # torch's load puts new group dicts in place; a scheduler built on the optimizer this one replaced
@@ -230,21 +161,6 @@ class AdamW(torch.optim.Optimizer):
             for key, value in entry.items():
                 if torch.is_tensor(value) and key != "step" and state[key].dtype != value.dtype:
                     state[key] = value.to(device=state[key].device)
-
-    def _converted(self, p: torch.Tensor, entry: dict) -> dict:
-        """`entry`'s moments dequantized to FP32 and stored in p's format here."""
-        out = _dequantized(entry)
-        fmt = self.format_of(p)
-        for key, signed in MOMENTS.items():
-            value = local_shard(out[key]).float()
-            if fmt.quantized:
-                codes, scales = quantize(value, fmt.name, fmt.block_size, signed)
-                out[key], out[key + SCALE] = _shaped_as(p, codes, p.shape), _shaped_as(
-                    p, scales, scale_shape(p.shape, fmt.block_size))
-                out[BLOCK] = fmt.block_size
-            else:
-                out[key] = _shaped_as(p, value.to(fmt.dtype), p.shape)
-        return out
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -20,7 +20,8 @@ import math
 from mixprec.errors import TrainingUnstable, UserError
 from mixprec.interop.checkpoint import (CheckpointManager, check_compatible, keep_optimizer_kernels,
                                         load_full_into_sharded, load_sharded, restoring)
-from mixprec.optim.adamw import AdamW, for_dense_optimizer
+from mixprec.optim.adamw import AdamW
+from mixprec.optim.saved_state import for_dense_optimizer
 from mixprec.optim.state_formats import SCALE
 from mixprec.rng import rng_state, set_rng_state
 from mixprec.stability.guard import clone_state
@@ -28,6 +29,12 @@ from mixprec.stability.guard import clone_state
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
+
+
+def _fit(optimizer, saved: dict, convert: bool) -> dict:
+    """A single file's optimizer state for `optimizer`: mixprec's AdamW checks its own formats as it loads
+    (AdamW.load_state_dict), any other optimizer gets it fit for dense moments (saved_state)."""
+    return saved if isinstance(optimizer, AdamW) else for_dense_optimizer(optimizer, saved, convert)
 
 
 def _dense_from_dcp(path, optimizer) -> None:
@@ -124,10 +131,9 @@ class TrainingState:
             else:
                 set_state_dict(p.model, p.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         elif p.dims.sharded:  # a single file into shards
-            load_full_into_sharded(p.model, p.optimizer, state["model"],
-                                   for_dense_optimizer(p.optimizer, state["optimizer"], convert))
+            load_full_into_sharded(p.model, p.optimizer, state["model"], _fit(p.optimizer, state["optimizer"], convert))
         else:  # one process, or DDP: every rank loads the whole file
-            optim_sd = for_dense_optimizer(p.optimizer, state["optimizer"], convert)  # refused before anything loads
+            optim_sd = _fit(p.optimizer, state["optimizer"], convert)  # refused before anything loads
             p.policy.load_model_state_dict(p.raw_model, state["model"])
             p.optimizer.load_state_dict(optim_sd)
 

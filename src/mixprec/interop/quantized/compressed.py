@@ -147,8 +147,9 @@ class CompressedTensors:
             want = (R, 2 * half // self.group)
             if (folder.dtype(base + ".weight_packed") != torch.uint8 or 2 * half % self.group
                     or tuple(folder.shape(base + ".weight_scale")) != want):
-                raise UserError(f"{key} {folder.path}: {base}.weight_packed {list(folder.shape(base + '.weight_packed'))}"
-                                f" with weight_scale {list(folder.shape(base + '.weight_scale'))}; accepted: uint8 "
+                packed = list(folder.shape(base + ".weight_packed"))
+                raise UserError(f"{key} {folder.path}: {base}.weight_packed {packed} "
+                                f"with weight_scale {list(folder.shape(base + '.weight_scale'))}; accepted: uint8 "
                                 f"pairs of e2m1 codes and one scale per {self.group} elements ({list(want)})")
         logger.info("%s: %s, compressed-tensors %s: %d weights in e2m1, dequantized as its decompressor computes them",
                     key, folder.path, fmt, len(self.packed))
