@@ -20,7 +20,7 @@ import time
 import torch
 
 from mixprec.narrow import RECIPES, quantize, scaled_mm
-from mixprec.narrow.gemm import probe
+from mixprec.narrow.gemm.fp8 import probe
 from mixprec.precision.emulation import EmulatedMatmul
 
 # (M, K, N): tokens x dim @ dim x out, for the small flavor's batch of 4 x 256 tokens and the 1B flavor's

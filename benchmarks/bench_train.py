@@ -163,7 +163,7 @@ def one_mode(preset: str, impl: str, compiled: bool, flavor: str, device: str, b
 
     lines = _mixprec_lines()
     if rowwise_route != "auto":  # an A/B of the row-wise route on CUDA: torch's row-wise kernel, or scales after
-        import mixprec.narrow.gemm as gemm
+        import mixprec.narrow.gemm.fp8 as gemm
 
         gemm.scales_after = lambda device_type, fast_accum: rowwise_route == "after"
     overrides = {"model.flavor": flavor, "precision.preset": preset, "checkpoint.enable": "false",

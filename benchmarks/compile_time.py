@@ -19,9 +19,9 @@ import torch
 import torch._dynamo
 
 from mixprec.models.llama import build_model, model_args, rope_tables
-from mixprec.narrow import blockwise_cast
+from mixprec.narrow.formats import blockwise_cast
 from mixprec.narrow.convert import convert_to_fp8
-from mixprec.narrow.recipe import FP8Recipe
+from mixprec.narrow.formats.recipe import FP8Recipe
 
 from graph_breaks import on_cuda_route  # benchmarks/
 

@@ -1,5 +1,5 @@
 """torch's CPU scaled GEMM against mixprec's emulation, side by side, and the route mixprec chooses
-(mixprec.narrow.gemm.route_on: the kernel only where it is CPU_MARGIN times faster).
+(mixprec.narrow.gemm.fp8.route_on: the kernel only where it is CPU_MARGIN times faster).
 
     python benchmarks/cpu_fp8_route.py
     ONEDNN_MAX_CPU_ISA=AVX512_CORE python benchmarks/cpu_fp8_route.py    # this CPU without AMX
@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from mixprec.narrow.gemm import cpu_name, emulated_mm, kernel_mm, route_on
-from mixprec.narrow.recipe import RECIPES
-from mixprec.narrow.scaling import quantize
+from mixprec.narrow.gemm.fp8 import cpu_name, emulated_mm, kernel_mm, route_on
+from mixprec.narrow.formats.recipe import RECIPES
+from mixprec.narrow.formats.scaling import quantize
 
 SHAPES = [(64, 512, 512), (512, 512, 1536)]
 

@@ -2,7 +2,7 @@
 
 torch's scaled GEMM reads its first operand row-major and its second column-major, so the
 weight-gradient GEMM (dy^T @ x) needs dy^T and x in the other order from the forward's. Eager,
-`mixprec.narrow.gemm.kernel_mm` makes those copies as separate byte transposes. Compiled,
+`mixprec.narrow.gemm.fp8.kernel_mm` makes those copies as separate byte transposes. Compiled,
 Inductor decides: it can write each layout from the cast kernel that reads the
 high-precision tensor, or copy one FP8 tensor into another. This script compiles one
 forward and backward of the model under each FP8 preset and lists the generated kernels

@@ -3,7 +3,7 @@ layer shapes: torch's kernel against mixprec's emulation (relative error and SQN
 same FP8 operands), the emulation against a float64 GEMM of the dequantised operands, and
 TFLOP/s of the kernel and of the BF16 GEMM of the same shape.
 
-The operands are cast as the FP8 Linear casts them (mixprec.narrow.linear), from random
+The operands are cast as the FP8 Linear casts them (mixprec.narrow.linear.fp8), from random
 activations, weights and output gradients. For block-wise scales it also tries the four
 (a, b) scale-stride layouts on the kernel and reports which ones torch accepts and agree
 with the emulation: the layout mixprec passes must be one of them.
@@ -30,8 +30,8 @@ import time
 import torch
 
 from mixprec.narrow import E4M3, RECIPES, convert_to_fp8, emulated_mm, kernel_mm, quantize, sqnr
-from mixprec.narrow.gemm import layout
-from mixprec.narrow.mx import _key, gemm_route, mx_mm
+from mixprec.narrow.gemm.fp8 import layout
+from mixprec.narrow.formats.mx import _key, gemm_route, mx_mm
 from mixprec.models.llama import FLAVORS, ModelArgs
 
 
@@ -154,7 +154,7 @@ def stride_study(a, b, out_dtype) -> list[str]:
     row- or column-major, of the scales as the operand holds them or transposed (T)."""
     import torch.nn.functional as F
 
-    from mixprec.narrow.gemm import kernel_scales
+    from mixprec.narrow.gemm.fp8 import kernel_scales
 
     types = kernel_scales(a, b, blockwise=True)[2]
     want = emulated_mm(a, b, torch.float32)

@@ -20,10 +20,10 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from mixprec.models.llama import build_model, model_args, rope_tables
-from mixprec.narrow import blockwise_cast
+from mixprec.narrow.formats import blockwise_cast
 from mixprec.narrow.convert import convert_to_fp8
-from mixprec.narrow.linear import FP8Linear
-from mixprec.narrow.recipe import RECIPES, FP8Recipe
+from mixprec.narrow.linear.fp8 import FP8Linear
+from mixprec.narrow.formats.recipe import RECIPES, FP8Recipe
 
 
 def on_cuda_route(module: torch.nn.Module) -> torch.nn.Module:

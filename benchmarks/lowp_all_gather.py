@@ -36,7 +36,7 @@ def measure(rank: int, world: int, flavor: str, preset: str, lowp: bool) -> dict
     from mixprec.distributed import apply_fsdp
     from mixprec.distributed.comm_bytes import CommBytes
     from mixprec.distributed.fsdp import unsharded_bytes
-    from mixprec.narrow.linear import FP8Linear
+    from mixprec.narrow.linear.fp8 import FP8Linear
 
     policy = Policy.from_preset(preset)
     model = build_model(model_args(flavor, 256), device="cpu", storage_dtype=torch.float32, seed=0)
@@ -65,7 +65,7 @@ def measure(rank: int, world: int, flavor: str, preset: str, lowp: bool) -> dict
         record = {"all_gather": comm.bytes["all_gather"], "peak_unsharded": Peak.peak}
     # the FP8 layers' share: one gather of each is the FSDPParam's buffers; the step gathers each twice
     # (forward, and backward after the reshard)
-    from mixprec.narrow.all_gather import fsdp_params
+    from mixprec.narrow.fsdp.linear import fsdp_params
 
     per_gather, units = 0, {}
     for unit, _, p in fsdp_params(model):

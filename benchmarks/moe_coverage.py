@@ -23,7 +23,7 @@ from moe_accuracy import BASE, FAMILIES  # noqa: E402
 def coverage(family: str, preset: str) -> tuple[float, int, int]:
     """(narrow share of matmul parameters, experts modules narrow, experts modules)."""
     from mixprec.narrow.convert import output_projections
-    from mixprec.narrow.hf_experts import expert_weights
+    from mixprec.narrow.experts.hf import expert_weights
     from mixprec.precision import Policy
 
     from mixprec.models.llama import FLAVORS, build_model, model_args

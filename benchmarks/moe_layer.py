@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     args = parser.parse_args()
-    from mixprec.narrow.gemm import cpu_name
+    from mixprec.narrow.gemm.fp8 import cpu_name
 
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({cpu_name()})"
     print(f"# MoE layer H {args.hidden}, I {args.intermediate}, {args.experts} experts, top-{args.top_k}, "

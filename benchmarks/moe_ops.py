@@ -17,9 +17,9 @@ import zlib
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixprec.narrow import experts
-from mixprec.narrow.linear import Plan
-from mixprec.narrow.recipe import RECIPES
+from mixprec.narrow.experts import ops as experts
+from mixprec.narrow.linear.fp8 import Plan
+from mixprec.narrow.formats.recipe import RECIPES
 
 GEMMS = ("mm", "grouped_mm", "_grouped_mm", "_scaled_mm", "_scaled_grouped_mm", "mx_mm", "blockwise_scaled_mm",
          "grouped_blockwise_mm", "grouped_blockwise_wgrad")

@@ -35,9 +35,11 @@ from torch.utils._pytree import tree_leaves
 
 from mixprec.dtypes import parse_dtype
 from mixprec.analysis.cuda_route import ONE_KERNEL, as_on_cuda
-from mixprec.narrow import experts
-from mixprec.narrow.linear import Plan
-from mixprec.narrow.recipe import RECIPES
+from mixprec.narrow.experts import ops as experts
+from mixprec.narrow.experts.layer import base_mm
+from mixprec.narrow.experts.routes import on_hopper
+from mixprec.narrow.linear.fp8 import Plan
+from mixprec.narrow.formats.recipe import RECIPES
 
 RECIPE_NAMES = ("tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4", "mxfp4")
 BF16_FLOPS, FP8_FLOPS, BANDWIDTH, LAUNCH = 720e12, 1350e12, 3.0e12, 5e-6
@@ -119,7 +121,7 @@ def projection(name: str, E: int, N: int, K: int, which: str):
     recipe = RECIPES[name]
     plan = Plan(recipe, recipe.tiles, torch.bfloat16, (False, False, False))
     salts = tuple(zlib.crc32(f"e.{which}.{e}".encode()) for e in range(E)) if hasattr(recipe, "element") else ()
-    return experts.on_hopper(experts.ExpertsGemm(f"e.{which}", plan, False, salts))
+    return on_hopper(experts.ExpertsGemm(f"e.{which}", plan, False, salts))
 
 
 def layer_cost(name: str, tokens: int, top_k: int, E: int, H: int, I: int, weights=torch.float32) -> dict:
@@ -148,7 +150,7 @@ def _projections(name: str, cost: Cost, rows: int, offs: torch.Tensor, E: int, H
         dy = torch.empty(rows, N, dtype=torch.bfloat16, device="meta")
         if name in ("bf16", "bf16-mixed"):
             with cost:
-                out = experts.base_mm(x.requires_grad_(), w.requires_grad_(), offs, transposed=False,
+                out = base_mm(x.requires_grad_(), w.requires_grad_(), offs, transposed=False,
                                       dtype=torch.bfloat16)
                 torch.autograd.grad(out, (x, w), dy)
             continue

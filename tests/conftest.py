@@ -102,8 +102,8 @@ def _mixprec_logs_reach_caplog():
 @pytest.fixture
 def kernel_on_cpu(monkeypatch):
     """torch's CPU scaled GEMM taken wherever it agrees with the emulation, whatever its speed here (where it is
-    oneDNN's reference code, as on AMX CPUs, mixprec.narrow.gemm.route_on emulates): for the tests of the
+    oneDNN's reference code, as on AMX CPUs, mixprec.narrow.gemm.fp8.route_on emulates): for the tests of the
     kernel path itself."""
-    from mixprec.narrow import gemm
+    from mixprec.narrow.gemm import fp8 as gemm
 
     monkeypatch.setattr(gemm, "cpu_speed", lambda *args: None)

@@ -134,7 +134,7 @@ def test_a_microscaled_layer_whose_recipe_is_swapped_behind_the_plans_back_fails
                                                                                  monkeypatch):
     import dataclasses
 
-    from mixprec.narrow.mx import MXRecipe
+    from mixprec.narrow.formats.mx import MXRecipe
 
     setup = Policy.setup
 
@@ -197,7 +197,8 @@ def test_block_wise_gemms_on_torchs_kernel_are_counted(tmp_path, text_file, caps
     # runs torch's kernel inside mixprec::blockwise_scaled_mm, an operator whose insides a dispatch mode does
     # not see: the audit counted 2 of each layer's 4 backward FP8 GEMMs there (H100, 2026-11-26). CUDA's routes
     # on this CPU, which has no block-wise kernel: the kernel's result stubbed (the audit checks formats, not values)
-    from mixprec.narrow import gemm, linear
+    from mixprec.narrow.gemm import fp8 as gemm
+    from mixprec.narrow.linear import fp8 as linear
 
     routes = linear.FP8Linear.routes
     monkeypatch.setattr(linear.FP8Linear, "routes", staticmethod(lambda r, d, c: dict.fromkeys(routes(r, d, c))))

@@ -9,9 +9,9 @@ import torch
 from mixprec.analysis import cuda_route
 from mixprec.analysis.plan_model import plan_memory
 from mixprec.models.llama import construct, model_args
-from mixprec.narrow import experts
-from mixprec.narrow.linear import Plan
-from mixprec.narrow.recipe import RECIPES
+from mixprec.narrow.experts import ops as experts
+from mixprec.narrow.linear.fp8 import Plan
+from mixprec.narrow.formats.recipe import RECIPES
 
 E, N, K, S = 8, 272, 208, 200  # S not a multiple of E, 16 or 128; the weights the most bytes
 

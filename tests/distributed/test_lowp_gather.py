@@ -1,5 +1,5 @@
 """FSDP2 all-gathering FP8 and microscaled weights in their own format
-(mixprec.narrow.all_gather), on two gloo ranks, against the same runs gathering bfloat16 and
+(mixprec.narrow.fsdp.linear), on two gloo ranks, against the same runs gathering bfloat16 and
 quantising after the gather: bit-identical losses and weights, the bytes on the wire, the
 fallbacks and their log lines, recompute, promotion, DCP resume and compile."""
 
@@ -10,7 +10,7 @@ import torch
 
 from lowp_gather_worker import run
 from mixprec.narrow import RECIPES
-from mixprec.narrow.all_gather import copy_bytes, why_not
+from mixprec.narrow.fsdp.linear import copy_bytes, why_not
 
 EXACT = ["fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8", "nvfp4", "mxfp4", "fp8-blockwise aligned", "per-layer",
          "fp8-tensorwise recompute", "fp8-rowwise recompute", "promote", "resume off", "resume on",
@@ -108,7 +108,7 @@ def test_why_not():
 
 
 def test_the_sharded_weight_is_a_plain_tensor_to_everything_else(tmp_path):
-    from mixprec.narrow.all_gather import NarrowShard
+    from mixprec.narrow.fsdp.linear import NarrowShard
 
     w = torch.randn(8, 4)
     s = NarrowShard(w.clone())
@@ -146,9 +146,9 @@ def test_the_memory_planner_plans_the_measured_bytes(runs, preset):
 
 
 def test_experts_why_not():
-    from mixprec.narrow import experts_gather
-    from mixprec.narrow.experts import ExpertsGemm
-    from mixprec.narrow.linear import Plan
+    from mixprec.narrow.fsdp import experts as experts_gather
+    from mixprec.narrow.experts.ops import ExpertsGemm
+    from mixprec.narrow.linear.fp8 import Plan
 
     def gemm(name, transposed=False, grouped=False):
         r = RECIPES[name]

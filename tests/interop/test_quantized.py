@@ -61,8 +61,9 @@ def test_fp8_block_export_is_read_by_transformers_as_mixprec_reads_it(tmp_path, 
 def test_the_exported_bytes_are_those_the_fp8_blockwise_forward_casts(monkeypatch):
     """What the recipe's Linear casts its weight to in its forward, recorded there, against the export of the
     same weight (256 x 112 and 48 x 256: whole blocks, and one partial block in a dimension)."""
-    from mixprec.narrow import convert_to_fp8, linear
-    from mixprec.narrow.recipe import RECIPES
+    from mixprec.narrow import convert_to_fp8
+    from mixprec.narrow.linear import fp8 as linear
+    from mixprec.narrow.formats.recipe import RECIPES
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(112, 256), torch.nn.Linear(256, 48))
@@ -244,8 +245,9 @@ def test_the_packed_bytes_are_those_the_recipes_forward_casts(monkeypatch, fmt):
     """The nvfp4 / mxfp4 recipe's Linear records its weight's cast in its forward; the export of the same weight
     holds the same e2m1 codes and block scales (NVFP4's 16 x 16 block scale on each of its rows) and NVFP4's
     tensor scale as the reciprocal a reader divides by."""
-    from mixprec.narrow import convert_to_fp8, mx
-    from mixprec.narrow.recipe import RECIPES
+    from mixprec.narrow import convert_to_fp8
+    from mixprec.narrow.formats import mx
+    from mixprec.narrow.formats.recipe import RECIPES
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32))
@@ -427,7 +429,7 @@ def test_a_packed_export_imported_and_exported_again_holds_the_same_weights(tmp_
     back +0 from the optimizer's step); MXFP4's bytes may differ (a block whose largest code is 3 comes back at
     half its scale with every code doubled: the rounded-up scale's rule on values that already fit)."""
     from mixprec.interop.quantized import CompressedTensors
-    from mixprec.narrow.microscaling import decode_codes
+    from mixprec.narrow.formats.microscaling import decode_codes
 
     def unsigned_zeros(packed):
         codes = decode_codes(packed)

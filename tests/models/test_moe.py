@@ -163,7 +163,7 @@ def test_an_moe_step_runs_no_op_deterministic_cuda_refuses(preset):
     model's ops and the experts' passes (opened: the operator's insides), checked against torch's list."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from mixprec.narrow import experts
+    from mixprec.narrow.experts import ops as experts
 
     class Refused(TorchDispatchMode):
         seen = []

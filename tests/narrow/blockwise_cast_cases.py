@@ -1,4 +1,4 @@
-"""The block-wise backward casts' Triton kernel (mixprec.narrow.blockwise_cast) against the
+"""The block-wise backward casts' Triton kernel (mixprec.narrow.formats.blockwise_cast) against the
 pure-PyTorch casts it replaces on CUDA, on the CPU in Triton's interpreter: the same bytes
 and the same scales, for values over the whole e4m3 range, subnormals, zeros of both signs
 and ties, and for the re-cast of a dequantised input. Run by tests/narrow/test_blockwise_cast.py
@@ -7,9 +7,9 @@ in a process started with TRITON_INTERPRET=1 (Triton reads it when imported)."""
 import pytest
 import torch
 
-from mixprec.narrow import blockwise_cast
-from mixprec.narrow.recipe import E4M3
-from mixprec.narrow.scaling import quantize
+from mixprec.narrow.formats import blockwise_cast
+from mixprec.narrow.formats.recipe import E4M3
+from mixprec.narrow.formats.scaling import quantize
 
 
 
@@ -75,7 +75,7 @@ def test_a_blockwise_linear_backward_on_the_kernel_equals_the_reference(monkeypa
     import functools
 
     from mixprec.narrow.convert import convert_to_fp8
-    from mixprec.narrow.recipe import FP8Recipe
+    from mixprec.narrow.formats.recipe import FP8Recipe
 
     def grads():
         torch.manual_seed(0)

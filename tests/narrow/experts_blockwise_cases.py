@@ -1,4 +1,4 @@
-"""mixprec's grouped block-wise kernels (mixprec.narrow.experts_blockwise) against the grouped
+"""mixprec's grouped block-wise kernels (mixprec.narrow.experts.blockwise) against the grouped
 emulation, on the CPU in Triton's interpreter: the forward, the input gradient and the weight
 gradient of a block-wise experts projection, with an empty expert, one-token experts, experts past
 a 128-token tile, rows past the last offset and K, N off 128; the operators opchecked. Both sum FP32
@@ -8,11 +8,12 @@ Run by tests/narrow/test_experts_blockwise.py in a process started with TRITON_I
 import pytest
 import torch
 
-from mixprec.narrow import experts_blockwise, experts_fp8
-from mixprec.narrow.experts import ExpertsGemm
-from mixprec.narrow.linear import Plan
-from mixprec.narrow.recipe import RECIPES
-from mixprec.narrow.segments import Segments
+from mixprec.narrow.experts import blockwise as experts_blockwise
+from mixprec.narrow.experts import fp8 as experts_fp8
+from mixprec.narrow.experts.ops import ExpertsGemm
+from mixprec.narrow.linear.fp8 import Plan
+from mixprec.narrow.formats.recipe import RECIPES
+from mixprec.narrow.experts.segments import Segments
 
 RECIPE = RECIPES["blockwise"]
 PLAN = Plan(RECIPE, RECIPE.tiles, torch.bfloat16, (False,) * 3)

@@ -3,7 +3,7 @@ import json
 import torch
 
 from mixprec.cli import main
-from mixprec.narrow.accumulation import accumulation_errors, truncate
+from mixprec.narrow.gemm.accumulation import accumulation_errors, truncate
 
 
 def test_truncate_keeps_the_significant_bits_and_rounds_toward_zero():

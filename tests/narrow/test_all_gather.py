@@ -1,4 +1,4 @@
-"""The gathered copy a low-precision Linear reads (mixprec.narrow.all_gather) against the cast
+"""The gathered copy a low-precision Linear reads (mixprec.narrow.fsdp.linear) against the cast
 it makes of a plain weight: one shard holding the whole weight, the buffers refilled with the
 backward's copy between the passes as FSDP2 does. Bit-identical outputs and gradients, on the
 CPU and (gpu-marked) on CUDA: the device path of the gathered copy. The two-rank runs are in
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mixprec.narrow import RECIPES
-from mixprec.narrow.all_gather import BACKWARD, FORWARD, NarrowGather, per_pass
+from mixprec.narrow.fsdp.linear import BACKWARD, FORWARD, NarrowGather, per_pass
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -71,9 +71,10 @@ class _SquareExperts(nn.Module):
 def test_two_experts_projections_of_one_shape_keep_their_own_gathers():
     """Each shard carries its projection's gather through FSDP2's slicing and copies (a lookup by shape gave
     both projections one), and the gathered weight flattens and unflattens as a traceable subclass."""
-    from mixprec.narrow import experts_gather, hf_experts
-    from mixprec.narrow.experts_gather import GatheredExperts
-    from mixprec.narrow.linear import Plan
+    from mixprec.narrow.fsdp import experts as experts_gather
+    from mixprec.narrow.experts import hf as hf_experts
+    from mixprec.narrow.fsdp.experts import GatheredExperts
+    from mixprec.narrow.linear.fp8 import Plan
 
     recipe = RECIPES["rowwise"]
     model = nn.Module()

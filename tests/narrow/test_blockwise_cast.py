@@ -1,4 +1,4 @@
-"""mixprec.narrow.blockwise_cast: where its Triton kernel applies, and the kernel itself bit for
+"""mixprec.narrow.formats.blockwise_cast: where its Triton kernel applies, and the kernel itself bit for
 bit against the pure-PyTorch casts in Triton's interpreter on the CPU
 (tests/narrow/blockwise_cast_cases.py, in a process of its own: TRITON_INTERPRET is read when
 Triton is imported, and a process that compiled for a GPU must not run interpreted)."""
@@ -7,8 +7,8 @@ import pytest
 import torch
 from interpreted import run_interpreted
 
-from mixprec.narrow import blockwise_cast
-from mixprec.narrow.recipe import E4M3
+from mixprec.narrow.formats import blockwise_cast
+from mixprec.narrow.formats.recipe import E4M3
 
 
 @pytest.mark.slow
@@ -55,7 +55,7 @@ def test_a_layer_converted_on_the_cpu_probes_the_kernel_where_it_is_moved(monkey
     import logging
 
     from mixprec.narrow.convert import convert_to_fp8
-    from mixprec.narrow.recipe import FP8Recipe
+    from mixprec.narrow.formats.recipe import FP8Recipe
 
     probed = []
     monkeypatch.setattr(blockwise_cast, "_PROBED", {})

@@ -14,10 +14,10 @@ import torch
 import torch._dynamo
 
 from mixprec.narrow.convert import convert_to_fp8
-from mixprec.narrow.gemm import kernel_mm
-from mixprec.narrow.linear import FP8Linear
-from mixprec.narrow.recipe import E4M3, E5M2, GEMMS, FP8Recipe
-from mixprec.narrow.scaling import quantize
+from mixprec.narrow.gemm.fp8 import kernel_mm
+from mixprec.narrow.linear.fp8 import FP8Linear
+from mixprec.narrow.formats.recipe import E4M3, E5M2, GEMMS, FP8Recipe
+from mixprec.narrow.formats.scaling import quantize
 from mixprec.models.llama import build_model, model_args, rope_tables
 
 RECIPES = ["tensorwise", "delayed", "rowwise", "blockwise"]
@@ -94,7 +94,7 @@ def test_the_blockwise_cuda_route_with_its_triton_casts_traces_as_one_graph(monk
     breaks in one block). The only FP8 copies left in the backward are each weight's transpose, which the
     input-gradient GEMM needs K-major (Hopper's FP8 GEMMs read both operands K-major)."""
     pytest.importorskip("triton")
-    from mixprec.narrow import blockwise_cast
+    from mixprec.narrow.formats import blockwise_cast
 
     blockwise_cast.register()
     monkeypatch.setitem(blockwise_cast._PROBED, "meta", None)  # as on a GPU whose probe passed
@@ -143,7 +143,7 @@ def test_the_rowwise_cuda_route_follows_the_measurement(monkeypatch, caplog, ker
     """Row-wise GEMMs on CUDA take the route measured faster for their weight's shape at conversion
     (gemm.choose_rowwise; the timing faked here, it needs a GPU): torch's row-wise kernel writes the
     compute dtype itself, the unit-scaled route an FP32 output the row scales multiply after."""
-    from mixprec.narrow import gemm
+    from mixprec.narrow.gemm import fp8 as gemm
 
     monkeypatch.setattr(gemm, "_AFTER", {})
     timed = []
@@ -151,7 +151,7 @@ def test_the_rowwise_cuda_route_follows_the_measurement(monkeypatch, caplog, ker
         (1e-3, 2e-3) if kernel_faster else (2e-3, 1e-3)))
     blk, args = block("rowwise", dim=256)
     linears = [m for m in blk.modules() if isinstance(m, FP8Linear)]
-    with caplog.at_level("INFO", logger="mixprec.narrow.gemm"):
+    with caplog.at_level("INFO", logger="mixprec.narrow.gemm.fp8"):
         for m in linears:  # as FP8Linear._choose_rowwise on a GPU, when converted or moved there
             m.plan = dataclasses.replace(m.plan, kernels=(True, True, True), device="cuda")
             gemm.choose_rowwise("cuda", m.plan.recipe, m.plan.compute_dtype, tuple(m.weight.shape))
@@ -177,7 +177,7 @@ def test_the_rowwise_cuda_route_follows_the_measurement(monkeypatch, caplog, ker
 @pytest.mark.gpu
 def test_the_rowwise_routes_are_timed_on_cuda(monkeypatch):
     # the CPU twin: test_the_rowwise_cuda_route_follows_the_measurement (the timing faked)
-    from mixprec.narrow import gemm
+    from mixprec.narrow.gemm import fp8 as gemm
 
     monkeypatch.setattr(gemm, "_AFTER", {})
     gemm.choose_rowwise("cuda", FP8Recipe.from_name("rowwise"), torch.bfloat16, (384, 256), tokens=1024)

@@ -12,8 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixprec.narrow import experts, gemm, mx  # noqa: F401 - registers the operators
-from mixprec.narrow.microscaling import E2M1, E4M3, E5M2
+from mixprec.narrow.experts import ops as experts  # noqa: F401 - registers the operators
+from mixprec.narrow.formats import mx  # noqa: F401
+from mixprec.narrow.gemm import fp8 as gemm  # noqa: F401
+from mixprec.narrow.formats.microscaling import E2M1, E4M3, E5M2
 
 CHECKED_ELSEWHERE = {"mixprec::blockwise_cast_transpose", "mixprec::blockwise_recast_transposed",  # on CUDA
                      "mixprec::experts_mm", "mixprec::experts_mm_backward",  # tests/narrow/test_experts.py
@@ -109,7 +111,7 @@ def test_opcheck(op, args):
 def test_the_blockwise_gemms_fake_is_torchs_meta_function(M, K, N, b_blocks):
     # CUDA's operands, on the meta device: a (M, K) row-major, b (K, N) column-major, scales
     # laid out as gemm.kernel_scales lays them (torch's meta function checks them)
-    from mixprec.narrow.scaling import quantize
+    from mixprec.narrow.formats.scaling import quantize
 
     a = quantize(torch.randn(M, K), E4M3, (1, 128))[0]
     b = quantize(torch.randn(K, N), E4M3, (128, 128) if b_blocks else (128, 1))[0]

@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.errors import UserError
-from mixprec.narrow import experts
+from mixprec.narrow.experts import ops as experts
+from mixprec.narrow.experts.routes import uses_grouped
 from mixprec.narrow.convert import Conversion  # noqa: F401 - registers the recipes
-from mixprec.narrow.linear import Plan, linear_class
-from mixprec.narrow.recipe import RECIPES
-from mixprec.narrow.scaling import sqnr
+from mixprec.narrow.linear.fp8 import Plan, linear_class
+from mixprec.narrow.formats.recipe import RECIPES
+from mixprec.narrow.formats.scaling import sqnr
 
 CURRENT = [name for name, r in RECIPES.items() if not r.delayed]
 
@@ -128,7 +129,7 @@ def test_rows_that_arrive_cast_skip_the_cast_with_the_same_bits(name):
     """Expert parallelism's FP8 dispatch casts each row as a row- or block-wise projection casts its input; the
     projection takes those bytes and scales as they are (mixprec::experts_mm_cast_input): the outputs and
     gradients of casting them itself, the FP8 rows kept for the backward instead of the input."""
-    from mixprec.narrow.scaling import quantize
+    from mixprec.narrow.formats.scaling import quantize
 
     x, w, offs, dy = problem(sizes=(5, 0, 9, 2))
     g = gemm(name)
@@ -198,7 +199,7 @@ def test_an_expert_with_one_token(name):
 def test_the_base_modes_expert_by_expert_gemm_is_each_experts_matmul():
     # mixprec::experts_mm_loop (float32 and float16 experts, torch without a grouped GEMM): each expert's rows
     # times its weight, the rows past the last group zero; gradients against autograd through a float64 loop
-    from mixprec.narrow.experts import base_mm
+    from mixprec.narrow.experts.layer import base_mm
 
     gen = torch.Generator().manual_seed(0)
     offs = torch.tensor([5, 5, 26, 31], dtype=torch.int32)
@@ -279,7 +280,7 @@ def test_experts_on_cuda_track_each_expert_alone(name):
     routes = linear_class(recipe).routes(recipe, "cuda", torch.bfloat16)
     plan = Plan(recipe, recipe.tiles, torch.bfloat16, tuple(why is None for why in routes.values()), device="cuda")
     salts = tuple(zlib.crc32(f"e.{e}".encode()) for e in range(4)) if hasattr(recipe, "element") else ()
-    g = experts.ExpertsGemm("e.gate_up_proj", plan, False, salts, experts.uses_grouped(plan))
+    g = experts.ExpertsGemm("e.gate_up_proj", plan, False, salts, uses_grouped(plan))
     x, w, offs, dy = (t.cuda() for t in problem(K=256, N=384, sizes=(130, 0, 1, 200), seed=6))
     key = experts.register(g)
     experts.experts_mm(x.detach().requires_grad_(), w.detach().requires_grad_(), offs, key).backward(dy)  # a first

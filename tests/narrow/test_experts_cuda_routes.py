@@ -8,14 +8,16 @@ import pytest
 import torch
 from test_experts import gemm, problem
 
-from mixprec.narrow import experts, experts_fp8
-from mixprec.narrow.gemm import scaled_mm
-from mixprec.narrow.recipe import RECIPES
-from mixprec.narrow.scaling import Quantized
+from mixprec.narrow.experts import ops as experts
+from mixprec.narrow.experts import routes
+from mixprec.narrow.experts import fp8 as experts_fp8
+from mixprec.narrow.gemm.fp8 import scaled_mm
+from mixprec.narrow.formats.recipe import RECIPES
+from mixprec.narrow.formats.scaling import Quantized
 
 
 def _compiled_names(cuda_compiled) -> set:
-    """The functions that ran compiled, the group bookkeeping (mixprec.narrow.segments: one compiled function
+    """The functions that ran compiled, the group bookkeeping (mixprec.narrow.experts.segments: one compiled function
     each, computed once a pass) apart; that ran too."""
     names = {fn.__name__ for fn, _ in cuda_compiled._COMPILED}
     assert "_index" in names
@@ -27,7 +29,7 @@ def _eager_and_compiled_as_on_cuda(g, monkeypatch, K: int, N: int):
     cuda_compiled function compiled (Inductor's CPU backend) as CUDA runs them: (eager, compiled)."""
     import functools
 
-    from mixprec.narrow import cuda_compiled
+    from mixprec.narrow.kernels import cuda_compiled
 
     x, w, offs, dy = problem(sizes=(37, 0, 64, 19), K=K, N=N)
     x, w = x.detach(), w.detach()
@@ -45,7 +47,7 @@ def test_the_fp8_casts_compiled_as_on_cuda_equal_the_eager_ones(name, monkeypatc
     cast): compiled here by Inductor's CPU backend, the forward and backward are the eager ones, bit for bit.
     On the kernel route (torch's grouped kernel stood in for) the casts also write the layouts the kernel reads:
     the input gradient's weight column-major, the weight gradient's operands placed and transposed."""
-    from mixprec.narrow import cuda_compiled
+    from mixprec.narrow.kernels import cuda_compiled
 
     if name == "rowwise on the kernel":
         monkeypatch.setattr(experts_fp8, "_scaled_grouped_mm", _reference_grouped)
@@ -77,7 +79,7 @@ def test_the_microscaled_casts_compiled_as_on_cuda_equal_the_eager_ones(name, mo
     transposed and padded; the weight gradient's operands placed along the tokens, rotated, keyed) and the
     grouped GEMMs' epilogues with NVFP4's tensor scales: compiled by Inductor's CPU backend, the forward and
     backward are the eager ones, bit for bit (nvfp4: Hadamard rotation, stochastic rounding, 2-D weights)."""
-    from mixprec.narrow import cuda_compiled
+    from mixprec.narrow.kernels import cuda_compiled
 
     eager, compiled = _eager_and_compiled_as_on_cuda(gemm(name), monkeypatch, K=64, N=96)
     names = {"_token_cast", "_cast_stack", "_placed_cast", "_rows_present", "_groups_present"}
@@ -151,20 +153,20 @@ def test_grouped_route_traced_on_meta(monkeypatch):
 def test_routes_said_at_conversion():
     plan = gemm("rowwise").plan
     assert "not torch's grouped row-wise kernel: torch's grouped scaled GEMM runs on CUDA GPUs only" in \
-        experts.describe(plan)
-    assert experts.describe(gemm("mxfp8").plan).startswith("the grouped emulation")
+        routes.describe(plan)
+    assert routes.describe(gemm("mxfp8").plan).startswith("the grouped emulation")
 
 
 def test_grouped_kernel_probe(monkeypatch):
     """The probe that admits torch's grouped kernel (run on CUDA at conversion), on the CPU with the kernel
     stood in for: a faithful kernel is admitted, a wrong one refused with the error."""
     monkeypatch.setattr(experts_fp8, "_scaled_grouped_mm", _reference_grouped)
-    experts._probe_grouped.cache_clear()
-    assert experts._probe_grouped("cpu") is None
+    routes._probe_grouped.cache_clear()
+    assert routes._probe_grouped("cpu") is None
     monkeypatch.setattr(experts_fp8, "_scaled_grouped_mm", lambda *args, **kw: _reference_grouped(*args) * 1.1)
-    experts._probe_grouped.cache_clear()
-    assert "disagrees with the grouped emulation (0.1)" in experts._probe_grouped("cpu")
-    experts._probe_grouped.cache_clear()
+    routes._probe_grouped.cache_clear()
+    assert "disagrees with the grouped emulation (0.1)" in routes._probe_grouped("cpu")
+    routes._probe_grouped.cache_clear()
 
 
 @pytest.mark.parametrize("sizes", [(37, 0, 64, 19), (0, 0, 0, 0), (16, 1, 0, 15)])
@@ -172,7 +174,7 @@ def test_the_weight_gradients_layout_pads_each_expert_to_16_rows_none_empty(size
     """Segments.sources(16), the row-wise kernel's weight-gradient layout: each expert's rows in order from a
     multiple of 16, zero rows to the next (an expert without rows: 16 zero rows, no empty group), the rows
     past offs[-1] nowhere, within the static length P; against a loop over the experts."""
-    from mixprec.narrow.segments import Segments
+    from mixprec.narrow.experts.segments import Segments
 
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
     rows = sum(sizes) + 3  # three rows past offs[-1]
@@ -212,7 +214,7 @@ def test_the_mx_weight_gradient_summed_as_cast_is_the_cpus_in_another_order(name
     """Off the CPU the MX weight gradient's GEMM sums the tokens' layout as cast (zero rows between experts, an
     empty expert one zero block): the same products as the CPU's sum of each expert's own tokens, in another
     order (FP32 rounding apart); the output and the input gradient do not change."""
-    from mixprec.narrow import experts_mx
+    from mixprec.narrow.experts import mx as experts_mx
 
     g = gemm(name)
     x, w, offs, dy = problem(sizes=(37, 0, 64, 19), K=64, N=96)

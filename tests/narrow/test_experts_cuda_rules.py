@@ -9,7 +9,11 @@ from cuda_grouped_rules import CudaGroupedRules, GroupedRuleError, check
 from test_experts import CURRENT, gemm
 from test_experts_cuda_routes import _reference_grouped
 
-from mixprec.narrow import experts, experts_fp8, experts_mx
+from mixprec.narrow.experts import ops as experts
+from mixprec.narrow.experts.layer import base_mm
+
+from mixprec.narrow.experts import fp8 as experts_fp8
+from mixprec.narrow.experts import mx as experts_mx
 
 
 def router_sizes(E: int, rows: int, seed: int = 0) -> tuple[int, ...]:
@@ -42,7 +46,7 @@ def _run(name: str, grouped: bool, sizes, K: int, N: int):
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
     dy = torch.randn(S, N, generator=gen).bfloat16()
     if name == "bf16 (base)":
-        out = experts.base_mm(x, w, offs, transposed=False, dtype=torch.bfloat16)
+        out = base_mm(x, w, offs, transposed=False, dtype=torch.bfloat16)
     else:
         g = gemm(name, E=E)
         g = experts.ExpertsGemm(g.name, g.plan, False, g.salts, grouped=grouped)

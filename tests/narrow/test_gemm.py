@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from mixprec.narrow import gemm
-from mixprec.narrow.gemm import emulated_mm, kernel_mm, probe, scales_after
-from mixprec.narrow.recipe import E4M3, E5M2
-from mixprec.narrow.scaling import Quantized, quantize
+from mixprec.narrow.gemm import fp8 as gemm
+from mixprec.narrow.gemm.fp8 import emulated_mm, kernel_mm, probe, scales_after
+from mixprec.narrow.formats.recipe import E4M3, E5M2
+from mixprec.narrow.formats.scaling import Quantized, quantize
 
 
 def operands(M=192, K=384, N=256, a_tile=(0, 0), b_tile=(0, 0), a_dtype=E4M3, b_dtype=E4M3, device="cpu"):
@@ -91,7 +91,7 @@ def _meta_scaled_mm(a, b, out_dtype, blockwise):
     meta function checks every shape and stride rule its CUDA kernels state, on any machine."""
     import torch.nn.functional as F
 
-    from mixprec.narrow.gemm import kernel_scales
+    from mixprec.narrow.gemm.fp8 import kernel_scales
 
     scale_a, scale_b, types = kernel_scales(a, b, blockwise)
     meta = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")  # noqa: E731
@@ -118,7 +118,7 @@ def test_the_kernels_scale_arguments_follow_torchs_rules(M, K, N):
     gq, gq_w = quantize(dy, E4M3, (1, 128))[0], quantize(dy, E4M3, (128, 1))[0]
     xq_w = quantize(x, E4M3, (128, 1))[0]
     # the three GEMMs of a block-wise Linear: forward, input gradient, weight gradient
-    from mixprec.narrow.gemm import _whole_tiles
+    from mixprec.narrow.gemm.fp8 import _whole_tiles
 
     checked = 0
     for a, b, out in ((xq, wq.t(), torch.bfloat16), (gq, wq, torch.bfloat16), (gq_w.t(), xq_w, torch.float32)):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mixprec import audit
-from mixprec.narrow import hf_experts
+from mixprec.narrow.experts import hf as hf_experts
 from mixprec.precision import Policy
 
 transformers = pytest.importorskip("transformers")
@@ -236,7 +236,7 @@ WRAPPED = {  # routers inside a wrapper module: found by their role, not by thei
 
 @pytest.mark.parametrize("family", list(WRAPPED))
 def test_a_router_inside_a_wrapper_stays_out_of_the_recipe_in_fp32(family):
-    from mixprec.narrow.linear import FP8Linear
+    from mixprec.narrow.linear.fp8 import FP8Linear
 
     extra, suffix = WRAPPED[family]
     if family not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
@@ -328,7 +328,7 @@ def test_experts_choose_their_routes_where_the_model_is_materialised():
     to_empty (each child's _apply), its experts' GEMMs are planned for the CPU, not left on meta's
     routes; the conversion's record follows (Policy.probe, as after fully_shard)."""
     from mixprec.narrow.convert import convert_to_fp8
-    from mixprec.narrow.recipe import FP8Recipe
+    from mixprec.narrow.formats.recipe import FP8Recipe
 
     with torch.device("meta"):
         model = tiny("qwen3_moe")

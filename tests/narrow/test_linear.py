@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from mixprec.narrow import RECIPES, Conversion, FP8Linear, convert_to_fp8, sqnr
-from mixprec.narrow.gemm import KERNELS
-from mixprec.narrow.recipe import GEMMS
+from mixprec.narrow.gemm.fp8 import KERNELS
+from mixprec.narrow.formats.recipe import GEMMS
 
 
 def pair(recipe: str, K=256, N=384, seed=0):

@@ -8,9 +8,9 @@ import warnings
 import pytest
 import torch
 
-from mixprec.narrow.microscaling import (E2M1, E4M3, E5M2, E8M0, E2M1_GRID, decode_e2m1, e8m0_exponent, hadamard,
+from mixprec.narrow.formats.microscaling import (E2M1, E4M3, E5M2, E8M0, E2M1_GRID, decode_e2m1, e8m0_exponent, hadamard,
                                       hadamard_signs, quantize_mx, quantize_nvfp4, rotate, round_e2m1)
-from mixprec.narrow.scaling import sqnr
+from mixprec.narrow.formats.scaling import sqnr
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -206,7 +206,7 @@ def test_mx_casts_divide_nothing(rounding):
     # scale by powers of two built from bits, the same on every backend by construction
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from mixprec.narrow.microscaling import quantize_mx_bits
+    from mixprec.narrow.formats.microscaling import quantize_mx_bits
 
     graph = make_fx(lambda x: quantize_mx_bits(x, E4M3, rounding=rounding))(torch.randn(40, 48)).graph
     ops = {str(n.target) for n in graph.nodes if n.op == "call_function"}
@@ -295,8 +295,8 @@ FLOORS = {"mxfp8": 27.5, "nvfp4": 16.5, "mxfp4": 15.0}
 
 @pytest.mark.parametrize("recipe", FLOORS)
 def test_gemm_sqnr_floors_against_fp64(recipe):
-    from mixprec.narrow.mx import mx_mm
-    from mixprec.narrow.recipe import RECIPES
+    from mixprec.narrow.formats.mx import mx_mm
+    from mixprec.narrow.formats.recipe import RECIPES
 
     r = RECIPES[recipe]
     g = torch.Generator().manual_seed(1)
@@ -352,8 +352,8 @@ def test_bfloat16_dequantisation_is_exact_above_the_documented_floor(name):
 
 
 def test_the_cpu_runs_the_emulated_gemm_in_fp32_and_says_so():
-    from mixprec.narrow.mx import gemm_route
-    from mixprec.narrow.recipe import RECIPES
+    from mixprec.narrow.formats.mx import gemm_route
+    from mixprec.narrow.formats.recipe import RECIPES
 
     assert "no bfloat16 GEMM with an FP32 output on cpu" in gemm_route("cpu")
     assert RECIPES["mxfp8"].emulation("cpu").startswith("FP32 GEMMs on the dequantised operands")

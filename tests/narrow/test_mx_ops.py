@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch._dynamo
 
-from mixprec.narrow import cuda_compiled, mx
-from mixprec.narrow.microscaling import E2M1, E4M3, E5M2
+from mixprec.narrow.kernels import cuda_compiled
+from mixprec.narrow.formats import mx
+from mixprec.narrow.formats.microscaling import E2M1, E4M3, E5M2
 
 CASTS = {  # element, block, rounding, nv, square, four_over_six, stochastic
     "mxfp8-ceil": (E4M3, 32, "ceil", False, False, False, False),
@@ -124,7 +125,7 @@ def test_any_row_count_runs_on_the_first_graph_and_a_recompile_is_said(caplog, m
     monkeypatch.setattr(cuda_compiled, "_COMPILED", {})
     monkeypatch.setattr(cuda_compiled, "_SAID_EAGER", [])
     torch._dynamo.reset()
-    caplog.set_level(logging.INFO, logger="mixprec.narrow.cuda_compiled")
+    caplog.set_level(logging.INFO, logger="mixprec.narrow.kernels.cuda_compiled")
     factor = torch.tensor(2.0)
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=1):
         for rows in (5, 7, 0, 1, 130, 2):

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from mixprec.narrow.recipe import E4M3, E5M2
-from mixprec.narrow.gemm import emulated_mm
-from mixprec.narrow.scaling import DelayedScales, amax_to_scale, cast, per_tile, quantize, sqnr, tile_amax
+from mixprec.narrow.formats.recipe import E4M3, E5M2
+from mixprec.narrow.gemm.fp8 import emulated_mm
+from mixprec.narrow.formats.scaling import DelayedScales, amax_to_scale, cast, per_tile, quantize, sqnr, tile_amax
 
 TILES = {"tensorwise": (0, 0), "rowwise": (1, 0), "block 1x128": (1, 128), "block 128x128": (128, 128)}
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from mixprec.narrow.convert import convert_to_fp8
-from mixprec.narrow.recipe import FP8Recipe
+from mixprec.narrow.formats.recipe import FP8Recipe
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

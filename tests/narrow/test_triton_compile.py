@@ -48,7 +48,7 @@ def cases():
 
 
 def test_the_package_has_kernels_and_every_one_has_compile_cases():
-    assert "mixprec.narrow.blockwise_cast_kernel" in kernel_modules()
+    assert "mixprec.narrow.kernels.blockwise_cast" in kernel_modules()
     assert len(cases()) >= 6
 
 

@@ -10,14 +10,14 @@ import torch
 import mixprec
 from conftest import tiny_args
 from mixprec.cli import main
-from mixprec.narrow.linear import FP8Linear, Plan
-from mixprec.narrow.recipe import RECIPES
-from mixprec.narrow.scaling import sqnr
+from mixprec.narrow.linear.fp8 import FP8Linear, Plan
+from mixprec.narrow.formats.recipe import RECIPES
+from mixprec.narrow.formats.scaling import sqnr
 from mixprec.models.llama import build_model, model_args
 from mixprec.plan.choose import H100_TFLOPS, choose, floors, modeled_speedups
 from mixprec.plan.config import PlanConfig
 from mixprec.plan.measure import measure
-from mixprec.narrow.linear import linear_class
+from mixprec.narrow.linear.fp8 import linear_class
 
 FLOOR = floors(PlanConfig())
 W2 = "layers.1.feed_forward.w2"

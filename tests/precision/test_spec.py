@@ -9,7 +9,7 @@ from conftest import run_train, tiny_args
 from mixprec import UserError
 from mixprec.analysis.memory import Setup, plan
 from mixprec.cli import main
-from mixprec.narrow.recipe import RECIPES
+from mixprec.narrow.formats.recipe import RECIPES
 from mixprec.models.llama import build_model, model_args
 from mixprec.precision import Override, Policy, PrecisionSpec, register_preset, resolve
 from mixprec.precision.presets import PRESETS
@@ -142,7 +142,7 @@ def test_policy_state_keeps_its_checkpoint_layout():
 def test_a_new_fp8_recipe_is_one_registration(tmp_path, text_file):
     # row-wise scales with e5m2 gradients: a recipe no preset has; its preset, [fp8] recipe and
     # per-module override name follow from the registry alone
-    from mixprec.narrow.recipe import E5M2, FP8Recipe, Granularity, register_recipe
+    from mixprec.narrow.formats.recipe import E5M2, FP8Recipe, Granularity, register_recipe
 
     register_recipe(FP8Recipe("rowwise-e5m2", Granularity.ROWWISE, grad_dtype=E5M2, power_of_2_scales=True))
     records = run_train(tmp_path / "preset", text_file, "--precision.preset", "fp8-rowwise-e5m2")

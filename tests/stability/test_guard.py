@@ -7,7 +7,7 @@ from mixprec.errors import TrainingUnstable
 from mixprec.models.llama import build_model, model_args
 from mixprec.precision import Policy
 from mixprec.stability import StabilityConfig, StabilityGuard
-from mixprec.narrow.linear import FP8Linear
+from mixprec.narrow.linear.fp8 import FP8Linear
 from mixprec.stability.drills import _bad_scale, _poison
 
 W2 = "layers.1.feed_forward.w2"

@@ -335,7 +335,7 @@ def all_gather_row(model: torch.nn.Module, param_dtype: torch.dtype) -> tuple[di
     """The dtype each low-precision Linear's weight was all-gathered in, read off FSDP2's own
     buffers, against its narrow format (or param_dtype where a reason was logged): a layer
     planned narrow that gathered wide fails, however it came to."""
-    from mixprec.narrow.all_gather import gathers
+    from mixprec.narrow.fsdp.linear import gathers
 
     promised, observed, notes, reasons, ok = {}, {}, [], {}, True
     for fqn, (got, want, why) in gathers(model, param_dtype).items():

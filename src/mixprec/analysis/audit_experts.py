@@ -16,8 +16,9 @@ from collections import defaultdict
 import torch
 
 from mixprec.analysis.audit_fp8 import FP8Tracker, element_name
-from mixprec.narrow import experts
-from mixprec.narrow.hf_experts import runs_here
+from mixprec.narrow.experts import ops as experts
+from mixprec.narrow.experts.layer import tokens_per_expert
+from mixprec.narrow.experts.hf import runs_here
 from mixprec.precision.dtypes import dtype_name
 from mixprec.precision.spec import format_name
 
@@ -66,7 +67,7 @@ def hooks(tracker: FP8Tracker, model: torch.nn.Module) -> list:
     count the rows each expert receives (its inputs: tokens, the router's top-k ids, their weights)."""
     def enter(module, args, fqn):
         tracker.module = fqn
-        tracker.expert_tokens[fqn] = tracker.expert_tokens.get(fqn, 0) + experts.tokens_per_expert(args[1],
+        tracker.expert_tokens[fqn] = tracker.expert_tokens.get(fqn, 0) + tokens_per_expert(args[1],
                                                                                                 module.num_experts)
 
     handles = []

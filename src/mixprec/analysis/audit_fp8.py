@@ -19,18 +19,18 @@ from collections import defaultdict
 import torch
 
 import mixprec.narrow  # noqa: F401 - registers the microscaled recipes' operators
-from mixprec.narrow.microscaling import E2M1
+from mixprec.narrow.formats.microscaling import E2M1
 from mixprec.precision.dtypes import dtype_name
 from mixprec.precision.emulation import _MATMULS
 
 aten = torch.ops.aten
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-MX_MM = torch.ops.mixprec.mx_mm.default  # registered by mixprec.narrow.mx
+MX_MM = torch.ops.mixprec.mx_mm.default  # registered by mixprec.narrow.formats.mx
 MX_QUANTIZE = torch.ops.mixprec.mx_quantize.default
-GROUPED_MM = torch.ops.mixprec.grouped_mm.default  # registered by mixprec.narrow.experts_fp8: grouped experts
-GROUPED_BLOCKWISE = (torch.ops.mixprec.grouped_blockwise_mm.default,  # mixprec.narrow.experts_blockwise
+GROUPED_MM = torch.ops.mixprec.grouped_mm.default  # registered by mixprec.narrow.experts.fp8: grouped experts
+GROUPED_BLOCKWISE = (torch.ops.mixprec.grouped_blockwise_mm.default,  # mixprec.narrow.experts.blockwise
                      torch.ops.mixprec.grouped_blockwise_wgrad.default)
-BLOCKWISE_MM = torch.ops.mixprec.blockwise_scaled_mm.default  # registered by mixprec.narrow.gemm
+BLOCKWISE_MM = torch.ops.mixprec.blockwise_scaled_mm.default  # registered by mixprec.narrow.gemm.fp8
 NARROW = ("float8", "e2m1")  # how the report names a GEMM's element format
 _VIEWS = {aten.slice.Tensor, aten.t.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default,
           aten.expand.default, aten.alias.default, aten.permute.default, aten.narrow.default, aten.reshape.default}
@@ -165,7 +165,7 @@ class FP8Tracker:
 
     def hooks(self, model: torch.nn.Module) -> list:
         """Forward hooks on every Linear that tell the tracker whose forward is running."""
-        from mixprec.narrow.linear import FP8Linear
+        from mixprec.narrow.linear.fp8 import FP8Linear
 
         handles = []
         for name, module in model.named_modules():

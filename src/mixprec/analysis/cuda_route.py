@@ -5,9 +5,9 @@ allocate inside an operator whose fake function says only what it returns.
         out = torch.ops.mixprec.experts_mm(x, w, offs, key)   # x, w, offs on "meta"
     inside_peak(op, args)                          # the most bytes an operator holds at once inside, on CUDA
 
-As CUDA runs it: a function the code compiles there (mixprec.narrow.cuda_compiled) is one fused kernel, which
+As CUDA runs it: a function the code compiles there (mixprec.narrow.kernels.cuda_compiled) is one fused kernel, which
 allocates its outputs and nothing else; the microscaled GEMMs' operands are bfloat16 (CUDA's emulated GEMM);
-an experts projection takes the kernels a Hopper GPU has for its recipe (`mixprec.narrow.experts.on_hopper`);
+an experts projection takes the kernels a Hopper GPU has for its recipe (`mixprec.narrow.experts.routes.on_hopper`);
 a Triton kernel (`ONE_KERNEL`) is one launch that allocates its outputs.
 """
 
@@ -45,7 +45,8 @@ def _one_kernel(on_kernel=None):
 def as_on_cuda(on_kernel=None):
     """While it lasts, cuda_compiled's functions as one kernel each (`_one_kernel`) and the microscaled GEMMs'
     operand dtype bfloat16, as on CUDA (for tensors on meta)."""
-    from mixprec.narrow import cuda_compiled, mx
+    from mixprec.narrow.kernels import cuda_compiled
+    from mixprec.narrow.formats import mx
 
     saved = cuda_compiled.compiled, mx._operand_dtype
     cuda_compiled.compiled = _one_kernel(on_kernel)
@@ -72,14 +73,15 @@ class Opened(TorchDispatchMode):
 @contextlib.contextmanager
 def _on_hopper(name: str, args):
     """An experts operator's projection (its last integer argument, the registry's key) as Hopper runs it."""
-    from mixprec.narrow import experts
+    from mixprec.narrow.experts import ops as experts
+    from mixprec.narrow.experts.routes import on_hopper
 
     if name not in EXPERTS_OPS:
         yield
         return
     key = next(a for a in args if isinstance(a, int) and not isinstance(a, bool))
     saved = experts._GEMMS[key]
-    experts._GEMMS[key] = experts.on_hopper(saved)
+    experts._GEMMS[key] = on_hopper(saved)
     try:
         yield
     finally:

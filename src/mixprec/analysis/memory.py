@@ -28,8 +28,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from mixprec.distributed.tensor_parallel import PLAN as TP_PLAN
 from mixprec.errors import UserError
-from mixprec.narrow.all_gather import copy_bytes, why_not
-from mixprec.narrow.recipe import FP8Recipe
+from mixprec.narrow.fsdp.linear import copy_bytes, why_not
+from mixprec.narrow.formats.recipe import FP8Recipe
 from mixprec.models.llama import Llama, ModelArgs
 from mixprec.models.loss import chunk_tokens
 from mixprec.optim.updates import CHUNK_NUMEL
@@ -54,7 +54,7 @@ class Setup:
     dp_replicate: int = 1
     tp: int = 1
     reshard_after_forward: bool = True
-    lowp_all_gather: bool = True  # FP8/microscaled weights all-gathered in their own format (mixprec.narrow.all_gather)
+    lowp_all_gather: bool = True  # FP8/microscaled weights all-gathered in their own format (mixprec.narrow.fsdp.linear)
     attention: str = "eager"  # or "sdpa": no (T, T) tensors saved
     loss: str = "full"  # or "chunked": model.loss, the full logits never exist
     bandwidth_gbps: float = 100.0  # per device, for the communication time

@@ -130,10 +130,10 @@ def _plan(build_model, planned, name: str, batch, optimizer, loss_fn, mesh=None,
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from mixprec.analysis.cuda_route import Workspaces
-    from mixprec.narrow.gemm import route_on
-    from mixprec.narrow.microscaling import byte_values
-    from mixprec.narrow.mx import MXRecipe
-    from mixprec.narrow.recipe import FP8Recipe
+    from mixprec.narrow.gemm.fp8 import route_on
+    from mixprec.narrow.formats.microscaling import byte_values
+    from mixprec.narrow.formats.mx import MXRecipe
+    from mixprec.narrow.formats.recipe import FP8Recipe
     from mixprec.precision.grad_norm import grad_norm
 
     for recipe in {f for f in planned.spec.compute_formats if isinstance(f, FP8Recipe)}:

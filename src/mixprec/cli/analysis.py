@@ -173,7 +173,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.topic == "fp8-accumulation":
-        from mixprec.narrow.accumulation import run as run_accumulation
+        from mixprec.narrow.gemm.accumulation import run as run_accumulation
 
         return run_accumulation(args.json, args.plot)
     from mixprec.demo import run

@@ -53,9 +53,10 @@ import torch.distributed as dist
 from torch import nn
 
 from mixprec.errors import UserError
-from mixprec.narrow import experts as grouped
-from mixprec.narrow.recipe import E4M3
-from mixprec.narrow.scaling import quantize
+from mixprec.narrow.experts import layer as grouped
+from mixprec.narrow.experts.ops import register
+from mixprec.narrow.formats.recipe import E4M3
+from mixprec.narrow.formats.scaling import quantize
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ def _slice_salts(layer: grouped.ExpertsLayer, start: int, end: int) -> None:
     the salt it has without expert parallelism."""
     if not layer.narrow:
         return
-    layer.up, layer.down = (grouped.register(replace(g, salts=g.salts[start:end]) if g.salts else g)
+    layer.up, layer.down = (register(replace(g, salts=g.salts[start:end]) if g.salts else g)
                             for g in layer.gemms)
 
 
@@ -260,7 +261,7 @@ def quantize_rows(x: torch.Tensor, tile: tuple[int, int] = (1, DISPATCH_BLOCK),
 
 def dequantize_rows(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
                     tile: tuple[int, int] = (1, DISPATCH_BLOCK)) -> torch.Tensor:
-    from mixprec.narrow.scaling import Quantized, resolve_tile
+    from mixprec.narrow.formats.scaling import Quantized, resolve_tile
 
     if not data.shape[0]:
         return data.new_empty(data.shape, dtype=dtype)

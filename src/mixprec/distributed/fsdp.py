@@ -4,7 +4,7 @@ Sharded parameters and optimizer states stay in the storage dtype (FP32 for the 
 modes); each unit's parameters are all-gathered in param_dtype for compute; gradients
 are reduce-scattered in reduce_dtype. The policy then does no autocast of its own:
 autocast on top of FSDP's casts would cast twice. The FP8 and microscaled Linear layers'
-weights are all-gathered in their own formats instead (mixprec.narrow.all_gather).
+weights are all-gathered in their own formats instead (mixprec.narrow.fsdp.linear).
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 from mixprec.dtypes import dtype_name
-from mixprec.narrow import all_gather, experts_gather
-from mixprec.narrow.hf_experts import runs_narrow
-from mixprec.narrow.linear import FP8Linear
+from mixprec.narrow.fsdp import linear as all_gather
+from mixprec.narrow.fsdp import experts as experts_gather
+from mixprec.narrow.experts.hf import runs_narrow
+from mixprec.narrow.linear.fp8 import FP8Linear
 from mixprec.models.ties import tied_modules
 from mixprec.precision import Policy
 from mixprec.precision.master import cast_parameters
@@ -40,7 +41,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, policy: Policy, *, reshard_af
     each of its decoder layers (`layers`, else its longest nn.ModuleList) and the root. A 2-D mesh
     (replicate, shard) gives HSDP. reshard_after_forward: default (every unit but the
     root, whose parameters the backward needs first), always, never. lowp_all_gather: the
-    FP8 and microscaled Linear layers' weights travel in their own format (mixprec.narrow.all_gather).
+    FP8 and microscaled Linear layers' weights travel in their own format (mixprec.narrow.fsdp.linear).
     experts_mesh: under expert parallelism, the ranks that shard each expert-parallel rank's experts
     (mixprec.distributed.expert_parallel), each experts module a unit of its own over them."""
     from mixprec.models.hf import decoder_layers

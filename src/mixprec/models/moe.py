@@ -10,7 +10,7 @@ Precision by role (mixprec.precision.layout recognises each by its place, not it
   and scores in FP32 in every preset: a score that rounds the same for two experts decides
   the routing, and DeepSeek-V3 keeps its gating in higher precision;
 - the routed experts (`Experts`, weights (E, 2I, D) and (E, D, I), transformers' grouped
-  layout) run their GEMMs through mixprec.narrow.experts: the preset's narrow recipe per
+  layout) run their GEMMs through mixprec.narrow.experts.ops: the preset's narrow recipe per
   expert, or torch's grouped GEMM in the base compute dtype;
 - the shared experts are a plain SwiGLU of nn.Linear layers, converted as any Linear.
 
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.narrow import experts as grouped
+from mixprec.narrow.experts import layer as grouped
 
 
 class Router(nn.Module):
@@ -81,7 +81,7 @@ class Experts(nn.Module):
     whose gate and up projections are stacked in gate_up_proj (E, 2I, D), gate first, and
     whose down projection is down_proj (E, D, I), as transformers' MoE models hold them."""
 
-    mixprec_seam = True  # mixprec.narrow.hf_experts: this module runs its ExpertsLayer itself
+    mixprec_seam = True  # mixprec.narrow.experts.hf: this module runs its ExpertsLayer itself
     has_gate, is_transposed, has_bias = True, False, False
 
     def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int):

@@ -21,13 +21,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mixprec.narrow import blockwise_cast, experts, hf_experts
-from mixprec.narrow.experts import describe as experts_route
-from mixprec.narrow.hf_experts import ExpertsLayer
-from mixprec.narrow.gemm import KERNELS, route
-from mixprec.narrow.linear import FP8Linear, Plan, linear_class, replan
-from mixprec.narrow.recipe import E4M3, GEMMS, FP8Recipe, Granularity
-from mixprec.narrow.scaling import DelayedScales
+from mixprec.narrow.formats import blockwise_cast
+from mixprec.narrow.experts import ops as experts
+from mixprec.narrow.experts import hf as hf_experts
+from mixprec.narrow.experts.routes import describe as experts_route
+from mixprec.narrow.experts.layer import ExpertsLayer
+from mixprec.narrow.gemm.fp8 import KERNELS, route
+from mixprec.narrow.linear.fp8 import FP8Linear, Plan, linear_class, replan
+from mixprec.narrow.formats.recipe import E4M3, GEMMS, FP8Recipe, Granularity
+from mixprec.narrow.formats.scaling import DelayedScales
 from mixprec.dtypes import dtype_name
 
 logger = logging.getLogger(__name__)
@@ -138,7 +140,7 @@ class Conversion:
             m.scale.copy_(saved[name]["scale"])
 
     def move(self, device: str) -> None:
-        """Its layers compute on `device` now: their routes chosen there (mixprec.narrow.linear.replan,
+        """Its layers compute on `device` now: their routes chosen there (mixprec.narrow.linear.fp8.replan,
         which a layer's .to also runs), and this record of them kept in step."""
         for m in self.modules.values():
             m.plan = replan(m.plan, type(m), device)
@@ -150,7 +152,7 @@ class Conversion:
             self.routes = linear_class(self.recipe).routes(self.recipe, device, plans[0].compute_dtype)
 
     def kernels(self) -> dict[str, str]:
-        """Each GEMM's kernel by name (mixprec.narrow.gemm.KERNELS), or "emulated"."""
+        """Each GEMM's kernel by name (mixprec.narrow.gemm.fp8.KERNELS), or "emulated"."""
         layout = self.recipe.granularity.value  # the three GEMMs of one recipe share its layout
         return {g: "emulated" if why is not None else
                 KERNELS.get(route(layout, self.device, self.recipe.fast_accum and g == GEMMS[0]), "torch's kernel")
@@ -170,8 +172,8 @@ def _log_blockwise(conversion: Conversion) -> None:
     """Block-wise's choices, said here once rather than from inside a compiled graph: torch's
     block-wise kernel takes whole 128-tiles only, so a layer narrower than that, or a
     micro-batch of tokens that is not a whole number of tiles, has its GEMMs emulated
-    (mixprec.narrow.gemm.scaled_mm); and whether the backward casts run on the Triton kernel
-    (probed here, mixprec.narrow.blockwise_cast)."""
+    (mixprec.narrow.gemm.fp8.scaled_mm); and whether the backward casts run on the Triton kernel
+    (probed here, mixprec.narrow.formats.blockwise_cast)."""
     r = conversion.recipe
     if r.granularity is not Granularity.BLOCKWISE or all(why is not None for why in conversion.routes.values()):
         return
@@ -192,7 +194,7 @@ def convert_to_fp8(model: nn.Module, recipe: FP8Recipe, *, compute_dtype: torch.
                    modules=None, device_type: str | None = None, experts=None) -> Conversion:
     """Replace the chosen nn.Linear modules of `model` in place by FP8Linear modules that
     hold the same parameters, and run the chosen experts modules of a mixture-of-experts
-    model in the recipe (mixprec.narrow.hf_experts). Returns the Conversion (and logs it).
+    model in the recipe (mixprec.narrow.experts.hf). Returns the Conversion (and logs it).
 
     modules, experts: the FQNs of the Linear layers and of the experts modules to convert,
     already chosen (a precision layout's); the filters and the left-out log lines are then

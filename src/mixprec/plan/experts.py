@@ -3,7 +3,7 @@ chosen, as a Linear layer's is, from what its GEMMs lose on the tensors of a rea
 
 An experts module is measured whole: its own forward and backward (routing, per-expert GEMMs,
 gate, combine) run on the captured step's inputs (tokens, the router's choices and weights)
-and output gradient, once with every projection in the candidate recipe (mixprec.narrow.experts,
+and output gradient, once with every projection in the candidate recipe (mixprec.narrow.experts.ops,
 emulated: the kernels' numerics) and once in FP32. Its three figures are the SQNRs of the
 module's output, its input gradient and its weights' gradients (both projections), held to
 the Linear layers' floors less 3 dB (two GEMMs in series, each at a floor, add their noise
@@ -25,9 +25,9 @@ import statistics
 import torch
 from torch import nn
 
-from mixprec.narrow import hf_experts
-from mixprec.narrow.linear import Plan
-from mixprec.narrow.mx import kept_blocks
+from mixprec.narrow.experts import hf as hf_experts
+from mixprec.narrow.linear.fp8 import Plan
+from mixprec.narrow.formats.mx import kept_blocks
 from mixprec.plan.measure import figures, operand_shares
 from mixprec.precision.layout import decoder_blocks
 

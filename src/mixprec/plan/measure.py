@@ -22,12 +22,12 @@ import time
 import torch
 from torch import nn
 
-from mixprec.narrow.gemm import route_on, scaled_mm
-from mixprec.narrow.linear import Plan, linear_class
-from mixprec.narrow.microscaling import E2M1, ELEMENT_MAX
-from mixprec.narrow.mx import MXRecipe, mx_mm
-from mixprec.narrow.recipe import E4M3, FP8Recipe
-from mixprec.narrow.scaling import FP8_MAX, per_tile, quantize, sqnr
+from mixprec.narrow.gemm.fp8 import route_on, scaled_mm
+from mixprec.narrow.linear.fp8 import Plan, linear_class
+from mixprec.narrow.formats.microscaling import E2M1, ELEMENT_MAX
+from mixprec.narrow.formats.mx import MXRecipe, mx_mm
+from mixprec.narrow.formats.recipe import E4M3, FP8Recipe
+from mixprec.narrow.formats.scaling import FP8_MAX, per_tile, quantize, sqnr
 
 GEMMS = ("forward", "input_gradient", "weight_gradient")
 

@@ -24,11 +24,11 @@ from torch import nn
 
 from mixprec.errors import UserError
 from mixprec.narrow.convert import output_projections, why_not
-from mixprec.narrow.hf_experts import find_experts
-from mixprec.narrow.recipe import FP8Recipe
+from mixprec.narrow.experts.hf import find_experts
+from mixprec.narrow.formats.recipe import FP8Recipe
 from mixprec.plan.choose import choose, floors, margin, modeled_speedups
 from mixprec.plan.config import PlanConfig
-from mixprec.narrow.experts import tokens_per_expert
+from mixprec.narrow.experts.layer import tokens_per_expert
 from mixprec.plan.experts import SERIES_DB, ExpertsCapture, few_tokens, kept_by, measure_experts
 from mixprec.plan.file import write_plan
 from mixprec.plan.measure import GEMMS, Capture, gemm_times, measure

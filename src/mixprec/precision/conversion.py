@@ -13,11 +13,12 @@ import torch
 from torch import nn
 
 from mixprec.dtypes import dtype_name
-from mixprec.narrow import blockwise_cast, hf_experts
+from mixprec.narrow.formats import blockwise_cast
+from mixprec.narrow.experts import hf as hf_experts
 from mixprec.narrow.convert import Conversion, convert_to_fp8
-from mixprec.narrow.experts import ExpertsLayer
-from mixprec.narrow.linear import runs_fp8
-from mixprec.narrow.recipe import Granularity
+from mixprec.narrow.experts.layer import ExpertsLayer
+from mixprec.narrow.linear.fp8 import runs_fp8
+from mixprec.narrow.formats.recipe import Granularity
 from mixprec.precision.layout import Layout
 from mixprec.precision.spec import FP32, Format
 
@@ -69,7 +70,7 @@ class ModuleFormats:
         """Ask, on the device the model computes on now, what the conversions' kernels were
         asked at conversion (a model converted on the CPU or the meta device and moved there
         since, by .to or by fully_shard, which moves parameters without Module._apply): the
-        block-wise Triton casts, probed and logged once per device (mixprec.narrow.blockwise_cast),
+        block-wise Triton casts, probed and logged once per device (mixprec.narrow.formats.blockwise_cast),
         and the GEMM routes, chosen again there and said (Conversion.move). A model still on
         the CPU is left as converted: it may yet be moved (Lightning sets it up before Fabric
         moves it), and its layers' .to chooses then; but one converted on the meta device,

@@ -42,7 +42,7 @@ class FP8Config:
 
     def __post_init__(self):
         if self.recipe:  # the registry imports torch: only when a recipe is named
-            from mixprec.narrow.recipe import RECIPES
+            from mixprec.narrow.formats.recipe import RECIPES
 
             check_value(self.recipe in RECIPES, "fp8.recipe", self.recipe, f"{', '.join(RECIPES)} (or empty)")
         check_value(self.amax_history_len >= 1, "fp8.amax_history_len", self.amax_history_len, "a positive integer")

@@ -14,9 +14,9 @@ from torch import nn
 from mixprec.dtypes import dtype_name
 from mixprec.errors import UserError
 from mixprec.narrow.convert import experts_why_not, output_projections, why_not
-from mixprec.narrow.hf_experts import expert_weights, find_experts, routers
-from mixprec.narrow.mx import kept_blocks
-from mixprec.narrow.recipe import FP8Recipe
+from mixprec.narrow.experts.hf import expert_weights, find_experts, routers
+from mixprec.narrow.formats.mx import kept_blocks
+from mixprec.narrow.formats.recipe import FP8Recipe
 from mixprec.precision.master import is_norm
 from mixprec.precision.spec import FP32, Format, PrecisionSpec, format_name
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from mixprec.dtypes import dtype_name, parse_dtype
 from mixprec.errors import UserError
-from mixprec.narrow.recipe import RECIPES, FP8Recipe
+from mixprec.narrow.formats.recipe import RECIPES, FP8Recipe
 from mixprec.precision.spec import PrecisionSpec, Update
 
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16

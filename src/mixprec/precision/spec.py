@@ -23,7 +23,7 @@ import torch
 
 from mixprec.dtypes import dtype_name, parse_dtype
 from mixprec.errors import UserError
-from mixprec.narrow.recipe import RECIPES, FP8Recipe
+from mixprec.narrow.formats.recipe import RECIPES, FP8Recipe
 from mixprec.optim.state_formats import StateFormat
 
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16

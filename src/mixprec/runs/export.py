@@ -33,7 +33,7 @@ from mixprec.interop.expert_files import per_expert
 from mixprec.interop.hf_folder import check_out, write_folder
 from mixprec.interop.load import CheckpointWeights
 from mixprec.models.ties import tied_names
-from mixprec.narrow import hf_experts
+from mixprec.narrow.experts import hf as hf_experts
 from mixprec.runs.resolve import empty_model, resolve, tokenizer_file
 
 logger = logging.getLogger(__name__)

@@ -32,8 +32,8 @@ SERVED = tuple(f for f in FORMATS if f != "bf16")
 def _activations_in_fp8(model: torch.nn.Module, source, adapter) -> int:
     """Forward pre-hooks quantizing the input of each Linear whose weight the folder holds in fp8-block, per
     token in 1 x 128 groups (dequantized at once: the GEMM then reads e4m3 x scale). Returns how many."""
-    from mixprec.narrow.recipe import E4M3
-    from mixprec.narrow.scaling import quantize
+    from mixprec.narrow.formats.recipe import E4M3
+    from mixprec.narrow.formats.scaling import quantize
 
     def hook(module, args):
         x = args[0]

@@ -8,7 +8,7 @@ import logging
 import torch
 
 from mixprec.errors import UserError
-from mixprec.narrow.linear import FP8Linear, runs_fp8
+from mixprec.narrow.linear.fp8 import FP8Linear, runs_fp8
 from mixprec.stability.config import Drill
 
 logger = logging.getLogger("mixprec.stability")

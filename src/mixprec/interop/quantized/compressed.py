@@ -36,8 +36,8 @@ COMPRESSED = {name: group for name, group in PACKED.values()}  # compressed-tens
 
 def write(tensors, config, linears, kept, fmt):
     """NVFP4 or MXFP4 in compressed-tensors' pack-quantized layout, cast as the recipe of that name casts weights."""
-    from mixprec.narrow.microscaling import E2M1, quantize_mx, quantize_nvfp4
-    from mixprec.narrow.recipe import RECIPES
+    from mixprec.narrow.formats.microscaling import E2M1, quantize_mx, quantize_nvfp4
+    from mixprec.narrow.formats.recipe import RECIPES
 
     name, group = PACKED[fmt]
     r = RECIPES[fmt]
@@ -167,7 +167,7 @@ class CompressedTensors:
         return torch.float32 if name in self.packed else self.folder.dtype(name)
 
     def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
-        from mixprec.narrow.microscaling import decode_e2m1
+        from mixprec.narrow.formats.microscaling import decode_e2m1
 
         if name not in self.packed:
             return self.folder.read(name, rows)

@@ -3,7 +3,7 @@ each converted Linear's `weight` in e4m3 and `weight_scale_inv` (one per 128 x 1
 dimension partial), weight = e4m3 x weight_scale_inv; config.json's quantization_config {"quant_method": "fp8",
 "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128], "modules_to_not_convert"}.
 
-Written: mixprec's block-wise cast (mixprec.narrow.scaling.quantize, 128 x 128 tiles, float32 scales: scale =
+Written: mixprec's block-wise cast (mixprec.narrow.formats.scaling.quantize, 128 x 128 tiles, float32 scales: scale =
 448 / amax, correctly rounded, its reciprocal stored), the bytes the fp8-blockwise recipe's forward casts from
 the same weight. DeepSeek-V3's reference quantizer divides by amax / 448 instead of multiplying by its
 reciprocal: the same scale, an element a rounding apart where the two quotients round differently. A Linear
@@ -40,8 +40,8 @@ def convertible(shape: tuple[int, ...]) -> bool:
 
 def write(tensors, config, linears, kept):
     """The decoder Linears `linears` (weight -> module) in e4m3 blocks where `convertible`; the rest kept."""
-    from mixprec.narrow.recipe import E4M3
-    from mixprec.narrow.scaling import quantize
+    from mixprec.narrow.formats.recipe import E4M3
+    from mixprec.narrow.formats.scaling import quantize
 
     out, narrow = dict(tensors), set()
     for name, module in linears.items():

@@ -23,8 +23,8 @@ def own_layout(fmt: str, config: dict) -> bool:
 def write(tensors, config):
     """gpt-oss's experts in its MXFP4 layout, cast as the mxfp4 recipe casts weights (1 x 32, the scale rounded
     up), along each expert's input dimension."""
-    from mixprec.narrow.microscaling import E2M1, quantize_mx
-    from mixprec.narrow.recipe import RECIPES
+    from mixprec.narrow.formats.microscaling import E2M1, quantize_mx
+    from mixprec.narrow.formats.recipe import RECIPES
 
     out, narrow = {}, set()
     for name, w in tensors.items():
@@ -76,7 +76,7 @@ class GptOssMxfp4:
         return torch.float32 if name in self.packed else self.folder.dtype(name)
 
     def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
-        from mixprec.narrow.microscaling import decode_e2m1
+        from mixprec.narrow.formats.microscaling import decode_e2m1
 
         if name not in self.packed:
             return self.folder.read(name, rows)

@@ -1,12 +1,12 @@
 """The weight of a low-precision Linear as FSDP2 all-gathers it in its narrow format
-(mixprec.narrow.all_gather): the gathered bytes, read by the Linear's GEMMs as they are."""
+(mixprec.narrow.fsdp.linear): the gathered bytes, read by the Linear's GEMMs as they are."""
 
 from __future__ import annotations
 
 import torch
 
-from mixprec.narrow.microscaling import E2M1, E8M0, Blocked
-from mixprec.narrow.scaling import Quantized
+from mixprec.narrow.formats.microscaling import E2M1, E8M0, Blocked
+from mixprec.narrow.formats.scaling import Quantized
 
 FORWARD, BACKWARD = "forward", "backward"
 aten = torch.ops.aten
@@ -75,5 +75,5 @@ def gathered_copy(weight: torch.Tensor, which: str) -> Quantized | Blocked | Non
 
 def gathered_experts(weight: torch.Tensor, which: str) -> Quantized | Blocked | None:
     """Every expert's gathered narrow copy for `which` pass, stacked, where `weight` is an experts
-    projection all-gathered in its narrow format (mixprec.narrow.experts_gather.GatheredExperts); else None."""
+    projection all-gathered in its narrow format (mixprec.narrow.fsdp.experts.GatheredExperts); else None."""
     return weight.stacked(which) if hasattr(type(weight), "stacked") else None

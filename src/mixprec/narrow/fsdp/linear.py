@@ -45,12 +45,12 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from mixprec.dtypes import dtype_name
-from mixprec.narrow.gathered import BACKWARD, FORWARD, GatheredWeight
-from mixprec.narrow.linear import FP8Linear
-from mixprec.narrow.microscaling import E2M1, E8M0
-from mixprec.narrow.mx import MXRecipe
-from mixprec.narrow.recipe import E4M3, FP8Recipe, Granularity
-from mixprec.narrow.scaling import DelayedScales, amax_to_scale, cast, quantize, tile_amax
+from mixprec.narrow.formats.gathered import BACKWARD, FORWARD, GatheredWeight
+from mixprec.narrow.linear.fp8 import FP8Linear
+from mixprec.narrow.formats.microscaling import E2M1, E8M0
+from mixprec.narrow.formats.mx import MXRecipe
+from mixprec.narrow.formats.recipe import E4M3, FP8Recipe, Granularity
+from mixprec.narrow.formats.scaling import DelayedScales, amax_to_scale, cast, quantize, tile_amax
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class NarrowShard(torch.Tensor):
         return f"NarrowShard({self._tensor!r})"
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        # an experts projection's gather, carried by its shard (mixprec.narrow.experts_gather), or a Linear's
+        # an experts projection's gather, carried by its shard (mixprec.narrow.fsdp.experts), or a Linear's
         gather = self._gather or module.narrow_gather
         return gather.pre(self._tensor.to(mp_policy.param_dtype or self.dtype), mesh)
 

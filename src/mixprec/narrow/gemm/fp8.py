@@ -26,8 +26,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mixprec.narrow.recipe import GEMMS
-from mixprec.narrow.scaling import EPS, Quantized, per_tile, quantize
+from mixprec.narrow.formats.recipe import GEMMS
+from mixprec.narrow.formats.scaling import EPS, Quantized, per_tile, quantize
 
 logger = logging.getLogger(__name__)
 CPU_MARGIN = 1.5  # on a CPU the kernel runs only where it is this many times faster than the emulation

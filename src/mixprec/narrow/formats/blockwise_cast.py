@@ -12,7 +12,7 @@ Written with torch's ops these are two reads of dy and a transposing copy of eac
 result that Inductor does not fuse into one kernel (a reduction along rows and one along
 columns). On CUDA, with Triton installed and whole tiles, each is one Triton kernel per
 128 x 128 tile, registered as a torch op (torch.library.triton_op) so that a compiled block
-keeps it in its graph. The pure-PyTorch casts (mixprec.narrow.scaling.quantize) are the
+keeps it in its graph. The pure-PyTorch casts (mixprec.narrow.formats.scaling.quantize) are the
 reference and every other route; tests/narrow/test_blockwise_cast.py runs the kernels on the
 CPU in Triton's interpreter against them, bit for bit.
 
@@ -28,8 +28,8 @@ import logging
 
 import torch
 
-from mixprec.narrow.recipe import E4M3
-from mixprec.narrow.scaling import EPS, FP8_MAX, Quantized, quantize
+from mixprec.narrow.formats.recipe import E4M3
+from mixprec.narrow.formats.scaling import EPS, FP8_MAX, Quantized, quantize
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +38,10 @@ BLOCK = 128
 
 @functools.cache
 def _kernel():
-    """The kernel (mixprec.narrow.blockwise_cast_kernel), compiled for CUDA at its first launch; run
+    """The kernel (mixprec.narrow.kernels.blockwise_cast), compiled for CUDA at its first launch; run
     in Triton's interpreter on CPU tensors when the process started with TRITON_INTERPRET=1
     (Triton reads it at import: the tests start one such)."""
-    from mixprec.narrow.blockwise_cast_kernel import cast_tiles
+    from mixprec.narrow.kernels.blockwise_cast import cast_tiles
 
     return cast_tiles
 
@@ -102,7 +102,7 @@ def probe(device_type: str) -> str | None:
         why = _PROBED[device_type] = _probe(device_type)
         if why is None:
             logger.info("fp8: block-wise backward casts on %s in one Triton kernel per operand, both layouts at "
-                        "once (mixprec.narrow.blockwise_cast)", device_type)
+                        "once (mixprec.narrow.formats.blockwise_cast)", device_type)
         elif device_type == "cuda":
             logger.info("fp8: block-wise backward casts with torch's ops, a transposing copy each: %s", why)
     return _PROBED[device_type]

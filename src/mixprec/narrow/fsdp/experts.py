@@ -2,8 +2,8 @@
 
 FSDP2 shards an experts projection's weight (E, N, K) along its experts: with E a multiple of
 the ranks, each rank holds whole experts. An experts layer scales each expert on its own
-(mixprec.narrow.experts), so each rank casts each of its experts exactly as one process would
-cast that expert's whole weight: the dense Linear's copy (mixprec.narrow.all_gather's, for one
+(mixprec.narrow.experts.ops), so each rank casts each of its experts exactly as one process would
+cast that expert's whole weight: the dense Linear's copy (mixprec.narrow.fsdp.linear's, for one
 shard), stacked along the experts. Nothing is needed from the other ranks, not even an amax:
 a tensor-wise or NVFP4 tensor scale is per expert, and travels in the gather beside the bytes.
 Every expert is cast in one pass over the stacked weight (`stacked_copy`). The gathered
@@ -26,15 +26,16 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from mixprec.dtypes import dtype_name
-from mixprec.narrow import experts, experts_fp8
-from mixprec.narrow.all_gather import (NarrowGather, NarrowShard, _restart, _scale_slots, copy_bytes, element_format,
+from mixprec.narrow.experts import ops as experts
+from mixprec.narrow.experts import fp8 as experts_fp8
+from mixprec.narrow.fsdp.linear import (NarrowGather, NarrowShard, _restart, _scale_slots, copy_bytes, element_format,
                                        kind, passes_why_not)
-from mixprec.narrow.gathered import FORWARD, GatheredWeight
-from mixprec.narrow.microscaling import E2M1, E8M0, Blocked
-from mixprec.narrow.recipe import E4M3
-from mixprec.narrow.scaling import Quantized
-from mixprec.narrow.segments import pad_to
-from mixprec.narrow.hf_experts import projections, runs_narrow
+from mixprec.narrow.formats.gathered import FORWARD, GatheredWeight
+from mixprec.narrow.formats.microscaling import E2M1, E8M0, Blocked
+from mixprec.narrow.formats.recipe import E4M3
+from mixprec.narrow.formats.scaling import Quantized
+from mixprec.narrow.experts.segments import pad_to
+from mixprec.narrow.experts.hf import projections, runs_narrow
 
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -59,7 +60,7 @@ def why_not(g: experts.ExpertsGemm, shape: tuple[int, int, int], world: int, *, 
 class GatheredExperts(torch.Tensor):
     """An experts projection's all-gathered weight (E, N, K) in its narrow format: each expert's
     dense copy stacked. `weight[e]` is expert e's `GatheredWeight`; the experts operators run
-    stacked (`mixprec.narrow.gathered.gathered_experts`); nothing else reads it."""
+    stacked (`mixprec.narrow.formats.gathered.gathered_experts`); nothing else reads it."""
 
     @staticmethod
     def __new__(cls, data, scale, meta, how: tuple, n_experts: int, meta_shape, dtype: torch.dtype):
@@ -184,7 +185,7 @@ def stacked_copy(r, k: str, w: torch.Tensor, which: str):
     """Every expert's copy of w (E, N, K) for `which` pass at once, each the bytes the dense layer's
     gather sends for that expert's whole weight on one rank (NarrowGather._shard_copy): (the tensors to
     gather, stacked along the experts; the per-expert tensor scales (E, 1) or None; one expert's scale
-    shape). One cast over the stacked weight, scales per expert (mixprec.narrow.experts_fp8.cast_stacked,
+    shape). One cast over the stacked weight, scales per expert (mixprec.narrow.experts.fp8.cast_stacked,
     the microscaled casts of the stack's rows): no loop over the experts."""
     E, N, K = w.shape
     pow2 = r.power_of_2_scales

@@ -1,6 +1,6 @@
 """Grouped block-wise experts on a GPU: torch has no grouped block-wise scaled GEMM, so the three
 GEMMs of a block-wise experts projection run on Triton kernels of mixprec's own
-(mixprec.narrow.experts_blockwise_kernel) in DeepGEMM's contiguous layout: each expert's tokens
+(mixprec.narrow.kernels.experts_blockwise) in DeepGEMM's contiguous layout: each expert's tokens
 moved to start at a multiple of 128 with zero rows between (`Segments.aligned`), so every
 128-token tile belongs to one expert and the kernels need no group sizes on the host.
 
@@ -23,8 +23,8 @@ import functools
 
 import torch
 
-from mixprec.narrow.scaling import Quantized
-from mixprec.narrow.segments import Segments
+from mixprec.narrow.formats.scaling import Quantized
+from mixprec.narrow.experts.segments import Segments
 
 BLOCK = 128
 
@@ -33,7 +33,7 @@ BLOCK = 128
 def _kernels():
     """(m_grouped, k_grouped, their launch options), imported at first use (Triton is optional); run in
     Triton's interpreter on CPU tensors where the process started with TRITON_INTERPRET=1."""
-    from mixprec.narrow.experts_blockwise_kernel import LAUNCH_OPTIONS, k_grouped, m_grouped
+    from mixprec.narrow.kernels.experts_blockwise import LAUNCH_OPTIONS, k_grouped, m_grouped
 
     return m_grouped, k_grouped, LAUNCH_OPTIONS
 
@@ -107,46 +107,3 @@ def wgrad(g_t, g_inv, x_t, x_inv, seg: Segments, out_dtype: torch.dtype) -> torc
     tile_start = torch.cat([ends.new_zeros(1), ends // BLOCK]).to(torch.int32)
     return torch.ops.mixprec.grouped_blockwise_wgrad(g_t, g_inv.contiguous(), x_t, x_inv.contiguous(), tile_start,
                                                      out_dtype)
-
-
-def route(device: str) -> str | None:
-    """None where block-wise experts run on the kernels on `device`; otherwise why the grouped emulation runs."""
-    if device != "cuda":
-        return "mixprec's grouped block-wise kernels run on CUDA GPUs only"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "Triton is not installed (mixprec's grouped block-wise kernels are Triton kernels)"
-    if torch.cuda.get_device_capability() < (8, 9):
-        return "FP8 tensor cores need compute capability 8.9 or more"
-    return _probe(device)
-
-
-@functools.lru_cache(maxsize=None)
-def _probe(device: str) -> str | None:
-    """The kernels against the grouped emulation on a 4-expert problem (an empty expert, sizes off 128):
-    None when forward, input and weight gradients agree within bfloat16 rounding, else why not used."""
-    from mixprec.narrow import experts_fp8
-    from mixprec.narrow.experts import ExpertsGemm
-    from mixprec.narrow.linear import Plan
-    from mixprec.narrow.recipe import RECIPES
-
-    recipe = RECIPES["blockwise"]
-    plan = Plan(recipe, recipe.tiles, torch.bfloat16, (True, True, True), device=device)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(300, 256, generator=gen).to(device, torch.bfloat16)
-    w = torch.randn(4, 384, 256, generator=gen).to(device)
-    dy = torch.randn(300, 384, generator=gen).to(device, torch.bfloat16)
-    offs = torch.tensor([130, 130, 257, 300], dtype=torch.int32, device=device)
-    results = []
-    for kernel in (True, False):
-        g = ExpertsGemm("probe", plan, False, grouped=kernel)
-        try:
-            results.append((experts_fp8.forward(x, w, offs, g), *experts_fp8.backward(x, w, offs, dy, g)))
-        except Exception as e:  # noqa: BLE001 - whatever the kernels raise, the emulation runs and says why
-            return f"mixprec's grouped block-wise kernels failed here ({str(e).splitlines()[0][:160]})"
-    for got, want in zip(*results):
-        err = float((got.float() - want.float()).norm() / want.float().norm())
-        if not err < 1e-2:
-            return f"mixprec's grouped block-wise kernels disagree with the grouped emulation ({err:.2g})"
-    return None

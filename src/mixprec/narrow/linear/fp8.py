@@ -8,7 +8,7 @@ gradient) run on scaled FP8 operands.
 Saved for backward: the FP8 input and its scales (half the bytes of a bfloat16 input)
 and the weight as the module holds it (alive anyway: the parameter, or FSDP2's
 all-gathered copy, which fully_shard gathers again for backward; gathered in FP8 by
-mixprec.narrow.all_gather, the copy is read as it is instead of cast). The input's FP8 copy
+mixprec.narrow.fsdp.linear, the copy is read as it is instead of cast). The input's FP8 copy
 is cast along K; a recipe whose weight-gradient GEMM scales along M (row- and block-wise)
 re-casts it from its dequantised value, as DeepSeek-V3 does with its cached activations.
 """
@@ -22,11 +22,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from mixprec.narrow import blockwise_cast
-from mixprec.narrow.gathered import BACKWARD, FORWARD, gathered_copy
-from mixprec.narrow.gemm import choose_rowwise, route_on, rowwise_after, scaled_mm
-from mixprec.narrow.recipe import E4M3, GEMMS, FP8Recipe, Granularity, Tiles
-from mixprec.narrow.scaling import DelayedScales, Quantized, amax_to_scale, cast, quantize, resolve_tile, tile_amax
+from mixprec.narrow.formats import blockwise_cast
+from mixprec.narrow.formats.gathered import BACKWARD, FORWARD, gathered_copy
+from mixprec.narrow.gemm.fp8 import choose_rowwise, route_on, rowwise_after, scaled_mm
+from mixprec.narrow.formats.recipe import E4M3, GEMMS, FP8Recipe, Granularity, Tiles
+from mixprec.narrow.formats.scaling import DelayedScales, Quantized, amax_to_scale, cast, quantize, resolve_tile, tile_amax
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class _FP8Matmul(torch.autograd.Function):
     @staticmethod
     def cast(ctx, x: torch.Tensor, weight: torch.Tensor, plan: Plan, state):
         """The forward GEMM's operands (x (M, K), W (N, K)), with what backward reads saved on ctx
-        (an experts layer calls it and `backward` on each expert's slice: mixprec.narrow.experts)."""
+        (an experts layer calls it and `backward` on each expert's slice: mixprec.narrow.experts.ops)."""
         r, t = plan.recipe, plan.tiles
         pow2 = r.power_of_2_scales
         wq = gathered_copy(weight, FORWARD)  # all-gathered in FP8 already (its amax recorded there)
@@ -92,7 +92,7 @@ class _FP8Matmul(torch.autograd.Function):
         pow2 = r.power_of_2_scales
         dy = dy.contiguous()
         # block-wise on CUDA: dy cast once into both layouts, and x re-cast straight into the
-        # layout the weight-gradient GEMM reads (mixprec.narrow.blockwise_cast)
+        # layout the weight-gradient GEMM reads (mixprec.narrow.formats.blockwise_cast)
         fused = blockwise_cast.applies(dy, r.grad_dtype, (t.g, t.g_wgrad), pow2)  # never for delayed (tensor-wise)
         gq_w = None
         if r.delayed:

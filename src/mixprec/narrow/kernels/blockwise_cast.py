@@ -1,4 +1,4 @@
-"""The Triton kernel of mixprec.narrow.blockwise_cast, in a module of its own: Triton is optional,
+"""The Triton kernel of mixprec.narrow.formats.blockwise_cast, in a module of its own: Triton is optional,
 and its code generator resolves the names a kernel uses (`tl`) in the module's globals, so the
 kernel's module imports Triton at its top and is imported only where Triton is installed.
 

@@ -22,8 +22,8 @@ import json
 
 import torch
 
-from mixprec.narrow.recipe import E4M3
-from mixprec.narrow.scaling import quantize
+from mixprec.narrow.formats.recipe import E4M3
+from mixprec.narrow.formats.scaling import quantize
 
 K_VALUES = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 

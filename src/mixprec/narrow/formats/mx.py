@@ -46,12 +46,12 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.errors import UserError
-from mixprec.narrow import cuda_compiled
-from mixprec.narrow.gathered import BACKWARD, FORWARD, gathered_copy
-from mixprec.narrow.linear import FP8Linear, Plan, register_linear
-from mixprec.narrow.microscaling import (E2M1, E4M3, E5M2, E8M0, ROUNDINGS, Blocked, byte_values, hadamard_signs,
+from mixprec.narrow.kernels import cuda_compiled
+from mixprec.narrow.formats.gathered import BACKWARD, FORWARD, gathered_copy
+from mixprec.narrow.linear.fp8 import FP8Linear, Plan, register_linear
+from mixprec.narrow.formats.microscaling import (E2M1, E4M3, E5M2, E8M0, ROUNDINGS, Blocked, byte_values, hadamard_signs,
                                       quantize_mx_bits, quantize_nvfp4_bits, rotate)
-from mixprec.narrow.recipe import GEMMS, FP8Recipe, Granularity, Tiles, register_recipe
+from mixprec.narrow.formats.recipe import GEMMS, FP8Recipe, Granularity, Tiles, register_recipe
 
 HADAMARDS = ("none", "random", "deterministic")
 SCALE_FORMATS = ("e8m0", "e4m3")

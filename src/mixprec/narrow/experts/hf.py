@@ -3,7 +3,7 @@ transformers' own seam: an experts implementation registered in its `ExpertsInte
 ("mixprec") and selected by the model's `experts_implementation`, as transformers' own
 `grouped_mm` is. It runs the same routing as `grouped_mm` (tokens sorted by expert, the
 cumulative end offsets, the gate, the routing weights, the combine), with each projection
-on mixprec.narrow.experts; an experts module left in the base mode runs torch's grouped GEMM
+on mixprec.narrow.experts.ops; an experts module left in the base mode runs torch's grouped GEMM
 in the base compute dtype (`in_base_mode`). A module it was not set up for runs transformers'
 `grouped_mm`.
 
@@ -39,11 +39,13 @@ import zlib
 import torch
 from torch import nn
 
-from mixprec.narrow import experts
-from mixprec.narrow.experts import ExpertsGemm, ExpertsLayer
-from mixprec.narrow.linear import Plan
-from mixprec.narrow.microscaling import byte_values
-from mixprec.narrow.mx import MXRecipe
+from mixprec.narrow.experts import ops as experts
+from mixprec.narrow.experts.layer import ExpertsLayer, combine, dispatch
+from mixprec.narrow.experts.ops import ExpertsGemm
+from mixprec.narrow.experts.routes import uses_grouped
+from mixprec.narrow.linear.fp8 import Plan
+from mixprec.narrow.formats.microscaling import byte_values
+from mixprec.narrow.formats.mx import MXRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +175,7 @@ def convert(model: nn.Module, fqns, plan: Plan) -> dict[str, ExpertsLayer]:
             # each expert's part of its stochastic-rounding keys, as an MXLinear's salt is its name's
             salts = tuple(zlib.crc32(f"{name}.{e}".encode()) for e in range(n_experts)) if microscaled else ()
             keys.append(experts.register(ExpertsGemm(name, plan, bool(m.is_transposed), salts,
-                                                     experts.uses_grouped(plan))))
+                                                     uses_grouped(plan))))
         m.mixprec_experts = converted[fqn] = ExpertsLayer(fqn, *keys, plan.compute_dtype)
         m.mixprec_moves = FollowsMoves(m.mixprec_experts, getattr(m, projections(m)[1]).device)
         _select(m)
@@ -262,7 +264,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     up, down = layer.projections(bool(self.is_transposed))
     if top_k_weights.shape[-1] != top_k_index.shape[-1]:  # transformers before 5.2: DeepSeek-V2's (T, E) weights
         top_k_weights = top_k_weights.gather(-1, top_k_index)
-    perm, expert_ids_g, offs = experts.dispatch(top_k_index, self.num_experts)
+    perm, expert_ids_g, offs = dispatch(top_k_index, self.num_experts)
     x = hidden_states[perm // top_k_index.shape[1]]  # (S, H)
     up_name, down_name = projections(self)
     out = up(x, getattr(self, up_name), offs)  # (S, 2I) or (S, I)
@@ -274,4 +276,4 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         out = out + self.down_proj_bias[expert_ids_g].to(out.dtype)
     if flag(self, "has_post_expert_norm"):
         out = self.post_expert_norm(out)
-    return experts.combine(out, top_k_weights, perm, hidden_states.dtype)
+    return combine(out, top_k_weights, perm, hidden_states.dtype)

@@ -11,7 +11,7 @@ amax (a scale per row, the same for every row of an expert: torch's grouped row-
 serves it as it serves row-wise); row-wise, per token along K or N, per expert and column along
 the tokens; block-wise, 1x128 tiles per token, 128x128 blocks per expert, 128-token tiles
 counted from each expert's first row. The emulated GEMM is the dense one's
-(mixprec.narrow.gemm.emulated_mm: FP8 products summed in FP32 over a K tile, times the two
+(mixprec.narrow.gemm.fp8.emulated_mm: FP8 products summed in FP32 over a K tile, times the two
 scales) with each mm a grouped mm: torch's CPU grouped GEMM is a loop of mm over the groups,
 so every expert's output and gradients equal its Linear run alone, bit for bit
 (tests/narrow/test_experts.py). The block-wise weight gradient sums 128-token tiles: each
@@ -21,7 +21,7 @@ deterministic on CUDA under torch.use_deterministic_algorithms). Every grouped G
 out as torch's CUDA kernel takes it with any group sizes (`_grouped_mm` below;
 tests/narrow/cuda_grouped_rules.py checks every call). On CUDA the row- and tensor-wise forward and
 e4m3 input gradient run on torch's grouped row-wise kernel, and all three block-wise GEMMs on
-mixprec's grouped block-wise kernels (mixprec.narrow.experts_blockwise), where their probes admit them.
+mixprec's grouped block-wise kernels (mixprec.narrow.experts.blockwise), where their probes admit them.
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mixprec.narrow import cuda_compiled, experts_blockwise
-from mixprec.narrow.experts_blockwise import BLOCK
-from mixprec.narrow.gathered import BACKWARD, FORWARD, gathered_experts
-from mixprec.narrow.recipe import E4M3
-from mixprec.narrow.scaling import Quantized, amax_to_scale, cast, quantize, resolve_tile
-from mixprec.narrow.segments import Segments, pad_to, segment_amax
+from mixprec.narrow.kernels import cuda_compiled
+from mixprec.narrow.experts import blockwise as experts_blockwise
+from mixprec.narrow.experts.blockwise import BLOCK
+from mixprec.narrow.formats.gathered import BACKWARD, FORWARD, gathered_experts
+from mixprec.narrow.formats.recipe import E4M3
+from mixprec.narrow.formats.scaling import Quantized, amax_to_scale, cast, quantize, resolve_tile
+from mixprec.narrow.experts.segments import Segments, pad_to, segment_amax
 
 
 ALIGN = 8  # elements in 16 bytes of bfloat16, what torch's grouped GEMM takes on CUDA (its TMA loads' alignment)
@@ -123,7 +124,7 @@ def _(a, b, offs, a_elements, b_elements):
 
 
 # ---- the casts ------------------------------------------------------------------------------
-# Each cast is one function of tensors that CUDA runs compiled (mixprec.narrow.cuda_compiled: Inductor fuses the
+# Each cast is one function of tensors that CUDA runs compiled (mixprec.narrow.kernels.cuda_compiled: Inductor fuses the
 # amax, the scale and the cast into a kernel or two that read the input once; eagerly each op is a pass over
 # the tensor in FP32); the same functions run eagerly elsewhere, so the CPU's numbers are the eager ones.
 def _by_token(t, c: int, dtype, pow2: bool):
@@ -258,10 +259,10 @@ def mm(a: Quantized, b: Quantized, seg: Segments, out_dtype: torch.dtype, kernel
     (or per expert as per token) and K tile, b per expert, K tile and column tile. On torch's grouped
     row-wise kernel where `kernel` (scales one per row of a and per expert and column of b; fast_accum:
     its reduced-precision accumulation, as the recipe's dense forward), else emulated as
-    mixprec.narrow.gemm.emulated_mm, each mm a grouped mm."""
+    mixprec.narrow.gemm.fp8.emulated_mm, each mm a grouped mm."""
     (S, K), N = a.data.shape, b.data.shape[2]
     E, kt, nt = b.scale_inv.shape
-    if kernel and b.tile == (BLOCK, BLOCK):  # block-wise: mixprec's Triton kernels (mixprec.narrow.experts_blockwise)
+    if kernel and b.tile == (BLOCK, BLOCK):  # block-wise: mixprec's Triton kernels (mixprec.narrow.experts.blockwise)
         return experts_blockwise.mm(a, b, seg, out_dtype)
     if on_row_kernel(kernel, a.data.dtype, K, N):
         sb = b.scale_inv.reshape(E, nt).expand(E, N) if nt == 1 else b.scale_inv.reshape(E, N)
@@ -327,7 +328,7 @@ def scaled_wgrad(dy: torch.Tensor, xq: Quantized, seg: Segments, grad_dtype, pow
 
 # ---- a projection's passes ------------------------------------------------------------------
 def forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, g, xq: Quantized | None = None) -> torch.Tensor:
-    """x (S, K) @ each expert's W_e^T, w (E, N, K), under the projection `g` (mixprec.narrow.experts.ExpertsGemm):
+    """x (S, K) @ each expert's W_e^T, w (E, N, K), under the projection `g` (mixprec.narrow.experts.ops.ExpertsGemm):
     (S, N) in the plan's compute dtype. xq: x already cast as this recipe casts it (expert parallelism's FP8
     dispatch), used as it is."""
     plan = g.plan

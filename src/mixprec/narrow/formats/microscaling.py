@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from mixprec.narrow.scaling import per_tile
+from mixprec.narrow.formats.scaling import per_tile
 from mixprec.rounding import random_bits16
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -217,7 +217,7 @@ def _to_elements(v: torch.Tensor, dtype: torch.dtype, key=None) -> torch.Tensor:
     """Scaled FP32 values, saturated, in the element format (clamp keeps NaN), e2m1 as packed
     bytes (uint8); with `key` (FP4 only), stochastically rounded with random_bits16's bits for
     that key: a 0-dim key for elements 0..n-1 of v, or (index, key) tensors giving each element
-    of v its own (a stack of tensors cast as one: mixprec.narrow.experts_mx)."""
+    of v its own (a stack of tensors cast as one: mixprec.narrow.experts.mx)."""
     limit = ELEMENT_MAX[dtype]
     v = v.clamp(-limit, limit)
     if dtype == E2M1:

@@ -1,4 +1,4 @@
-"""The Triton kernels of mixprec.narrow.experts_blockwise: grouped block-wise FP8 GEMMs on the
+"""The Triton kernels of mixprec.narrow.experts.blockwise: grouped block-wise FP8 GEMMs on the
 contiguous layout DeepGEMM trains with (each expert's tokens from a multiple of 128, zero rows
 between), DeepSeek-V3's scheme: FP8 products summed in FP32 over one 128-wide tile of the summed
 dimension, each partial sum times its two scales and added into an FP32 accumulator.

@@ -36,7 +36,7 @@ class Granularity(enum.Enum):
     TENSORWISE = "tensorwise"
     ROWWISE = "rowwise"
     BLOCKWISE = "blockwise"
-    MICROSCALED = "microscaled"  # blocks of 16 or 32 elements with a shared 8-bit scale (mixprec.narrow.mx)
+    MICROSCALED = "microscaled"  # blocks of 16 or 32 elements with a shared 8-bit scale (mixprec.narrow.formats.mx)
 
 
 class Scaling(enum.Enum):

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from mixprec.narrow.recipe import E4M3, E5M2
+from mixprec.narrow.formats.recipe import E4M3, E5M2
 
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448, 57344
 EPS = 1e-12  # an all-zero tile gets a finite scale

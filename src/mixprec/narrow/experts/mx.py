@@ -1,7 +1,7 @@
 """Grouped experts in the microscaled recipes (MXFP8, NVFP4, MXFP4): every expert's casts in one
 pass over the stacked tensors, every GEMM one grouped GEMM on the dequantised operands.
 
-Each cast is the dense MXLinear's (mixprec.narrow.mx) on one expert's slice:
+Each cast is the dense MXLinear's (mixprec.narrow.formats.mx) on one expert's slice:
     blocks along K or N  per token (x, dy) or per expert row (W, W^T): one cast of the whole stack;
     NVFP4's tensor scale the amax of the expert's slice, held per row or per block;
     blocks along the tokens (the weight gradient's x^T and dy^T) in a layout where each expert's
@@ -21,11 +21,12 @@ import functools
 
 import torch
 
-from mixprec.narrow import cuda_compiled, mx
-from mixprec.narrow.experts_fp8 import grouped_mm, valid_rows
-from mixprec.narrow.gathered import BACKWARD, FORWARD, gathered_experts
-from mixprec.narrow.microscaling import E2M1, Blocked
-from mixprec.narrow.segments import Segments, pad_to, segment_amax
+from mixprec.narrow.kernels import cuda_compiled
+from mixprec.narrow.formats import mx
+from mixprec.narrow.experts.fp8 import grouped_mm, valid_rows
+from mixprec.narrow.formats.gathered import BACKWARD, FORWARD, gathered_experts
+from mixprec.narrow.formats.microscaling import E2M1, Blocked
+from mixprec.narrow.experts.segments import Segments, pad_to, segment_amax
 
 
 def _role(r, gradient: bool, key):
@@ -233,7 +234,7 @@ def _wgrad(r, x: torch.Tensor, dy: torch.Tensor, seg: Segments, salts) -> torch.
         else:  # the GEMM sums each expert's own tokens: back to the sorted rows
             offs, at = seg.offs, pos.clamp(max=P - 1)
         # dy^T column-major (N, tokens) and x row-major (tokens, K): the layout torch's grouped GEMM takes with
-        # any group sizes on CUDA (mixprec.narrow.experts_fp8.grouped_mm)
+        # any group sizes on CUDA (mixprec.narrow.experts.fp8.grouped_mm)
         g_values, x_values = gt.values.t()[at].t(), xt.values.t()[at]
     out = grouped_mm(g_values, x_values, offs, _elements(gt), _elements(xt))  # (E, N, K)
     if r.nv:  # each expert's tensor scale, read at its last block; an empty expert has none: zeros

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mixprec.narrow import cuda_compiled
+from mixprec.narrow.kernels import cuda_compiled
 
 
 def pad_to(t: torch.Tensor, multiple: int, dim: int = 0) -> torch.Tensor:
@@ -90,7 +90,7 @@ def _aligned(sizes: torch.Tensor, ids: torch.Tensor, local: torch.Tensor, rows: 
 
 class Segments:
     """The experts' rows of a sorted (rows, ...) tensor, from their cumulative ends `offs`. Each piece of
-    bookkeeping is one function of tensors that CUDA runs compiled (mixprec.narrow.cuda_compiled: a kernel or
+    bookkeeping is one function of tensors that CUDA runs compiled (mixprec.narrow.kernels.cuda_compiled: a kernel or
     two, not one per op), computed once for the Segments (a pass's), the row count a size (no recompile)."""
 
     def __init__(self, offs: torch.Tensor, rows: int):

@@ -1,0 +1,1 @@
+"""The narrow Linear layers: FP8Linear and its plan (fp8), MXLinear (mx)."""
