@@ -31,7 +31,8 @@ import torch
 
 from mixprec.narrow import E4M3, RECIPES, convert_to_fp8, emulated_mm, kernel_mm, quantize, sqnr
 from mixprec.narrow.gemm.fp8 import layout
-from mixprec.narrow.formats.mx import _key, gemm_route, mx_mm
+from mixprec.narrow.formats.mx import _key, gemm_route
+from mixprec.narrow.gemm.mx import mx_mm
 from mixprec.models.llama import FLAVORS, ModelArgs
 
 

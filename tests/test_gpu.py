@@ -112,7 +112,8 @@ def test_microscaled_recipes_pass_the_audit_on_cuda(tmp_path, text_file, capsys,
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "mxfp4"])
 def test_the_microscaled_emulation_on_cuda_has_the_cpus_bits(recipe):
     # tests/narrow/test_microscaling.py holds the CPU's casts to torchao's; the same casts on CUDA
-    from mixprec.narrow.formats.mx import _key, mx_mm
+    from mixprec.narrow.formats.mx import _key
+    from mixprec.narrow.gemm.mx import mx_mm
     from mixprec.narrow.formats.recipe import RECIPES
 
     r = RECIPES[recipe]
@@ -132,7 +133,8 @@ def test_the_microscaled_emulation_on_cuda_has_the_cpus_bits(recipe):
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
 def test_the_microscaled_emulation_runs_in_bfloat16_on_cuda_within_fp32_summation(recipe):
-    from mixprec.narrow.formats.mx import gemm_route, mx_mm
+    from mixprec.narrow.formats.mx import gemm_route
+    from mixprec.narrow.gemm.mx import mx_mm
     from mixprec.narrow.formats.recipe import RECIPES
 
     assert gemm_route("cuda") is None  # torch >= 2.8 has mm.dtype on CUDA

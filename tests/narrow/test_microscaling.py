@@ -295,7 +295,7 @@ FLOORS = {"mxfp8": 27.5, "nvfp4": 16.5, "mxfp4": 15.0}
 
 @pytest.mark.parametrize("recipe", FLOORS)
 def test_gemm_sqnr_floors_against_fp64(recipe):
-    from mixprec.narrow.formats.mx import mx_mm
+    from mixprec.narrow.gemm.mx import mx_mm
     from mixprec.narrow.formats.recipe import RECIPES
 
     r = RECIPES[recipe]

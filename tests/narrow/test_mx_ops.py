@@ -13,6 +13,7 @@ import torch._dynamo
 
 from mixprec.narrow.kernels import cuda_compiled
 from mixprec.narrow.formats import mx
+from mixprec.narrow.gemm import mx as mx_gemm
 from mixprec.narrow.formats.microscaling import E2M1, E4M3, E5M2
 
 CASTS = {  # element, block, rounding, nv, square, four_over_six, stochastic
@@ -51,8 +52,8 @@ def test_compiled_casts_and_dequantisation_equal_the_eager_ones(name):
     if nv:
         assert torch.equal(eager.tensor_scale, compiled.tensor_scale)
     # bfloat16: the operands of CUDA's GEMM (FP32 ones only where its FP32-output GEMM is refused)
-    want = mx._dequantize(eager.data, eager.scale, eager.block, None, eager.shape, torch.bfloat16)
-    got = torch.compile(mx._dequantize, dynamic=True)(eager.data, eager.scale, eager.block, None, eager.shape,
+    want = mx_gemm._dequantize(eager.data, eager.scale, eager.block, None, eager.shape, torch.bfloat16)
+    got = torch.compile(mx_gemm._dequantize, dynamic=True)(eager.data, eager.scale, eager.block, None, eager.shape,
                                                        torch.bfloat16)
     assert torch.equal(want, got)
     if square:
@@ -86,14 +87,14 @@ def test_operators_with_compiled_insides_in_a_compiled_graph_equal_eager(monkeyp
 
     def f(x, w):
         wq = recipe.quantize(w)  # no values: dequantised inside mx_mm, as a saved operand is
-        return mx.mx_mm(recipe.quantize(x, values=True), wq, torch.bfloat16)
+        return mx_gemm.mx_mm(recipe.quantize(x, values=True), wq, torch.bfloat16)
 
     eager = f(x, w)
     real = cuda_compiled.compiled
     monkeypatch.setattr(cuda_compiled, "compiled", lambda fn, device_type: real(fn, "cuda"))
     compiled = torch.compile(f, fullgraph=True)(x, w)
     # the operators ran their functions compiled
-    assert {mx._cast, mx._dequantize} <= {fn for fn, _ in cuda_compiled._COMPILED}
+    assert {mx._cast, mx_gemm._dequantize} <= {fn for fn, _ in cuda_compiled._COMPILED}
     assert torch.equal(eager, compiled)
 
 

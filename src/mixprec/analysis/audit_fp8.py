@@ -25,7 +25,7 @@ from mixprec.precision.emulation import _MATMULS
 
 aten = torch.ops.aten
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-MX_MM = torch.ops.mixprec.mx_mm.default  # registered by mixprec.narrow.formats.mx
+MX_MM = torch.ops.mixprec.mx_mm.default  # registered by mixprec.narrow.gemm.mx
 MX_QUANTIZE = torch.ops.mixprec.mx_quantize.default
 GROUPED_MM = torch.ops.mixprec.grouped_mm.default  # registered by mixprec.narrow.experts.fp8: grouped experts
 GROUPED_BLOCKWISE = (torch.ops.mixprec.grouped_blockwise_mm.default,  # mixprec.narrow.experts.blockwise

@@ -4,7 +4,8 @@ MXFP4 recipes (emulated), scaling, and the layers that run them (Linear, grouped
 from mixprec.narrow.convert import Conversion, convert_to_fp8, why_not
 from mixprec.narrow.gemm.fp8 import emulated_mm, kernel_mm, scaled_mm
 from mixprec.narrow.linear.fp8 import FP8Linear
-from mixprec.narrow.formats.mx import MXLinear, MXRecipe
+from mixprec.narrow.formats.mx import MXRecipe
+from mixprec.narrow.linear.mx import MXLinear
 from mixprec.narrow.formats.recipe import E4M3, E5M2, RECIPES, FP8Recipe, Granularity, Scaling
 from mixprec.narrow.formats.scaling import Quantized, amax_to_scale, quantize, sqnr
 

@@ -25,7 +25,8 @@ from torch import nn
 from mixprec.narrow.gemm.fp8 import route_on, scaled_mm
 from mixprec.narrow.linear.fp8 import Plan, linear_class
 from mixprec.narrow.formats.microscaling import E2M1, ELEMENT_MAX
-from mixprec.narrow.formats.mx import MXRecipe, mx_mm
+from mixprec.narrow.formats.mx import MXRecipe
+from mixprec.narrow.gemm.mx import mx_mm
 from mixprec.narrow.formats.recipe import E4M3, FP8Recipe
 from mixprec.narrow.formats.scaling import FP8_MAX, per_tile, quantize, sqnr
 

@@ -25,7 +25,7 @@ from mixprec.narrow.kernels import cuda_compiled
 from mixprec.narrow.formats import mx
 from mixprec.narrow.experts.fp8 import grouped_mm, valid_rows
 from mixprec.narrow.formats.gathered import BACKWARD, FORWARD, gathered_experts
-from mixprec.narrow.formats.microscaling import E2M1, Blocked
+from mixprec.narrow.formats.microscaling import E2M1, Blocked, rotate
 from mixprec.narrow.experts.segments import Segments, pad_to, segment_amax
 
 
@@ -178,7 +178,7 @@ def _placed_cast(t, pos, P: int, h, column_expert, n: int, element, block: int, 
     function, so that on CUDA the placing, the rotation, the keys and the cast are one compiled kernel or two."""
     tt = Segments.place(t, pos, P).t()  # (C, P): each expert's tokens from a multiple of the block
     if h is not None:
-        tt = mx.rotate(tt, h)
+        tt = rotate(tt, h)
     amax = None
     if nv:  # the tensor scale of each expert's (C, its tokens) slice, per block of tokens
         per_expert = segment_amax(tt.abs().float().amax(dim=0)[:, None], column_expert, n)[:, 0]

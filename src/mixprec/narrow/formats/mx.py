@@ -1,4 +1,5 @@
-"""Microscaled training recipes: MXFP8, NVFP4 and MXFP4 Linear layers, on every device.
+"""Microscaled training recipes: MXFP8, NVFP4 and MXFP4, their casts (mixprec::mx_quantize, mx_transpose) and
+stochastic-rounding keys; their GEMM is mixprec.narrow.gemm.mx, their Linear mixprec.narrow.linear.mx.
 
     mxfp8  e4m3 elements (e5m2 gradients as an option: "hybrid"), one E8M0 scale per 1x32
            block along the contracted dimension, the scale rounded up (RCEIL: no element
@@ -39,19 +40,15 @@ from __future__ import annotations
 
 import functools
 import math
-import zlib
 from dataclasses import dataclass, fields, replace
 
 import torch
-import torch.nn.functional as F
 
 from mixprec.errors import UserError
 from mixprec.narrow.kernels import cuda_compiled
-from mixprec.narrow.formats.gathered import BACKWARD, FORWARD, gathered_copy
-from mixprec.narrow.linear.fp8 import FP8Linear, Plan, register_linear
-from mixprec.narrow.formats.microscaling import (E2M1, E4M3, E5M2, E8M0, ROUNDINGS, Blocked, byte_values, hadamard_signs,
-                                      quantize_mx_bits, quantize_nvfp4_bits, rotate)
-from mixprec.narrow.formats.recipe import GEMMS, FP8Recipe, Granularity, Tiles, register_recipe
+from mixprec.narrow.formats.microscaling import (E2M1, E4M3, E5M2, E8M0, ROUNDINGS, Blocked, hadamard_signs,
+                                                 quantize_mx_bits, quantize_nvfp4_bits)
+from mixprec.narrow.formats.recipe import FP8Recipe, Granularity, Tiles, register_recipe
 
 HADAMARDS = ("none", "random", "deterministic")
 SCALE_FORMATS = ("e8m0", "e4m3")
@@ -222,10 +219,6 @@ def _operand_dtype(device_type: str) -> torch.dtype:
     return torch.bfloat16 if gemm_route(device_type) is None else torch.float32
 
 
-def _dequantize(data, scale, block, tensor_scale, shape, dtype) -> torch.Tensor:
-    return Blocked(data, scale, block, tensor_scale, shape).dequantize(with_tensor_scale=False, dtype=dtype)
-
-
 def _transpose(data, scale) -> tuple[torch.Tensor, torch.Tensor]:
     t = Blocked(data, scale, (1, 1), None, (0, 0)).t()
     return t.data, t.scale
@@ -282,43 +275,6 @@ def transpose(q: Blocked) -> Blocked:
     return Blocked(data, scale, q.block, q.tensor_scale, q.shape[::-1])
 
 
-def mx_mm(a: Blocked, b: Blocked, out_dtype: torch.dtype) -> torch.Tensor:
-    """a (M, K) @ b (N, K)^T, both blocked along K: the emulated microscaled GEMM, as one
-    operator (mixprec::mx_mm) on the elements and scales, so `mixprec audit` sees each
-    microscaled GEMM and its operands' formats at the dispatcher."""
-    return torch.ops.mixprec.mx_mm(a.data, a.scale, a.tensor_scale, list(a.block), list(a.shape),
-                                   b.data, b.scale, b.tensor_scale, list(b.block), list(b.shape), out_dtype,
-                                   a.values, b.values)
-
-
-@torch.library.custom_op("mixprec::mx_mm", mutates_args=())
-def _mx_mm(a_data: torch.Tensor, a_scale: torch.Tensor, a_tensor_scale: torch.Tensor | None, a_block: list[int],
-           a_shape: list[int], b_data: torch.Tensor, b_scale: torch.Tensor, b_tensor_scale: torch.Tensor | None,
-           b_block: list[int], b_shape: list[int], out_dtype: torch.dtype, a_values: torch.Tensor | None = None,
-           b_values: torch.Tensor | None = None) -> torch.Tensor:
-    """a_values, b_values: the operands dequantised by their casts already (`values`), else dequantised here."""
-    a = Blocked(a_data, a_scale, tuple(a_block), a_tensor_scale, tuple(a_shape), a_values).bits()
-    b = Blocked(b_data, b_scale, tuple(b_block), b_tensor_scale, tuple(b_shape), b_values).bits()
-    device = a_data.device.type
-    dtype, dequantize = _operand_dtype(device), cuda_compiled.compiled(_dequantize, device)
-    a_op, b_op = (q.values if q.values is not None else dequantize(q.data, q.scale, q.block, None, q.shape, dtype)
-                  for q in (a, b))
-    if dtype == torch.bfloat16:  # exact operands, FP32 accumulation and output
-        out = torch.mm(a_op, b_op.t(), out_dtype=torch.float32)
-    else:
-        out = a_op @ b_op.t()
-    for q in (a, b):
-        if q.tensor_scale is not None:
-            out = out * q.tensor_scale
-    return out.to(out_dtype)
-
-
-@_mx_mm.register_fake
-def _(a_data, a_scale, a_tensor_scale, a_block, a_shape, b_data, b_scale, b_tensor_scale, b_block, b_shape,
-      out_dtype, a_values=None, b_values=None):
-    return a_data.new_empty(a_shape[0], b_shape[0], dtype=out_dtype)
-
-
 @functools.lru_cache(maxsize=None)
 def gemm_route(device: str) -> str | None:
     """None where the emulated GEMMs run in bfloat16 with FP32 output on `device` (CUDA, with
@@ -335,12 +291,6 @@ def gemm_route(device: str) -> str | None:
     if got.dtype != torch.float32 or not torch.equal(got, a.double().mm(b.double().t()).float()):
         return "torch's bfloat16 GEMM with an FP32 output did not sum exactly in FP32"
     return None
-
-
-def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """x (R, C) with zero rows appended to a multiple of `multiple` (zeros add nothing to a GEMM over R)."""
-    pad = -x.shape[0] % multiple
-    return F.pad(x, (0, 0, 0, pad)) if pad else x
 
 
 def bits_of(t: torch.Tensor) -> torch.Tensor:
@@ -361,102 +311,6 @@ def _key(t: torch.Tensor, salt, role: int) -> torch.Tensor:
     tensor: MXLinear's) and the operand."""
     return mix_key(bits_of(t).long().sum(), 0 if salt is None else salt, role)
 
-
-class _MXMatmul(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, plan: Plan, salt):
-        return _MXMatmul.gemm(*_MXMatmul.cast(ctx, x, weight, plan, salt), plan)
-
-    @staticmethod
-    def gemm(xq: Blocked, wq: Blocked, plan: Plan) -> torch.Tensor:
-        return mx_mm(xq, wq, plan.compute_dtype)
-
-    @staticmethod
-    def cast(ctx, x: torch.Tensor, weight: torch.Tensor, plan: Plan, salt):
-        """The forward GEMM's operands, with what backward reads saved on ctx (as _FP8Matmul.cast)."""
-        r = plan.recipe
-        # values=True: each GEMM operand dequantised in its cast's own pass (not kept for backward)
-        xq = r.quantize(x, values=True)  # (M, K) along K
-        wq = gathered_copy(weight, FORWARD) or r.quantize(weight, square=r.weight_2d, values=True)  # (N, K) along K
-        h = r.transform(x.device)
-        xt = _pad_rows(x, HADAMARD_SIZE).t() if h is not None else x.t()
-        xt_q = r.quantize(rotate(xt, h) if h is not None else xt)  # (K, M) along M, for the weight gradient
-        ctx.plan, ctx.salt, ctx.x_dtype = plan, salt, x.dtype
-        ctx.blocks = (xt_q.block, xt_q.shape, wq.block, wq.shape)
-        kept = wq if r.weight_2d else Blocked(None, None, None, None, None)
-        ctx.save_for_backward(weight, xt_q.data, xt_q.scale, xt_q.tensor_scale, kept.data, kept.scale,
-                              kept.tensor_scale)
-        return xq, wq
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        plan, salt = ctx.plan, ctx.salt
-        r = plan.recipe
-        weight, xt_data, xt_scale, xt_ts, w_data, w_scale, w_ts = ctx.saved_tensors
-        xt_block, xt_shape, w_block, w_shape = ctx.blocks
-        xt = Blocked(xt_data, xt_scale, xt_block, xt_ts, xt_shape)
-        dy = dy.contiguous()
-        gq = r.quantize(dy, gradient=True, key=_key(dy, salt, 0), values=True)  # (M, N) along N
-        if r.weight_2d:  # the forward's 16x16 blocks, transposed
-            wq_t = transpose(Blocked(w_data, w_scale, w_block, w_ts, w_shape))
-        else:
-            wq_t = gathered_copy(weight, BACKWARD) or r.quantize(weight.t(), values=True)  # (K, N) along N
-        dx = mx_mm(gq, wq_t, plan.compute_dtype).to(ctx.x_dtype)
-        h = r.transform(dy.device)
-        gt = _pad_rows(dy, HADAMARD_SIZE).t() if h is not None else dy.t()
-        gt_q = r.quantize(rotate(gt, h) if h is not None else gt, gradient=True, key=_key(dy, salt, 1),
-                          values=True)  # (N, M)
-        dw = mx_mm(gt_q, xt, torch.float32).to(weight.dtype)
-        return dx, dw, None, None
-
-
-class MXLinear(FP8Linear):
-    """An FP8Linear whose three GEMMs run in a microscaled recipe."""
-
-    matmul = _MXMatmul
-
-    @classmethod
-    def from_linear(cls, linear, plan: Plan, fqn: str = "") -> "MXLinear":
-        new = super().from_linear(linear, plan, fqn)
-        # the layer's part of its stochastic-rounding keys, a tensor: an int attribute is a constant of the
-        # compiled block, and every block's own salt would compile the block again (past Dynamo's limit of 8
-        # recompiles the rest ran eagerly). Not persistent: derived from the name, not saved
-        new._salt = zlib.crc32(fqn.encode())
-        new.register_buffer("salt", torch.tensor(new._salt, dtype=torch.int64, device=linear.weight.device),
-                            persistent=False)
-        new._constants_on(linear.weight.device if linear.weight.device.type != "meta" else torch.device("cpu"))
-        return new
-
-    def _apply(self, fn, recurse=True):
-        out = super()._apply(fn, recurse)
-        device = self.weight.device
-        if device.type != "meta":
-            self.salt.fill_(self._salt)  # to_empty leaves the buffer's memory as it was
-        self._constants_on(device)  # a model built on the meta device, then to_empty on a GPU
-        return out
-
-    def _constants_on(self, device) -> None:
-        """The Hadamard signs and the decode table copied to `device` now, outside any compiled region
-        and any step: copied inside the first compiled pass, the cache it fills would fail that graph's
-        guard and compile the block a second time."""
-        self.plan.recipe.transform(device)
-        byte_values(device)
-
-    def matmul_state(self):
-        return self.salt
-
-    @staticmethod
-    def routes(recipe: MXRecipe, device: str, compute_dtype: torch.dtype) -> dict[str, str | None]:
-        if device == "cuda" and torch.cuda.get_device_capability() >= (10, 0):
-            why = ("torch's microscaled GEMMs on this Blackwell GPU are not driven by mixprec yet (untested without "
-                   "one)")
-        else:
-            where = "a CPU" if device == "cpu" else f"this {device} device"
-            why = f"torch has microscaled scaled GEMMs on Blackwell (SM100) GPUs only, not on {where}"
-        return {g: why for g in GEMMS}
-
-
-register_linear(MXRecipe, MXLinear)
 
 MICRO = Granularity.MICROSCALED
 register_recipe(MXRecipe("mxfp8", MICRO, grad_dtype=E4M3, block=32))
