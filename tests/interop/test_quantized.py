@@ -16,6 +16,20 @@ from mixprec.runs.export import export
 from mixprec.runs.generate import load_model
 from test_export import _logits, trained
 
+CPU = torch.device("cpu")  # transformers' models load there: mixprec's too, on a GPU machine as well
+
+
+def _dequantizing(folder):
+    """transformers' model of a quantized folder with its weights dequantized, on any machine: on a GPU its
+    FP8, MXFP4 and compressed-tensors loaders would keep the narrow weights and kernels of their own."""
+    import transformers
+
+    method = json.loads((folder / "config.json").read_text())["quantization_config"]["quant_method"]
+    config = {"fp8": lambda: transformers.FineGrainedFP8Config(dequantize=True),
+              "mxfp4": lambda: transformers.Mxfp4Config(dequantize=True),
+              "compressed-tensors": lambda: transformers.CompressedTensorsConfig(run_compressed=False)}[method]()
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=config).eval()
+
 
 @pytest.fixture(scope="module")
 def fp8_run(tmp_path_factory, text_file):
@@ -29,7 +43,6 @@ def _fp8_export(run, out):
 
 
 def test_fp8_block_export_is_read_by_transformers_as_mixprec_reads_it(tmp_path, fp8_run):
-    import transformers
 
     _, folder = _fp8_export(fp8_run, tmp_path / "hf")
     qc = folder.config["quantization_config"]
@@ -44,8 +57,8 @@ def test_fp8_block_export_is_read_by_transformers_as_mixprec_reads_it(tmp_path, 
     assert folder.dtype("model.layers.0.mlp.gate_proj.weight") == torch.float32
     assert "model.layers.0.mlp.gate_proj" in qc["modules_to_not_convert"] and "lm_head" in qc["modules_to_not_convert"]
     assert folder.dtype("model.embed_tokens.weight") == torch.float32
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()  # dequantizes: no GPU here
-    ours, _ = load_model(str(tmp_path / "hf"))  # mixprec's import of the same folder
+    hf = _dequantizing(tmp_path / "hf")
+    ours, _ = load_model(str(tmp_path / "hf"), CPU)  # mixprec's import of the same folder
     theirs = hf.state_dict()
     source = FineGrainedFP8(folder, "test")
     for name in source.scales:  # transformers' dequantized weights are mixprec's, bit for bit
@@ -53,7 +66,7 @@ def test_fp8_block_export_is_read_by_transformers_as_mixprec_reads_it(tmp_path, 
     x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
     assert (_logits(hf, x) - _logits(ours, x)).abs().max() < 1e-6  # measured 1.5e-7: sums ordered differently
     # and the e4m3 weights are what the run's weights quantize to, not the weights themselves
-    run_model, _ = load_model(str(fp8_run))
+    run_model, _ = load_model(str(fp8_run), CPU)
     assert not torch.equal(run_model.layers[0].attention.wv.weight, ours.layers[0].attention.wv.weight)
     assert torch.equal(run_model.layers[0].feed_forward.w1.weight, ours.layers[0].feed_forward.w1.weight)
 
@@ -90,7 +103,6 @@ def test_a_folder_built_from_the_formats_definition_imports_to_transformers_weig
                                                                                     scale_dtype):
     """DeepSeek-V3.1's ue8m0 scales (power-of-two, stored as e8m0, or as its bytes) and bfloat16 scales, one per
     block of 32 x 32: e4m3 elements whose product with their block's scale is the weight."""
-    import transformers
 
     export(fp8_run, tmp_path / "plain", dtype=torch.float32)
     folder = HFFolder(tmp_path / "plain")
@@ -109,8 +121,8 @@ def test_a_folder_built_from_the_formats_definition_imports_to_transformers_weig
     write_file(tmp_path / "fp8" / "model.safetensors", tensors, metadata={"format": "pt"})
     (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
     (tmp_path / "fp8" / "tokenizer.json").write_text((tmp_path / "plain" / "tokenizer.json").read_text())
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8").eval()
-    ours, _ = load_model(str(tmp_path / "fp8"))
+    theirs = _dequantizing(tmp_path / "fp8")
+    ours, _ = load_model(str(tmp_path / "fp8"), CPU)
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     assert (_logits(theirs, x) - _logits(ours, x)).abs().max() < 1e-6
     source = FineGrainedFP8(HFFolder(tmp_path / "fp8"), "test")
@@ -124,10 +136,9 @@ def test_a_folder_built_from_the_formats_definition_imports_to_transformers_weig
 def test_fine_tuning_from_an_fp8_folder_starts_where_its_dequantized_twin_does(tmp_path, fp8_run, text_file):
     """The first step's loss from the fp8-block folder equals the loss from the same weights, dequantized by
     transformers and written in float32 without a quantization_config."""
-    import transformers
 
     _fp8_export(fp8_run, tmp_path / "fp8")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8")
+    hf = _dequantizing(tmp_path / "fp8")
     config = {k: v for k, v in json.loads((tmp_path / "fp8" / "config.json").read_text()).items()
               if k != "quantization_config"}
     (tmp_path / "twin").mkdir()
@@ -224,15 +235,14 @@ def test_compressed_tensors_decompressor_reads_the_export_as_mixprec_imports_it(
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_transformers_loads_the_packed_export_to_mixprecs_weights(tmp_path, fp8_run, fmt):
     pytest.importorskip("compressed_tensors")  # transformers reads these folders through it
-    import transformers
 
     export(fp8_run, tmp_path / "hf", fmt=fmt)  # bfloat16 around the packed weights, as such folders come
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    hf = _dequantizing(tmp_path / "hf")
     x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
     _logits(hf, x)  # its first forward decompresses the packed weights (bfloat16)
     for p in hf.parameters():  # then both compute in float32 (transformers refuses .float() on a quantized
         p.data = p.data.float()  # model): widened, exactly
-    ours, _ = load_model(str(tmp_path / "hf"))
+    ours, _ = load_model(str(tmp_path / "hf"), CPU)
     q = "model.layers.1.mlp.down_proj.weight"
     assert torch.equal(hf.state_dict()[q], ours.layers[1].feed_forward.w2.weight.detach().bfloat16().float())
     for p in ours.parameters():
@@ -286,7 +296,6 @@ def test_an_moes_fp8_block_export_is_read_by_transformers_as_mixprec_reads_it(tm
     """The experts written one Linear per expert and projection (transformers merges them into its fused
     tensors; mixprec's import merges them likewise), each in e4m3 with its own block scales; the routers stay
     float32; transformers' logits are mixprec's."""
-    import transformers
 
     _, folder = _fp8_export(moe_run, tmp_path / "hf")
     names = set(folder.names())
@@ -297,8 +306,8 @@ def test_an_moes_fp8_block_export_is_read_by_transformers_as_mixprec_reads_it(tm
             assert folder.dtype(w) == torch.float8_e4m3fn and w + "_scale_inv" in names
     assert folder.dtype("model.layers.0.mlp.gate.weight") == torch.float32  # the router
     assert "model.layers.0.mlp.gate" in folder.config["quantization_config"]["modules_to_not_convert"]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    ours, _ = load_model(str(tmp_path / "hf"))
+    hf = _dequantizing(tmp_path / "hf")
+    ours, _ = load_model(str(tmp_path / "hf"), CPU)
     theirs = hf.state_dict()
     experts = [n for n in ours.state_dict() if n.startswith("hf.") and "experts" in n]
     assert len(experts) == 10  # gate_up_proj, down_proj and the shared expert's three Linears, of two layers
@@ -321,7 +330,7 @@ def test_an_moes_packed_experts_are_read_by_the_decompressor_as_mixprec_reads_th
     folder = HFFolder(tmp_path / "hf")
     qc = QuantizationConfig.model_validate(folder.config["quantization_config"])
     compressor = BaseCompressor.get_value_from_registry(qc.format)
-    ours, _ = load_model(str(tmp_path / "hf"))
+    ours, _ = load_model(str(tmp_path / "hf"), CPU)
     fused = ours.state_dict()["hf.model.layers.1.mlp.experts.gate_up_proj"]  # (E, 2I, D)
     I = fused.shape[1] // 2
     for e in (0, 5):
@@ -335,9 +344,8 @@ def test_an_moes_packed_experts_are_read_by_the_decompressor_as_mixprec_reads_th
         qkv = [folder.read(f"model.layers.0.self_attn.{p}_proj.weight_global_scale") for p in "qkv"]
         assert torch.equal(*scale) and torch.equal(qkv[0], qkv[1]) and torch.equal(qkv[1], qkv[2])
         return  # transformers 5.24 drops the experts' global scales when it merges them (their values 448 x 6)
-    import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    hf = _dequantizing(tmp_path / "hf")
     x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
     _logits(hf, x)  # the first forward decompresses
     for p in hf.parameters():
@@ -364,8 +372,8 @@ def test_a_per_expert_folder_loads_into_the_fused_experts(tmp_path, moe_run):
     for file in ("config.json", "tokenizer.json"):
         (tmp_path / "split" / file).write_text((tmp_path / "fused" / file).read_text())
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
-    split, _ = load_model(str(tmp_path / "split"))
-    fused, _ = load_model(str(tmp_path / "fused"))
+    split, _ = load_model(str(tmp_path / "split"), CPU)
+    fused, _ = load_model(str(tmp_path / "fused"), CPU)
     assert torch.equal(_logits(split, x), _logits(fused, x))
     from mixprec.interop.expert_files import Fused
 
@@ -395,7 +403,7 @@ def test_serve_gap_measures_each_format_against_the_trained_forward(fp8_run, mon
 
     config = _run_config(fp8_run)
     data = val_batches(load_tokens(config.data, fp8_run)[3], 32, 4, 2)
-    model, _ = load_model(str(fp8_run))
+    model, _ = load_model(str(fp8_run), CPU)
     with torch.no_grad():
         losses = [torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")
                   for x, y, _ in data]
@@ -487,7 +495,6 @@ def test_a_folder_written_by_compressed_tensors_imports_as_its_decompressor_and_
     the folder from the run's weights; mixprec imports every weight as the package's decompressor and
     transformers' loader give it."""
     pytest.importorskip("compressed_tensors")
-    import transformers
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import preset_name_to_scheme
     from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
@@ -508,12 +515,12 @@ def test_a_folder_written_by_compressed_tensors_imports_as_its_decompressor_and_
     for n, parts in compressed.items():
         theirs = compressor.decompress(parts, scheme)["weight"]
         assert torch.equal(source.read(n).to(theirs.dtype), theirs), n
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ct").eval()
+    hf = _dequantizing(tmp_path / "ct")
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     _logits(hf, x)  # the first forward decompresses
     for p in hf.parameters():
         p.data = p.data.float()
-    ours, _ = load_model(str(tmp_path / "ct"))
+    ours, _ = load_model(str(tmp_path / "ct"), CPU)
     for p in ours.parameters():
         p.data = p.data.bfloat16().float()  # the reader's rounding
     assert (_logits(hf, x) - _logits(ours, x)).abs().max() < 1e-5
@@ -551,9 +558,8 @@ def test_a_compressed_tensors_fp8_folder_imports_as_its_decompressor_reads_it(tm
         theirs = compressor.decompress(parts, scheme)["weight"]
         assert torch.equal(source.read(n).to(theirs.dtype), theirs), n
         assert torch.equal(source.read(n, slice(5, 70)), source.read(n)[5:70]), n  # a rank's rows
-    import transformers
 
-    ours, _ = load_model(str(tmp_path / "ct"))  # through the loader, into the model
+    ours, _ = load_model(str(tmp_path / "ct"), CPU)  # through the loader, into the model
     v = "model.layers.1.self_attn.v_proj.weight"
     assert torch.equal(ours.layers[1].attention.wv.weight.detach(), source.read(v))
 
@@ -562,7 +568,6 @@ def test_a_gpt_oss_run_exports_its_experts_in_the_familys_mxfp4_and_transformers
     """gpt-oss's own MXFP4 layout (_blocks, _scales; quant_method mxfp4), which transformers dequantizes on the
     CPU: the weights mixprec imports from the folder, bit for bit, and the same logits; attention stays in the
     export's dtype."""
-    import transformers
 
     (tmp_path / "cfg").mkdir()
     small = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -579,8 +584,8 @@ def test_a_gpt_oss_run_exports_its_experts_in_the_familys_mxfp4_and_transformers
     assert folder.dtype("model.layers.0.self_attn.q_proj.weight") == torch.float32
     source, name = dequantized(folder, "test"), "model.layers.1.mlp.experts.down_proj"
     assert source.shape(name) == (8, 64, 64) and torch.equal(source.read(name, slice(2, 5)), source.read(name)[2:5])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    ours, _ = load_model(str(tmp_path / "hf"))
+    hf = _dequantizing(tmp_path / "hf")
+    ours, _ = load_model(str(tmp_path / "hf"), CPU)
     theirs = hf.state_dict()
     for layer in range(2):
         for proj in ("gate_up_proj", "down_proj"):
@@ -588,14 +593,13 @@ def test_a_gpt_oss_run_exports_its_experts_in_the_familys_mxfp4_and_transformers
             assert torch.equal(theirs[name], ours.state_dict()["hf." + name]), name
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     assert torch.equal(_logits(hf, x), _logits(ours, x))  # the same transformers code on the same weights
-    trained, _ = load_model(str(tmp_path / "run"))
+    trained, _ = load_model(str(tmp_path / "run"), CPU)
     assert not torch.equal(_logits(trained, x), _logits(ours, x))  # and they are the run's, in e2m1
 
 
 def test_a_qwen3_moe_run_exports_its_experts_in_fp8_blocks_that_transformers_reads(tmp_path, text_file):
     """A transformers MoE family trained through the experts interface (model.hf_config): its fused experts
     written one e4m3 Linear per expert, which transformers merges back; its logits are mixprec's."""
-    import transformers
     from conftest import tiny_qwen3_moe
 
     config = tiny_qwen3_moe(tmp_path / "cfg")
@@ -604,7 +608,7 @@ def test_a_qwen3_moe_run_exports_its_experts_in_fp8_blocks_that_transformers_rea
     export(tmp_path / "run", tmp_path / "hf", dtype=torch.float32, fmt="fp8-block")
     folder = HFFolder(tmp_path / "hf")
     assert folder.dtype("model.layers.1.mlp.experts.7.down_proj.weight") == torch.float8_e4m3fn
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    ours, _ = load_model(str(tmp_path / "hf"))
+    hf = _dequantizing(tmp_path / "hf")
+    ours, _ = load_model(str(tmp_path / "hf"), CPU)
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     assert (_logits(hf, x) - _logits(ours, x)).abs().max() < 1e-6
