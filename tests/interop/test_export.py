@@ -39,7 +39,7 @@ def test_fp32_export_loads_in_transformers_with_mixprecs_logits(tmp_path, run):
     assert result["step"] == 20 and result["files"] == ["model.safetensors"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert type(hf).__name__ == "LlamaForCausalLM" and hf.dtype == torch.float32
-    ours, tokenizer = load_model(str(run))
+    ours, tokenizer = load_model(str(run), torch.device("cpu"))
     x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
     assert (_logits(hf, x) - _logits(ours, x)).abs().max() < 1e-5  # same weights, sums ordered differently
     # the run's tokens (UTF-8 bytes) as a tokenizer.json transformers reads
@@ -61,7 +61,7 @@ def test_a_tied_llama_exports_its_embeddings_once(tmp_path, text_file):
     assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is True
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    ours, _ = load_model(str(tmp_path / "run"))
+    ours, _ = load_model(str(tmp_path / "run"), torch.device("cpu"))
     assert ours.output.weight is ours.tok_embeddings.weight
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     assert (_logits(hf, x) - _logits(ours, x)).abs().max() < 1e-5
@@ -81,7 +81,7 @@ def test_a_transformers_model_loaded_trained_and_exported_has_the_runs_logits(tm
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     start = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "start").eval()
     assert type(hf) is type(start)
-    ours, _ = load_model(str(tmp_path / "run"))
+    ours, _ = load_model(str(tmp_path / "run"), torch.device("cpu"))
     x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
     assert torch.equal(_logits(hf, x), _logits(ours, x))  # the same transformers code on the same weights
     assert not torch.equal(_logits(hf, x), _logits(start, x))  # and they are the trained ones
@@ -94,7 +94,7 @@ def test_bf16_export_is_the_weights_rounded_once(tmp_path, run):
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
-    ours, _ = load_model(str(run))
+    ours, _ = load_model(str(run), torch.device("cpu"))
     for p in ours.parameters():
         p.data = p.data.bfloat16().float()  # the same rounding, then both compute in float32
     x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
@@ -116,7 +116,7 @@ def test_generate_greedy_equals_transformers_generate(tmp_path, run, capsys):
     import transformers
 
     export(run, tmp_path / "hf", dtype=torch.float32)
-    model, tokenizer = load_model(str(run))
+    model, tokenizer = load_model(str(run), torch.device("cpu"))
     ours = generate(model, tokenizer, "def main(", max_new_tokens=12, temperature=0)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     ids = hf.generate(torch.tensor([list(b"def main(")]), max_new_tokens=12, do_sample=False, pad_token_id=0)
@@ -160,7 +160,7 @@ def test_an_moe_exports_as_glm4_moe_with_the_runs_logits_and_generates_the_same(
     export(moe_run, tmp_path / "hf", dtype=torch.float32)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert type(hf).__name__ == "Glm4MoeForCausalLM"
-    ours, tokenizer = load_model(str(moe_run))
+    ours, tokenizer = load_model(str(moe_run), torch.device("cpu"))
     bias = ours.layers[1].feed_forward.router.bias
     assert bias.abs().max() > 0 and torch.equal(hf.model.layers[1].mlp.gate.e_score_correction_bias, bias)
     x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))

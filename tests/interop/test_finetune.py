@@ -66,7 +66,7 @@ def test_the_sharded_checkpoint_exports_and_transformers_loads_it(tmp_path, fine
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     from mixprec.runs.generate import load_model
 
-    ours, _ = load_model(str(root / preset))
+    ours, _ = load_model(str(root / preset), torch.device("cpu"))
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (model(input_ids=x).logits - ours(x)).abs().max() < 1e-5
