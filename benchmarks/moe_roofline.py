@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from mixprec.dtypes import parse_dtype
-from mixprec.analysis.cuda_route import ONE_KERNEL, as_on_cuda
+from mixprec.analysis.cuda_route import as_on_cuda, inside
 from mixprec.narrow.experts import ops as experts
 from mixprec.narrow.experts.layer import base_mm
 from mixprec.narrow.experts.routes import on_hopper
@@ -91,11 +91,10 @@ class Cost(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        namespace = func.namespace
-        if namespace == "mixprec" and name not in ONE_KERNEL:
-            opdef = torch._library.custom_ops.OPDEFS[f"mixprec::{name}"]
+        fn = inside(func)
+        if fn is not None:
             with Cost(self.stats):  # opened: its insides counted as what they dispatch
-                return opdef._init_fn(*args, **kwargs)
+                return fn(*args, **kwargs)
         out = func(*args, **kwargs)
         if func.overloadpacket in VIEWS or (not name.endswith("_") and _aliases(out, (args, kwargs))):
             return out  # a view, or a .to that had nothing to do (an in-place op returns its input: it counts)

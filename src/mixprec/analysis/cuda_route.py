@@ -57,17 +57,25 @@ def as_on_cuda(on_kernel=None):
         cuda_compiled.compiled, mx._operand_dtype = saved
 
 
+def inside(func):
+    """The Python function a mixprec operator runs inside, where it is to be opened (not one kernel), else None."""
+    name = func.overloadpacket.__name__
+    if func.namespace != "mixprec" or name in ONE_KERNEL:
+        return None
+    return torch._library.custom_ops.OPDEFS[f"mixprec::{name}"]._init_fn
+
+
 class Opened(TorchDispatchMode):
     """mixprec's operators run what they run inside (a Triton kernel of ONE_KERNEL excepted), so that the modes
     below it see every operator and allocation; the experts projections on a Hopper GPU's route."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        if func.namespace != "mixprec" or name in ONE_KERNEL:
+        fn = inside(func)
+        if fn is None:
             return func(*args, **kwargs)
-        with Opened(), _on_hopper(name, args):
-            return torch._library.custom_ops.OPDEFS[f"mixprec::{name}"]._init_fn(*args, **kwargs)
+        with Opened(), _on_hopper(func.overloadpacket.__name__, args):
+            return fn(*args, **kwargs)
 
 
 @contextlib.contextmanager

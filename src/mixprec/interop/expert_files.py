@@ -17,6 +17,8 @@ import re
 
 import torch
 
+from mixprec.interop.interfaces import View
+
 _FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 _SPLIT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -47,12 +49,17 @@ def per_expert(tensors: dict[str, torch.Tensor], model_type: str = "glm4_moe") -
     return out, linears
 
 
-class Fused:
-    """A folder with one weight per expert read as the fused experts tensors of `wanted` (a WeightSource over
-    it); a rank's rows of a fused tensor are its experts, and only theirs are read."""
+def is_fused(name: str) -> bool:
+    """Whether `name` is a fused experts tensor (`...experts.gate_up_proj`, `...experts.down_proj`)."""
+    return _FUSED.match(name) is not None
+
+
+class Fused(View):
+    """A folder with one weight per expert read as the fused experts tensors of `wanted`; a rank's rows of a
+    fused tensor are its experts, and only theirs are read."""
 
     def __init__(self, source, wanted):
-        self.source, self.path = source, getattr(source, "path", "")
+        super().__init__(source)
         groups: dict[tuple[str, str], dict[int, str]] = {}
         for name in source.names():
             m = _SPLIT.match(name)
@@ -69,25 +76,22 @@ class Fused:
                 self.fused[f"{prefix}.gate_up_proj"] = (experts, [ups[e] for e in sorted(ups)])
         self.hidden = {n for parts in self.fused.values() for names in parts for n in names}
 
+    @property
+    def made(self) -> dict[str, tuple[list[str], ...]]:
+        return self.fused
+
     def __bool__(self) -> bool:
         return bool(self.fused)
 
-    def names(self) -> list[str]:
-        return [n for n in self.source.names() if n not in self.hidden] + list(self.fused)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        if name not in self.fused:
-            return self.source.shape(name)
+    def _shape(self, name: str) -> tuple[int, ...]:
         parts = self.fused[name]
         rows, cols = self.source.shape(parts[0][0])
         return len(parts[0]), rows * len(parts), cols
 
-    def dtype(self, name: str) -> torch.dtype:
-        return self.source.dtype(self.fused[name][0][0] if name in self.fused else name)
+    def _dtype(self, name: str) -> torch.dtype:
+        return self.source.dtype(self.fused[name][0][0])
 
-    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
-        if name not in self.fused:
-            return self.source.read(name, rows)
+    def _read(self, name: str, rows: slice | None) -> torch.Tensor:
         parts = self.fused[name]
         experts = range(len(parts[0]))[rows] if rows is not None else range(len(parts[0]))
         return torch.stack([torch.cat([self.source.read(names[e]) for names in parts]) for e in experts])

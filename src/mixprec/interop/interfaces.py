@@ -5,6 +5,10 @@ safetensors file (`SafetensorsFile`), a mixprec checkpoint (`CheckpointWeights`)
 asks it for names, shapes and dtypes before reading anything (one line for a source that does
 not fit), then reads each tensor's rows for this rank only.
 
+A **View** is a WeightSource over another whose tensors it reads differently: some names stand for tensors
+made from others (a narrow format's elements and scales dequantized, per-expert weights merged), the parts
+they are made of hidden, every other name passed through (mixprec.interop.quantized, expert_files).
+
 A **StateDictAdapter** maps one architecture between mixprec's parameter names and layouts
 and a Hugging Face folder's, both ways: the initial load reads through it, export writes
 through it. A new architecture implements these four methods and is chosen by
@@ -56,3 +60,37 @@ class StateDictAdapter(NameMap, Protocol):
 
     def hf_config(self, dtype: str) -> dict:
         """config.json of the model, with `dtype` as its torch_dtype (export)."""
+
+
+class View:
+    """A WeightSource over `source`: the names of `made` (name -> what it is made of) read by `_read` as the tensors
+    they stand for (float32 unless `_dtype` says otherwise, shaped as the source's tensor of that name unless
+    `_shape` says otherwise), the names in `hidden` not shown, every other name the source's own."""
+
+    made: dict
+    hidden: set
+
+    def __init__(self, source):
+        self.source, self.path, self.config = source, getattr(source, "path", ""), getattr(source, "config", None)
+
+    def names(self) -> list[str]:
+        shown = [n for n in self.source.names() if n not in self.hidden]
+        return shown + [n for n in self.made if n not in set(shown)]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shape(name) if name in self.made else self.source.shape(name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._dtype(name) if name in self.made else self.source.dtype(name)
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        return self._read(name, rows) if name in self.made else self.source.read(name, rows)
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        return self.source.shape(name)
+
+    def _dtype(self, name: str) -> torch.dtype:
+        return torch.float32
+
+    def _read(self, name: str, rows: slice | None) -> torch.Tensor:
+        raise NotImplementedError

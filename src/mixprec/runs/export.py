@@ -29,7 +29,7 @@ from mixprec.dtypes import dtype_name
 from mixprec.errors import UserError
 from mixprec.interop import quantized
 from mixprec.interop.adapters import adapter_for
-from mixprec.interop.expert_files import per_expert
+from mixprec.interop.expert_files import is_fused, per_expert
 from mixprec.interop.hf_folder import check_out, write_folder
 from mixprec.interop.load import CheckpointWeights
 from mixprec.models.ties import tied_names
@@ -79,7 +79,7 @@ def export(source: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloa
     if fmt != "bf16":  # a narrow format's experts one Linear each, as transformers and inference engines read them
         tensors, experts = per_expert(tensors, config.get("model_type", ""))
         convert.update(experts)
-        fused = [n for n in tensors if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]
+        fused = [n for n in tensors if is_fused(n)]
         if fused and not quantized.own_layout(fmt, config):
             logger.info("export: %d fused experts tensors (%s, ...) stay in %s: %s's experts have no per-expert "
                         "layout mixprec writes", len(fused), fused[0], dtype_name(dtype), config.get("model_type"))

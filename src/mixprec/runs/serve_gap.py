@@ -29,9 +29,11 @@ logger = logging.getLogger(__name__)
 SERVED = tuple(f for f in FORMATS if f != "bf16")
 
 
-def _activations_in_fp8(model: torch.nn.Module, source, adapter) -> int:
-    """Forward pre-hooks quantizing the input of each Linear whose weight the folder holds in fp8-block, per
-    token in 1 x 128 groups (dequantized at once: the GEMM then reads e4m3 x scale). Returns how many."""
+def _activations_in_fp8(model: torch.nn.Module, folder: Path) -> int:
+    """Forward pre-hooks quantizing the input of each Linear whose weight the folder holds in e4m3, per token
+    in 1 x 128 groups (dequantized at once: the GEMM then reads e4m3 x scale). Returns how many."""
+    from mixprec.interop.adapters import adapter_for
+    from mixprec.interop.hf_folder import HFFolder
     from mixprec.narrow.formats.recipe import E4M3
     from mixprec.narrow.formats.scaling import quantize
 
@@ -40,13 +42,15 @@ def _activations_in_fp8(model: torch.nn.Module, source, adapter) -> int:
         flat = x.reshape(-1, x.shape[-1]).float()
         return (quantize(flat, E4M3, (1, 128))[0].dequantize().reshape(x.shape).to(x.dtype),)
 
+    files, adapter = HFFolder(folder), adapter_for(model)
+    narrow = {n for n in files.names() if files.dtype(n) == torch.float8_e4m3fn}
     hooked = 0
     for fqn, m in model.named_modules(remove_duplicate=True):
         try:
             name = adapter.hf_name(f"{fqn}.weight")
         except KeyError:  # a name the folder does not use (a transformers model's second name for its layers)
             continue
-        if isinstance(m, torch.nn.Linear) and name in source.scales:
+        if isinstance(m, torch.nn.Linear) and name in narrow:
             m.register_forward_pre_hook(hook)
             hooked += 1
     return hooked
@@ -73,7 +77,6 @@ def serve_gap(run: str | Path, formats=SERVED, batches: int | None = None) -> di
     """{format: the gap's figures} for the latest checkpoint of the run folder `run`, on `batches` of its
     validation batches (default: the run's training.eval_batches)."""
     from mixprec.data.loader import val_batches
-    from mixprec.interop.load import open_source
     from mixprec.runs.export import export
     from mixprec.runs.generate import load_model
     from mixprec.runs.resolve import _run_config, resolve
@@ -98,9 +101,7 @@ def serve_gap(run: str | Path, formats=SERVED, batches: int | None = None) -> di
             served, _ = load_model(str(Path(tmp) / fmt), torch.device("cpu"))
             note = "weights only (A16)"
             if fmt == "fp8-block":
-                source, adapter = open_source(Path(tmp) / fmt, served)
-                scales = getattr(source, "source", source)  # under the experts' merge, the folder's reader
-                note = f"{_activations_in_fp8(served, scales, adapter)} Linears' inputs in e4m3, 1x128 groups"
+                note = f"{_activations_in_fp8(served, Path(tmp) / fmt)} Linears' inputs in e4m3, 1x128 groups"
             out[fmt] = {**_compare(trained, served, data), "served": note}
         logger.info("serve-gap %s: |d log p| %.4g, KL %.4g, top-1 changed %.2f%% over %d tokens (%s)", fmt,
                     out[fmt]["logprob_gap"], out[fmt]["kl"], 100 * out[fmt]["top1_changed"], out[fmt]["tokens"],

@@ -35,9 +35,8 @@ def quantize_folder(tensors: dict[str, torch.Tensor], config: dict, linears: dic
                     fmt: str) -> tuple[dict[str, torch.Tensor], dict, set[str]]:
     """(tensors, config.json, the names written as they are) in `fmt`: each of `linears` (folder name of a
     Linear's weight -> the Linear's folder name) converted where the format takes its shape; the Linears `kept`
-    (the head, routers) and the others named as left out (modules_to_not_convert, or compressed-tensors' ignore)."""
-    if fmt not in FORMATS:
-        raise UserError(f"--format {fmt!r} is not known; accepted: {', '.join(FORMATS)}")
+    (the head, routers) and the others named as left out (modules_to_not_convert, or compressed-tensors' ignore).
+    `fmt` one of FORMATS (export checks it before it reads anything)."""
     if fmt == "bf16":
         return tensors, config, set()
     if own_layout(fmt, config):

@@ -27,12 +27,14 @@ import logging
 import torch
 
 from mixprec.errors import UserError
+from mixprec.interop.interfaces import View
 from mixprec.interop.quantized.scales import ScaledWeights, block_scales, scale_values
 
 logger = logging.getLogger(__name__)
 
 PACKED = {"nvfp4": ("nvfp4-pack-quantized", 16), "mxfp4": ("mxfp4-pack-quantized", 32)}  # format -> (name, group)
 COMPRESSED = {name: group for name, group in PACKED.values()}  # compressed-tensors formats read
+
 
 def write(tensors, config, linears, kept, fmt):
     """NVFP4 or MXFP4 in compressed-tensors' pack-quantized layout, cast as the recipe of that name casts weights."""
@@ -104,7 +106,7 @@ class FloatQuantized(ScaledWeights):
     scale's dtype, as the package's decompressor computes it."""
 
     def __init__(self, folder, key: str, weights: dict):
-        self.folder, self.path, self.config = folder, folder.path, folder.config
+        super().__init__(folder)
         self.strategy = weights.get("strategy")
         if self.strategy not in ("tensor", "channel", "group", "block"):
             raise UserError(f"{key} {folder.path}: compressed-tensors float-quantized weights with strategy "
@@ -113,69 +115,58 @@ class FloatQuantized(ScaledWeights):
                       tuple(weights.get("block_structure") or ()) if self.strategy == "block" else None)
         self.scales = {n: n + "_scale" for n in folder.names()
                        if folder.dtype(n) in (torch.float8_e4m3fn, torch.float8_e5m2) and n + "_scale" in folder.where}
-        self.hidden = {s for s in self.scales.values()} | {n.removesuffix("weight") + "input_scale"
-                                                           for n in self.scales}
+        self.hidden = set(self.scales.values()) | {n.removesuffix("weight") + "input_scale" for n in self.scales}
         logger.info("%s: %s, compressed-tensors float-quantized (%s scales): %d weights in FP8, dequantized as its "
                     "decompressor computes them", key, folder.path, self.strategy, len(self.scales))
 
-    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
-        if name not in self.scales:
-            return self.folder.read(name, rows)
-        q = self.folder.read(name, rows)
+    def _read(self, name: str, rows: slice | None) -> torch.Tensor:
+        q = self.source.read(name, rows)
         if self.strategy == "tensor":
-            scale = self.folder.read(self.scales[name]).reshape(())
+            scale = self.source.read(self.scales[name]).reshape(())
         elif self.strategy == "channel":
-            scale = self.folder.read(self.scales[name], rows).reshape(-1, 1)
+            scale = self.source.read(self.scales[name], rows).reshape(-1, 1)
         else:
-            scale = block_scales(self.folder, self.scales[name], rows, q.shape, self.block)
+            scale = block_scales(self.source, self.scales[name], rows, q.shape, self.block)
         return (q.to(scale.dtype) * scale).float()
 
 
-class CompressedTensors:
+class CompressedTensors(View):
     """A compressed-tensors folder in nvfp4- or mxfp4-pack-quantized read as its weights: each `X.weight_packed`
-    (with `X.weight_scale`, NVFP4's `X.weight_global_scale`) as `X.weight` (a WeightSource over the folder)."""
+    (with `X.weight_scale`, NVFP4's `X.weight_global_scale`) as `X.weight`."""
 
     def __init__(self, folder, key: str, fmt: str):
-        self.folder, self.path, self.config = folder, folder.path, folder.config
+        super().__init__(folder)
         self.group, self.nv = COMPRESSED[fmt], fmt.startswith("nvfp4")
         self.packed = {n.removesuffix("_packed"): n.removesuffix(".weight_packed") for n in folder.names()
                        if n.endswith(".weight_packed")}
         self.hidden = {f"{base}.{part}" for base in self.packed.values()
                        for part in ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")}
         for name, base in self.packed.items():
-            R, half = folder.shape(base + ".weight_packed")
-            want = (R, 2 * half // self.group)
-            if (folder.dtype(base + ".weight_packed") != torch.uint8 or 2 * half % self.group
-                    or tuple(folder.shape(base + ".weight_scale")) != want):
-                packed = list(folder.shape(base + ".weight_packed"))
-                raise UserError(f"{key} {folder.path}: {base}.weight_packed {packed} "
-                                f"with weight_scale {list(folder.shape(base + '.weight_scale'))}; accepted: uint8 "
-                                f"pairs of e2m1 codes and one scale per {self.group} elements ({list(want)})")
+            packed, scale = tuple(folder.shape(base + ".weight_packed")), tuple(folder.shape(base + ".weight_scale"))
+            want = (packed[0], 2 * packed[1] // self.group)
+            if folder.dtype(base + ".weight_packed") != torch.uint8 or 2 * packed[1] % self.group or scale != want:
+                raise UserError(f"{key} {folder.path}: {base}.weight_packed {list(packed)} with weight_scale "
+                                f"{list(scale)}; accepted: uint8 pairs of e2m1 codes and one scale per {self.group} "
+                                f"elements ({list(want)})")
         logger.info("%s: %s, compressed-tensors %s: %d weights in e2m1, dequantized as its decompressor computes them",
                     key, folder.path, fmt, len(self.packed))
 
-    def names(self) -> list[str]:
-        return [n for n in self.folder.names() if n not in self.hidden] + list(self.packed)
+    @property
+    def made(self) -> dict[str, str]:
+        return self.packed
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        if name not in self.packed:
-            return self.folder.shape(name)
-        R, half = self.folder.shape(self.packed[name] + ".weight_packed")
+    def _shape(self, name: str) -> tuple[int, ...]:
+        R, half = self.source.shape(self.packed[name] + ".weight_packed")
         return R, 2 * half
 
-    def dtype(self, name: str) -> torch.dtype:
-        return torch.float32 if name in self.packed else self.folder.dtype(name)
-
-    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+    def _read(self, name: str, rows: slice | None) -> torch.Tensor:
         from mixprec.narrow.formats.microscaling import decode_e2m1
 
-        if name not in self.packed:
-            return self.folder.read(name, rows)
         base = self.packed[name]
-        values = decode_e2m1(self.folder.read(base + ".weight_packed", rows))  # (rows, C) float32
-        scale = self.folder.read(base + ".weight_scale", rows)
+        values = decode_e2m1(self.source.read(base + ".weight_packed", rows))  # (rows, C) float32
+        scale = self.source.read(base + ".weight_scale", rows)
         if self.nv:  # the block scale over the global one, rounded once, as the decompressor divides
-            scale = scale.float() / self.folder.read(base + ".weight_global_scale").float().reshape(())
+            scale = scale.float() / self.source.read(base + ".weight_global_scale").float().reshape(())
         else:
             scale = scale_values(scale)
         return values * scale.repeat_interleave(self.group, 1)

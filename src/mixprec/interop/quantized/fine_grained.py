@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from mixprec.dtypes import dtype_name
 from mixprec.errors import UserError
 from mixprec.interop.quantized.scales import ScaledWeights, block_scales, scale_values
 
@@ -68,36 +69,30 @@ class FineGrainedFP8(ScaledWeights):
     as e4m3 x its block's scale."""
 
     def __init__(self, folder, key: str):
-        self.folder, self.path, self.config = folder, folder.path, folder.config
-        qc = folder.config["quantization_config"]
-        block = qc.get("weight_block_size")
-        self.scales = {n.removesuffix(SCALE): n for n in folder.names() if n.endswith(".weight" + SCALE)}
-        self.hidden = set(self.scales.values()) | {n for n in folder.names()
-                                                   if n.endswith((".input_scale", ".activation_scale"))}
+        super().__init__(folder)
+        block = folder.config["quantization_config"].get("weight_block_size")
         if block is not None and (not isinstance(block, (list, tuple)) or len(block) != 2
                                   or not all(isinstance(b, int) and b > 0 for b in block)):
             raise UserError(f"{key} {folder.path}: quantization_config weight_block_size {block!r}; accepted: two "
                             "positive integers (e.g. [128, 128]) or null (one scale a tensor)")
         self.block = tuple(block) if block is not None else None
+        self.scales = {n.removesuffix(SCALE): n for n in folder.names() if n.endswith(".weight" + SCALE)}
+        self.hidden = set(self.scales.values()) | {n for n in folder.names()
+                                                   if n.endswith((".input_scale", ".activation_scale"))}
         for name, scale in self.scales.items():
-            shape, grid = folder.shape(name), folder.shape(scale)
-            want = tuple(math.ceil(n / b) for n, b in zip(shape, self.block)) if self.block else ()
-            if tuple(grid) not in (want, (1,) * len(want)) or (not self.block and math.prod(grid) != 1):
+            shape, grid = folder.shape(name), tuple(folder.shape(scale))
+            want = tuple(math.ceil(n / b) for n, b in zip(shape, self.block)) if self.block else None
+            if grid != want if self.block else math.prod(grid) != 1:
                 raise UserError(f"{key} {folder.path}: {scale!r} is {list(grid)} for a weight of {list(shape)}; "
-                                f"accepted: one scale per {self.block} block ({list(want)})")
+                                f"accepted: one scale per {self.block or 'tensor'} block"
+                                f"{f' ({list(want)})' if want else ''}")
+        dtypes = "/".join(sorted({dtype_name(folder.dtype(s)) for s in self.scales.values()})) or "no"
         logger.info("%s: %s, FineGrainedFP8 (quant_method fp8): %d weights in e4m3 with %s scales per %s block, "
                     "dequantized as the format defines (e4m3 x weight_scale_inv)", key, folder.path,
-                    len(self.scales), self._scale_dtype(), "x".join(map(str, self.block or ("tensor",))))
+                    len(self.scales), dtypes, "x".join(map(str, self.block or ("tensor",))))
 
-    def _scale_dtype(self) -> str:
-        dtypes = {str(self.folder.dtype(s)).removeprefix("torch.") for s in self.scales.values()}
-        return "/".join(sorted(dtypes)) or "no"
-
-    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
-        if name not in self.scales:
-            return self.folder.read(name, rows)
-        q = self.folder.read(name, rows).float()
+    def _read(self, name: str, rows: slice | None) -> torch.Tensor:
+        q = self.source.read(name, rows).float()
         if self.block is None:
-            return q * scale_values(self.folder.read(self.scales[name])).reshape(())
-        scale = block_scales(self.folder, self.scales[name], rows, q.shape, self.block)
-        return q * scale_values(scale)
+            return q * scale_values(self.source.read(self.scales[name])).reshape(())
+        return q * scale_values(block_scales(self.source, self.scales[name], rows, q.shape, self.block))

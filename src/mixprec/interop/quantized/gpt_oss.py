@@ -10,6 +10,8 @@ import logging
 import torch
 
 from mixprec.errors import UserError
+from mixprec.interop.expert_files import is_fused
+from mixprec.interop.interfaces import View
 from mixprec.interop.quantized.scales import scale_values
 
 logger = logging.getLogger(__name__)
@@ -28,7 +30,7 @@ def write(tensors, config):
 
     out, narrow = {}, set()
     for name, w in tensors.items():
-        if not (name.endswith((".experts.gate_up_proj", ".experts.down_proj")) and w.dim() == 3):
+        if not (is_fused(name) and w.dim() == 3):
             out[name] = w
             continue
         E, K, N = w.shape
@@ -46,12 +48,12 @@ def write(tensors, config):
     return out, config, narrow
 
 
-class GptOssMxfp4:
+class GptOssMxfp4(View):
     """A gpt-oss MXFP4 folder read as its weights: each `X_blocks` with `X_scales` as the experts tensor `X`
-    (E, K, N), e2m1 x 2^(byte - 127) (a WeightSource over the folder); a rank's rows are its experts."""
+    (E, K, N), e2m1 x 2^(byte - 127); a rank's rows are its experts."""
 
     def __init__(self, folder, key: str):
-        self.folder, self.path, self.config = folder, folder.path, folder.config
+        super().__init__(folder)
         self.packed = {n.removesuffix("_blocks"): n for n in folder.names() if n.endswith("_blocks")}
         for name, blocks in self.packed.items():
             shape, scales = folder.shape(blocks), name + "_scales"
@@ -63,25 +65,19 @@ class GptOssMxfp4:
         logger.info("%s: %s, gpt-oss MXFP4 (quant_method mxfp4): %d experts tensors dequantized as the format "
                     "defines (e2m1 x 2^(scale - 127))", key, folder.path, len(self.packed))
 
-    def names(self) -> list[str]:
-        return [n for n in self.folder.names() if n not in self.hidden] + list(self.packed)
+    @property
+    def made(self) -> dict[str, str]:
+        return self.packed
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        if name not in self.packed:
-            return self.folder.shape(name)
-        E, N, G, _ = self.folder.shape(self.packed[name])
+    def _shape(self, name: str) -> tuple[int, ...]:
+        E, N, G, _ = self.source.shape(self.packed[name])
         return E, G * 32, N
 
-    def dtype(self, name: str) -> torch.dtype:
-        return torch.float32 if name in self.packed else self.folder.dtype(name)
-
-    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+    def _read(self, name: str, rows: slice | None) -> torch.Tensor:
         from mixprec.narrow.formats.microscaling import decode_e2m1
 
-        if name not in self.packed:
-            return self.folder.read(name, rows)
-        blocks = self.folder.read(self.packed[name], rows)  # (e, N, G, 16): this rank's experts only
-        scales = scale_values(self.folder.read(name + "_scales", rows).view(torch.uint8))
+        blocks = self.source.read(self.packed[name], rows)  # (e, N, G, 16): this rank's experts only
+        scales = scale_values(self.source.read(name + "_scales", rows).view(torch.uint8))
         e, N, G, _ = blocks.shape
         values = decode_e2m1(blocks.reshape(e * N * G, 16)).reshape(e, N, G, 32) * scales[..., None]
         return values.reshape(e, N, G * 32).transpose(1, 2)

@@ -1,5 +1,5 @@
-"""What the narrow formats' readers share: FP8 weights read with a scale tensor beside each, the scales of a
-block grid spread over a rank's rows, E8M0 scale bytes decoded."""
+"""What the narrow formats' readers share: FP8 weights read with a scale tensor beside each (a View over the
+folder), the scales of a block grid spread over a rank's rows, E8M0 scale bytes decoded."""
 
 from __future__ import annotations
 
@@ -7,23 +7,18 @@ import math
 
 import torch
 
+from mixprec.interop.interfaces import View
 
-class ScaledWeights:
+
+class ScaledWeights(View):
     """A folder's FP8 weights, each with its scale tensor beside it (`scales`: weight -> scale), read as the
-    weights they stand for (a WeightSource over the folder); `hidden`: the folder's names that are not weights."""
+    weights they stand for; the scales hidden."""
 
-    folder: object
     scales: dict[str, str]
-    hidden: set[str]
 
-    def names(self) -> list[str]:
-        return [n for n in self.folder.names() if n not in self.hidden]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.folder.shape(name)
-
-    def dtype(self, name: str) -> torch.dtype:
-        return torch.float32 if name in self.scales else self.folder.dtype(name)
+    @property
+    def made(self) -> dict[str, str]:
+        return self.scales
 
 
 def block_scales(folder, name: str, rows: slice | None, shape, block) -> torch.Tensor:
