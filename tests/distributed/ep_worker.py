@@ -5,12 +5,11 @@ all-to-alls; the worst imbalance. Written to a JSON file (tests/distributed/test
 
 import copy
 import json
-import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+import rank_pool
 from gloo_worker import join
 from mixprec import Policy, build_model, model_args
 from mixprec.distributed.comm_bytes import CommBytes
@@ -162,8 +161,4 @@ def worker(rank: int, world: int, store: str, out: str) -> None:
 
 
 def run(out: str, store: str, world: int) -> None:
-    mp.spawn(worker, args=(world, store, out), nprocs=world, join=True)
-
-
-if __name__ == "__main__":
-    run(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    rank_pool.spawn(worker, (world, store, out), world)

@@ -4,13 +4,12 @@ bytes of every collective and the log lines, written to a JSON file (tests/distr
 
 import json
 import os
-import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+import rank_pool
 from gloo_worker import join
 from mixprec import Policy, build_model, model_args
 from mixprec.distributed import apply_fsdp
@@ -161,8 +160,4 @@ def _worker(rank, store_path, path):
 
 def run(path: str) -> None:
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(os.path.join(d, "store"), path), nprocs=WORLD)
-
-
-if __name__ == "__main__":
-    run(sys.argv[1])
+        rank_pool.spawn(_worker, (os.path.join(d, "store"), path), WORLD)

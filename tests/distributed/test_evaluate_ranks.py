@@ -5,8 +5,8 @@ process's."""
 import json
 
 import torch
-import torch.multiprocessing as mp
 
+import rank_pool
 from gloo_worker import join
 from mixprec.data.loader import val_batches
 from mixprec.distributed.parallel import end_spawned_worker
@@ -52,7 +52,7 @@ def _worker(rank: int, store: str, out: str) -> None:
 
 def test_two_ranks_report_one_process_s_validation_loss(tmp_path):
     out = tmp_path / "out"
-    mp.spawn(_worker, args=(str(tmp_path / "store"), str(out)), nprocs=WORLD, join=True)
+    rank_pool.spawn(_worker, (str(tmp_path / "store"), str(out)), WORLD)
     one = evaluate(Tiny(), Policy.from_preset("fp32"), batches(None))
     for r in range(WORLD):
         assert abs(json.loads(open(f"{out}.{r}").read()) - one) / one < 1e-6

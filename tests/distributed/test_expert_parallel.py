@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint.format_utils  # noqa: F401
 
+import rank_pool
 from conftest import run_train, tiny_args, tiny_qwen3_moe
 from ep_worker import PEAKS, run
 from mixprec import UserError
@@ -180,9 +181,7 @@ def test_one_process_refuses_an_expert_parallel_degree_and_writes_nothing(tmp_pa
 def torchrun(folder, source, *extra, ranks: int = 2, check_rc: bool = True, log: list | None = None):
     args = tiny_args(folder, source, "--model.flavor", "moe-debug", "--metrics.log_freq", "1",
                      "--training.local_batch_size", str(4 // ranks), *extra)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(ranks), "-m", "mixprec", *args], capture_output=True, text=True, env=env, timeout=300)
+    proc = rank_pool.torchrun("-m", "mixprec", *args, ranks=ranks)
     if not check_rc:
         return proc
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -5,9 +5,9 @@ NaN only, and the ranks then computed in different formats)."""
 import json
 
 import torch
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
+import rank_pool
 from gloo_worker import join
 from mixprec.distributed.parallel import end_spawned_worker
 from mixprec.precision import Policy
@@ -45,7 +45,7 @@ def _worker(rank: int, store: str, out: str) -> None:
 
 def test_every_rank_promotes_the_layer_one_rank_located(tmp_path):
     out = tmp_path / "out"
-    mp.spawn(_worker, args=(str(tmp_path / "store"), str(out)), nprocs=WORLD, join=True)
+    rank_pool.spawn(_worker, (str(tmp_path / "store"), str(out)), WORLD)
     ranks = [json.loads(open(f"{out}.{r}").read()) for r in range(WORLD)]
     for got in ranks:
         (incident,) = got["incidents"]

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+import rank_pool
 from gloo_worker import join
 from mixprec import Policy, build_model, model_args
 from mixprec.distributed import apply_fsdp
@@ -78,7 +78,7 @@ def _worker(rank: int, store_path: str, preset: str, out: str, layout: str) -> N
 
 def run_fsdp(tmp_path, preset: str, layout: str = "fsdp") -> dict:
     out = tmp_path / "out.json"
-    mp.spawn(_worker, args=(str(tmp_path / "store"), preset, str(out), layout), nprocs=WORLD, join=True)
+    rank_pool.spawn(_worker, (str(tmp_path / "store"), preset, str(out), layout), WORLD)
     return json.loads(out.read_text())
 
 
@@ -172,7 +172,7 @@ def _overflow_worker(rank: int, store_path: str, out: str) -> None:
 
 def test_fp16_mixed_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     out = tmp_path / "out"
-    mp.spawn(_overflow_worker, args=(str(tmp_path / "store"), str(out)), nprocs=WORLD, join=True)
+    rank_pool.spawn(_overflow_worker, (str(tmp_path / "store"), str(out)), WORLD)
     ranks = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(WORLD)]
     assert ranks[0]["applied"] == ranks[1]["applied"] == [True, False, True, True]
     assert ranks[0]["scales"] == ranks[1]["scales"] == [65536.0, 32768.0, 32768.0, 32768.0]

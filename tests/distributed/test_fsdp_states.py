@@ -3,8 +3,8 @@ against one process: the same bits, since a block never spans rows; and a DCP ro
 the sharded state."""
 
 import torch
-import torch.multiprocessing as mp
 
+import rank_pool
 from gloo_worker import join
 from mixprec.distributed.parallel import end_spawned_worker
 from mixprec.optim import AdamW
@@ -78,7 +78,7 @@ def _formats_run(rank: int, mesh, fmt: str, compile: bool, folder: str) -> dict:
 
 def test_two_ranks_hold_the_bits_one_process_holds(tmp_path):
     out = tmp_path / "out.pt"
-    mp.spawn(_worker, args=(str(tmp_path / "store"), True, str(out), str(tmp_path / "dcp")), nprocs=WORLD, join=True)
+    rank_pool.spawn(_worker, (str(tmp_path / "store"), True, str(out), str(tmp_path / "dcp")), WORLD)
     results = torch.load(out, weights_only=False)
     for fmt in FORMATS:
         params = [torch.nn.Parameter(t) for t in tensors(0)]

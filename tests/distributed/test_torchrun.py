@@ -1,12 +1,10 @@
 """`torchrun -m mixprec train` on two CPU processes (gloo) against one process."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+import rank_pool
 from conftest import run_train, tiny_args, tiny_qwen3_moe
 import torch
 
@@ -20,9 +18,7 @@ from mixprec.train.parallelize import parallelize
 def torchrun(folder, source, *extra, ranks: int = 2) -> list[dict]:
     args = tiny_args(folder, source, "--checkpoint.enable", "false", "--training.local_batch_size", str(4 // ranks),
                      *extra)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(ranks), "-m", "mixprec", *args], capture_output=True, text=True, env=env, timeout=300)
+    proc = rank_pool.torchrun("-m", "mixprec", *args, ranks=ranks)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
@@ -98,8 +94,7 @@ def test_tensor_parallel_matches_one_process(tmp_path, text_file, single, tp, ra
 def test_tensor_parallel_degree_must_divide_the_heads(tmp_path, text_file):
     folder = tmp_path / "bad"
     args = tiny_args(folder, text_file, "--parallelism.tensor_parallel_degree", "2", "--model.n_kv_heads", "1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "mixprec", *args], capture_output=True, text=True, timeout=300)
+    proc = rank_pool.torchrun("-m", "mixprec", *args)
     assert proc.returncode != 0
     assert "tensor_parallel_degree 2 does not divide the model's n_kv_heads 1" in proc.stderr
     assert not folder.exists()
@@ -113,9 +108,7 @@ def test_pipeline_parallelism_is_refused():
 def torchrun_ckpt(folder, source, *extra) -> list[dict]:
     args = tiny_args(folder, source, "--training.local_batch_size", "2", "--checkpoint.interval", "3",
                      "--checkpoint.keep_latest_k", "0", "--precision.preset", "fp32", *extra)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "mixprec", *args], capture_output=True, text=True, env=env, timeout=300)
+    proc = rank_pool.torchrun("-m", "mixprec", *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
@@ -223,8 +216,7 @@ def test_fp16_mixed_under_ddp_and_fsdp_tracks_one_process(tmp_path, text_file):
 def test_audit_under_fsdp_sees_the_collectives(tmp_path, text_file):
     args = tiny_args(tmp_path / "unused", text_file, "--precision.preset", "bf16-mixed", "--training.local_batch_size",
                      "2", "--json")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "mixprec", "audit", *args[1:]], capture_output=True, text=True, timeout=300)
+    proc = rank_pool.torchrun("-m", "mixprec", "audit", *args[1:])
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     stages = {r["stage"]: r["observed"] for r in report["stages"]}

@@ -3,15 +3,13 @@ transformers' own, training lowers it, each rank reads only its shards, the DCP 
 exports to a folder transformers loads."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import first_batch, hf_loss, save_tiny
+import rank_pool
 from mixprec.runs.export import export
 
 PRESETS = ("fp32", "bf16-mixed", "fp8-rowwise")
@@ -21,10 +19,8 @@ PRESETS = ("fp32", "bf16-mixed", "fp8-rowwise")
 def finetuned(tmp_path_factory, text_file):
     root = tmp_path_factory.mktemp("finetune")
     hf = save_tiny(root / "hf")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(Path(__file__).with_name("finetune_worker.py")), str(root / "hf"), str(text_file),
-                           str(root), ",".join(PRESETS)], capture_output=True, text=True, env=env, timeout=400)
+    proc = rank_pool.torchrun(str(Path(__file__).with_name("finetune_worker.py")), str(root / "hf"), str(text_file),
+                              str(root), ",".join(PRESETS), timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return root, hf
 
@@ -78,10 +74,8 @@ def test_tied_embeddings_and_output_under_fsdp2(tmp_path, text_file):
     # (fully_shard refuses a tensor in two groups); the first step's loss is transformers' own
     hf = save_tiny(tmp_path / "hf", tie_word_embeddings=True)
     assert hf.lm_head.weight is hf.model.embed_tokens.weight
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(Path(__file__).with_name("finetune_worker.py")), str(tmp_path / "hf"), str(text_file),
-                           str(tmp_path), "fp32"], capture_output=True, text=True, env=env, timeout=400)
+    proc = rank_pool.torchrun(str(Path(__file__).with_name("finetune_worker.py")), str(tmp_path / "hf"),
+                              str(text_file), str(tmp_path), "fp32", timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = _records(tmp_path, "fp32")
     reference = hf_loss(hf, first_batch(text_file))

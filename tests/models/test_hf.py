@@ -92,18 +92,14 @@ def test_compare_two_presets_on_a_transformers_config(tmp_path, text_file):
 
 @pytest.mark.parametrize("arch", CONFIGS)
 def test_fsdp2_on_two_ranks_matches_one_process_in_fp32(tmp_path, text_file, arch):
-    import os
-    import subprocess
-    import sys
+    import rank_pool
 
     config = CONFIGS[arch](tmp_path)
     flags = ("--model.hf_config", config, "--precision.preset", "fp32", "--checkpoint.enable", "false")
     single = run_train(tmp_path / "one", text_file, *flags)
     args = tiny_args(tmp_path / "two", text_file, *flags, "--training.local_batch_size", "2",
                      "--parallelism.data_parallel_shard_degree", "2")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "mixprec", *args], capture_output=True, text=True, env=env, timeout=300)
+    proc = rank_pool.torchrun("-m", "mixprec", *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     sharded = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert len(sharded) == len(single)

@@ -1,12 +1,10 @@
 """The guard inside `mixprec train`: drills, rewinds, resume after a rewind, giving up, torchrun."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+import rank_pool
 from conftest import tiny_args
 from mixprec.cli import main
 
@@ -113,11 +111,9 @@ def test_it_gives_up_with_one_line_and_exit_code_3_keeping_the_last_good_checkpo
 
 def test_every_rank_takes_the_same_action(tmp_path, text_file):
     folder = tmp_path / "fsdp"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     cli = args(folder, text_file, "--training.steps", "10", "--training.local_batch_size", "2",
                "--checkpoint.enable", "false", "--stability.inject", f"nan@6:{W2}:1")  # rank 1 only
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "mixprec", *cli], capture_output=True, text=True, env=env, timeout=300)
+    proc = rank_pool.torchrun("-m", "mixprec", *cli)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert out.count("Action: skipped") == 2  # rank 0's line and rank 1's: neither applied the step
@@ -129,12 +125,10 @@ def test_every_rank_takes_the_same_action(tmp_path, text_file):
 def test_every_fsdp2_rank_promotes_the_same_fp8_layer(tmp_path, text_file):
     # the promoted layer stays the same module object: FSDP2 all-gathers its weight into it as before
     folder = tmp_path / "fsdp"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     cli = args(folder, text_file, "--training.steps", "8", "--training.local_batch_size", "2",
                "--precision.preset", "fp8-rowwise", "--checkpoint.enable", "false",
                "--stability.inject", f"fp8scale@5:{W2}")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "mixprec", *cli], capture_output=True, text=True, env=env, timeout=300)
+    proc = rank_pool.torchrun("-m", "mixprec", *cli)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (proc.stdout + proc.stderr).count(f"[PROMOTE] step 5: {W2} computes in bfloat16") == 2  # both ranks
     summary = json.loads((folder / "summary.json").read_text())

@@ -6,14 +6,12 @@ stability guard and a non-finite step that is not a read step; compiled; on two 
 ranks under FSDP2 and DDP."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from host_reads_run import NAN_STEP, check, counted_run
+import rank_pool
 from mixprec.precision.presets import PRESETS
 
 # a read step reads the losses and the policy's step figures (2); after the last one the loop
@@ -96,11 +94,8 @@ def test_no_step_reads_the_device_on_two_ranks(tmp_path, text_file, layout, pres
     # gradients, the delayed-scaling amaxes' all-reduce) make a rank wait for its peers; none
     # reads a value to the host. Every preset in one process group, one after the other.
     run = overrides(tmp_path / "run", text_file, ",".join(presets), **{"training.local_batch_size": "1", **layout})
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     script = Path(__file__).with_name("host_reads_run.py")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script), str(tmp_path), *(f"{k}={v}" for k, v in run.items())],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = rank_pool.torchrun(str(script), str(tmp_path), *(f"{k}={v}" for k, v in run.items()), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for preset in presets:
         for rank in (0, 1):
