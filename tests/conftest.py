@@ -6,6 +6,8 @@ import pytest
 
 from mixprec.cli import main
 
+pytest_plugins = ["suite_time"]  # the slow mark's rules (tests/suite_time.py)
+
 
 @pytest.fixture(scope="session")
 def text_file(tmp_path_factory) -> Path:

@@ -146,6 +146,7 @@ def tiny_llama():
 LAYOUTS = ["fp32", "bf16-mixed", "bf16-true", "bf16-kahan", "fp16-mixed", "fp16-master", "fp8-rowwise", "fp8-blockwise"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["own", "gpt2", "llama", "qwen2"])
 def test_planned_memory_of_a_users_model_within_2_percent_of_measured(arch):
     for preset in PRESET_NAMES if arch == "own" else LAYOUTS:

@@ -119,6 +119,7 @@ def test_cli(capsys):
     assert main(["memory", "--preset", "fp64"]) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flavor, preset, batch, seq_len", [
     ("moe-debug", "fp32", 8, 64), ("moe-debug", "bf16-mixed", 8, 64), ("moe-debug", "bf16-true", 8, 64),
     ("moe-debug", "fp8-rowwise", 8, 64), ("moe-debug", "fp8-blockwise", 8, 64), ("moe-debug", "mxfp8", 8, 64),

@@ -5,9 +5,6 @@ the layouts it refuses."""
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -40,6 +37,7 @@ EXACT = ["fp32", "fp32 skew", "bf16 base", "fp8-tensorwise", "fp8-rowwise", "fp8
          "fp8-rowwise fp8", "fp8-blockwise fp8", "fp8-blockwise fp8 compiled", "fp8-rowwise fp8 checkpointed"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", EXACT)
 def test_an_expert_parallel_layer_is_the_whole_layer_bit_for_bit(layers, name):
     for rank in layers:
@@ -47,6 +45,7 @@ def test_an_expert_parallel_layer_is_the_whole_layer_bit_for_bit(layers, name):
         assert r["out"] == r["dx"] == r["dw"] == 0.0, r
 
 
+@pytest.mark.slow
 def test_one_host_read_per_layer_and_forward(layers):
     # the dispatch's split sizes; the backward reads nothing (the float32 base mode's expert-by-expert loop reads
     # its group sizes too: the fp32 cases count 2 more in each pass, with or without expert parallelism)
@@ -59,6 +58,7 @@ def test_one_host_read_per_layer_and_forward(layers):
         assert rank["fp8-rowwise fp8 checkpointed"]["host_reads"] == rank["fp8-rowwise fp8"]["host_reads"] == [1, 0]
 
 
+@pytest.mark.slow
 def test_compiled_the_layer_breaks_only_at_its_two_collectives(layers):
     for rank in layers:
         for name in ("fp32 compiled", "fp8-rowwise compiled"):
@@ -67,6 +67,7 @@ def test_compiled_the_layer_breaks_only_at_its_two_collectives(layers):
             assert r["reasons"] == ["Skip inlining `torch.compiler.disable()`d function"]
 
 
+@pytest.mark.slow
 def test_activation_checkpointings_recompute_replays_the_dispatch(layers):
     # the dispatch and combine recorded in the forward and replayed in the recompute, not sent again (they were 3
     # more all-to-alls in the backward, and a host read): the calls and bytes of the layer without checkpointing
@@ -76,6 +77,7 @@ def test_activation_checkpointings_recompute_replays_the_dispatch(layers):
             assert checkpointed["a2a_calls"] == plain["a2a_calls"] and checkpointed["a2a_bytes"] == plain["a2a_bytes"]
 
 
+@pytest.mark.slow
 def test_the_worst_imbalance_is_carried_not_dropped(layers):
     # every token to experts 0 and 1 (both on rank 0): rank 0 receives all 48 rows, rank 1 none, both exact
     rank0, rank1 = layers[0]["fp32 skew"], layers[1]["fp32 skew"]
@@ -84,6 +86,7 @@ def test_the_worst_imbalance_is_carried_not_dropped(layers):
     assert rank0["out"] == rank1["out"] == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", range(len(PEAKS)))
 def test_the_planned_worst_load_is_the_measured_step(layers, which):
     # mixprec memory --ep: rank 0's step on fake tensors, every rank's rows routed to it, against MemTracker on
@@ -117,6 +120,7 @@ def test_mixprec_memory_plans_expert_parallelism_and_refuses_what_cannot_run(cap
         assert words in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["bf16 fp8", "fp8-rowwise fp8", "fp8-blockwise fp8", "fp8-tensorwise fp8",
                                   "mxfp8 fp8"])
 def test_fp8_dispatch_halves_the_bytes(layers, name):
@@ -128,6 +132,7 @@ def test_fp8_dispatch_halves_the_bytes(layers, name):
         assert dispatch / base["forward_a2a"][1] <= 0.55  # (64 e4m3 bytes + one float32 scale) / 128 bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, bound", [("bf16 fp8", 0.06), ("fp8-tensorwise fp8", 0.1), ("mxfp8 fp8", 0.06)])
 def test_fp8_dispatch_elsewhere_rounds_once_more(layers, name, bound):
     # the base mode and the recipes whose input scales the dispatch cannot know (tensor-wise: each expert's amax
@@ -330,10 +335,9 @@ def test_the_documented_commands_run(tmp_path, capsys):
     text = (Path(__file__).resolve().parents[2] / "docs" / "moe.md").read_text()
     run = shlex.split(re.search(r"^(torchrun --standalone .*expert_parallel_degree.*)$", text, re.M).group(1))
     plan = shlex.split(re.search(r"^(mixprec memory .*--ep \d+)", text, re.M).group(1))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", *run[1:], "--job.dump_folder",
-                           str(tmp_path / "run"), "--metrics.progress_bar", "false"], capture_output=True, text=True,
-                          env=env, timeout=600)
+    assert run[1:3] == ["--standalone", "--nproc-per-node"] and run[4:6] == ["-m", "mixprec"], run
+    proc = rank_pool.torchrun(*run[4:], "--job.dump_folder", str(tmp_path / "run"), "--metrics.progress_bar", "false",
+                              ranks=int(run[3]), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 20 and records[-1]["loss"] < records[0]["loss"]

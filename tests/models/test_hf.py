@@ -83,6 +83,7 @@ def test_bad_hf_configs_are_one_line_and_exit_2(tmp_path, text_file, capsys):
     assert not (tmp_path / "r" / "checkpoint").exists()  # nothing was written
 
 
+@pytest.mark.slow
 def test_compare_two_presets_on_a_transformers_config(tmp_path, text_file):
     args = tiny_args(tmp_path / "cmp", text_file, "--model.hf_config", llama(tmp_path))
     assert main(["compare", "--presets", "fp32,bf16-mixed", *args[1:]]) == 0
@@ -159,6 +160,7 @@ OLD_FSDP_PLAN = pytest.mark.xfail(torch.__version__ < "2.13", strict=True,
                                   reason="torch < 2.13: the FSDP2 memory plan is about twice the real step's peak")
 
 
+@pytest.mark.slow
 @OLD_FSDP_PLAN
 @pytest.mark.parametrize("preset", ["fp32", "bf16-mixed"])
 def test_planned_memory_under_fsdp2_is_the_real_steps_and_gloo_adds_one_reduce_scatter_output(tmp_path, capsys,

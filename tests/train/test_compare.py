@@ -3,6 +3,8 @@
 import json
 import math
 
+import pytest
+
 from conftest import tiny_args
 from mixprec.cli import main
 
@@ -12,6 +14,7 @@ def compare(folder, text_file, presets, *extra) -> int:
     return main(["compare", "--presets", presets, *args[1:]])
 
 
+@pytest.mark.slow
 def test_two_presets_write_every_file_with_sane_values(tmp_path, text_file):
     assert compare(tmp_path, text_file, "fp32,bf16-mixed,bf16-kahan-8bit", "--metrics.plot", "true") == 0
     report = json.loads((tmp_path / "compare.json").read_text())
@@ -30,6 +33,7 @@ def test_two_presets_write_every_file_with_sane_values(tmp_path, text_file):
     assert abs(first["loss"] - other["loss"]) / first["loss"] < 1e-2
 
 
+@pytest.mark.slow
 def test_a_preset_that_overflows_too_often_fails(tmp_path, text_file):
     # a 1e9 loss scale overflows float16 for the first steps: far above the 10% threshold
     assert compare(tmp_path, text_file, "fp32,fp16-mixed", "--loss_scale.init_scale", "1e9", "--loss_scale.max_scale",
@@ -38,6 +42,7 @@ def test_a_preset_that_overflows_too_often_fails(tmp_path, text_file):
     assert not fp16["passed"] and any(f.startswith("overflow rate") for f in fp16["failures"])
 
 
+@pytest.mark.slow
 def test_a_diverged_preset_fails(tmp_path, text_file):
     # fp16-true at a learning rate of 1e4: the first update puts float16 weights near their range,
     # the next forward overflows to NaN on every CPU (eps 1e-8 alone diverged to NaN on some CPUs
@@ -71,6 +76,7 @@ def test_a_preset_that_gave_up_as_unstable_fails():
     assert "| 3 (2) | FAIL: unstable" in to_markdown(report)
 
 
+@pytest.mark.slow
 def test_an_moe_flavor_compares_with_its_experts_flops_counted(tmp_path, text_file):
     assert compare(tmp_path, text_file, "bf16-mixed,fp8-rowwise", "--model.flavor", "moe-debug",
                    "--metrics.plot", "true") == 0

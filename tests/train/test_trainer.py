@@ -159,6 +159,7 @@ def test_a_resumed_run_writes_the_uninterrupted_runs_checkpoint_bit_for_bit(tmp_
         # (bf16-kahan-8bit: killed with SIGKILL and resumed, tests/train/test_optimizer_states.py)
 
 
+@pytest.mark.slow
 def test_a_run_resumed_in_a_new_process_holds_the_same_random_streams(tmp_path, text_file):
     # each process starts Python's random from the OS's entropy unless the run seeds it: the
     # uninterrupted run and the one resumed in another process must save the same states
