@@ -7,14 +7,12 @@
   `-m "not slow"` run is the quick answer most changes want.
 
 Both count a test's time without Inductor's code generation and compilation of graphs its cache did not hold
-(torch._dynamo's `fx_codegen_and_compile` time): a cold cache (CI's fresh machine) adds minutes to the compiled
+(its `fx_codegen_and_compile`, in the test's own process): a cold cache (CI's fresh machine) adds minutes to the compiled
 tests that a warm one does not, and a rule that judged them by it would pass or fail by the cache, not the test.
 Under pytest-xdist the first rule runs in each worker (where the test ran) and the second in the controller,
 which receives every report."""
 
 from __future__ import annotations
-
-import sys
 
 import pytest
 
@@ -24,9 +22,32 @@ _COLD_AT_START = pytest.StashKey[float]()
 
 def cold_compile_s() -> float:
     """Seconds Inductor has spent in this process generating and compiling code for graphs its cache did not
-    hold (0 where torch._dynamo was never imported)."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    return sum(utils.compilation_time_metrics.get("fx_codegen_and_compile", ())) if utils else 0.0
+    hold (torch._inductor.compile_fx.fx_codegen_and_compile, timed from `pytest_configure` on)."""
+    return _COLD[0]
+
+
+_COLD = [0.0, 0]  # seconds, the depth of the call being timed
+
+
+def _time_cold_compiles() -> None:
+    import functools
+    import time
+
+    from torch._inductor import compile_fx
+
+    fn = compile_fx.fx_codegen_and_compile
+
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        start, _COLD[1] = time.perf_counter(), _COLD[1] + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _COLD[1] -= 1
+            if not _COLD[1]:  # the outermost call: a graph's inner compiles are within it
+                _COLD[0] += time.perf_counter() - start
+
+    compile_fx.fx_codegen_and_compile = timed  # _compile_fx_inner looks it up by name at each call
 
 
 def pytest_addoption(parser):
@@ -70,6 +91,8 @@ class _Shares:
 def pytest_configure(config):
     if not getattr(config, "workerinput", None):  # the controller, or a run without xdist
         config.pluginmanager.register(_Shares(), "suite_time_shares")
+    if getattr(config, "workerinput", None) or config.getoption("numprocesses", None) in (None, 0):
+        _time_cold_compiles()  # where the tests run
 
 
 def _whole_run(config) -> bool:

@@ -2,6 +2,7 @@
 against one process: the same bits, since a block never spans rows; and a DCP round trip of
 the sharded state."""
 
+import pytest
 import torch
 
 import rank_pool
@@ -76,6 +77,7 @@ def _formats_run(rank: int, mesh, fmt: str, compile: bool, folder: str) -> dict:
             "placements": str(opt.state[params[0]]["exp_avg_absmax"].placements)}
 
 
+@pytest.mark.slow  # its ranks compile (cold: 60 s on two cores)
 def test_two_ranks_hold_the_bits_one_process_holds(tmp_path):
     out = tmp_path / "out.pt"
     rank_pool.spawn(_worker, (str(tmp_path / "store"), True, str(out), str(tmp_path / "dcp")), WORLD)
