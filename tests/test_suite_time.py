@@ -25,7 +25,7 @@ def run(pytester, *args, **tests):
     pytester.makeini("[pytest]\nmarkers =\n    slow: slow\ntestpaths = .\n")
     pytester.makeconftest(f"import sys\nsys.path.insert(0, {str(HERE)!r})\npytest_plugins = ['suite_time']\n")
     pytester.makepyfile(**tests)
-    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", *args)
 
 
 def test_a_long_test_without_the_mark_fails_saying_so(pytester):
