@@ -80,16 +80,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked gpu are skipped where there is no CUDA device. Tests that share a module- or
-    session-scoped fixture of a test module (a distributed run, a trained folder) go to one xdist worker
-    (pyproject's `--dist loadgroup`), so that the fixture is computed once, not once per worker."""
+    """Tests marked gpu are skipped where there is no CUDA device."""
     import torch
 
-    for item in items:
-        shared = sorted(f"{d.func.__module__}.{d.func.__name__}" for defs in item._fixtureinfo.name2fixturedefs.values()
-                        for d in defs[-1:] if d.scope in ("module", "session") and d.baseid.endswith(".py"))
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(shared[0]))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
