@@ -108,6 +108,7 @@ def test_fsdp2_on_two_ranks_matches_one_process_in_fp32(tmp_path, text_file, arc
         assert abs(a["loss"] - b["loss"]) / b["loss"] < 1e-5
 
 
+@pytest.mark.slow  # cold (an empty Inductor cache) over 20 s beyond its code generation
 def test_activation_checkpointing_and_compile_per_decoder_layer(tmp_path, text_file):
     config = llama(tmp_path)
     flags = ("--model.hf_config", config, "--precision.preset", "fp32", "--checkpoint.enable", "false")

@@ -47,6 +47,7 @@ def forward_backward(fn, x, *rest):
     return y
 
 
+@pytest.mark.slow  # cold (an empty Inductor cache) over 20 s beyond its code generation
 @pytest.mark.parametrize("recipe, dim, T", [(r, 256, 128) for r in RECIPES] + [("blockwise", 64, 128)]
                          + [(r, 256, 100) for r in RECIPES if r != "blockwise"])
 def test_the_cuda_route_traces_as_one_graph(recipe, dim, T):

@@ -131,6 +131,7 @@ def test_delayed_scaling_leaves_the_experts_out_with_a_reason():
     assert rows and all(r.compute == torch.bfloat16 and "delayed scaling" in r.why for r in rows)
 
 
+@pytest.mark.slow  # cold (an empty Inductor cache) over 20 s beyond its code generation
 def test_compiled_moe_block_has_no_graph_break_and_matches_eager():
     model = tiny("qwen3_moe")
     policy = Policy.from_preset("fp8-rowwise")

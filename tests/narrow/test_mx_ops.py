@@ -103,6 +103,7 @@ def _scaled(x, factor, key, square: bool):
     return y.t() if square else y
 
 
+@pytest.mark.slow  # cold (an empty Inductor cache) over 20 s beyond its code generation
 def test_each_argument_variant_compiles_apart():
     """A recipe's casts (input, weight, gradient; dense and grouped; rounding keys and tensor amaxes present
     or not, per tensor, per row or per block) are more argument variants than Dynamo's recompile limit:
@@ -119,6 +120,7 @@ def test_each_argument_variant_compiles_apart():
     assert sum(fn is _scaled for fn, _ in cuda_compiled._COMPILED) == len(variants)
 
 
+@pytest.mark.slow  # cold (an empty Inductor cache) over 20 s beyond its code generation
 def test_any_row_count_runs_on_the_first_graph_and_a_recompile_is_said(caplog, monkeypatch):
     """An expert-parallel rank receives any number of rows, 0 and 1 included, which Dynamo specialises: those
     run eagerly (said once), so one compiled graph serves every other count with no recompile (refused here at

@@ -208,6 +208,7 @@ def test_non_contiguous_weights_step_on_the_compiled_kernel_as_contiguous_ones(l
         assert torch.equal(opts[0].state[odd][key].contiguous(), opts[1].state[plain][key])
 
 
+@pytest.mark.slow  # cold (an empty Inductor cache) over 20 s beyond its code generation
 @pytest.mark.parametrize("states, dtype", [("8bit", torch.float32), ("fp8", torch.float32), ("8bit", torch.bfloat16)])
 def test_parameters_alike_step_in_one_call_with_the_bits_of_one_call_each(monkeypatch, states, dtype):
     """The multi-tensor step (parameters of one shape in one compiled call) against a call per

@@ -25,6 +25,7 @@ def records(folder):
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+@pytest.mark.slow  # cold (an empty Inductor cache) over 20 s beyond its code generation
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_locator_names_the_module_eager_and_compiled(tmp_path, text_file, device, compiled):
