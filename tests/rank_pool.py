@@ -111,7 +111,6 @@ class _Pool:
             stderr = "".join(_read(f"{out}/{r}.err") for r in range(self.world))
         if None in codes:
             stderr += f"\nrank_pool: ranks {[r for r, c in enumerate(codes) if c is None]} did not finish\n"
-        if None in codes:
             self.kill()  # a rank left behind may wait in a collective forever
         failed = any(c != 0 for c in codes)
         return subprocess.CompletedProcess([kind, target, *args], 1 if failed else 0, stdout, stderr)

@@ -1,9 +1,10 @@
-"""The suite's time kept in bounds, as pytest hooks (tests/conftest.py imports them):
+"""The suite's time kept in bounds, as pytest hooks (a plugin of tests/conftest.py):
 
 - a test that takes longer than `slow_after` seconds (20; setup and call together: a module fixture's work counts
   for the test that first needs it) without the `slow` mark fails, saying so;
-- a whole run (the suite as the README runs it: no paths, -k or -m) whose slow-marked tests take a third of the
-  tests' time or more ends failed, with one line giving the shares: the mark is for the few long tests, and a
+- a whole run (the suite as the README runs it: no paths, -k or -m) whose slow-marked tests take `slow_share`
+  of the tests' time or more (default a third; pyproject says what holds today) ends failed, with one line giving
+  the shares: the mark is for the few long tests, and a
   `-m "not slow"` run is the quick answer most changes want.
 
 Both count a test's time without Inductor's code generation and compilation of graphs its cache did not hold
@@ -36,6 +37,8 @@ def _time_cold_compiles() -> None:
     from torch._inductor import compile_fx
 
     fn = compile_fx.fx_codegen_and_compile
+    if hasattr(fn, "suite_time"):  # timed already (a pytester run in this process configures again)
+        return
 
     @functools.wraps(fn)
     def timed(*args, **kwargs):
@@ -47,6 +50,7 @@ def _time_cold_compiles() -> None:
             if not _COLD[1]:  # the outermost call: a graph's inner compiles are within it
                 _COLD[0] += time.perf_counter() - start
 
+    timed.suite_time = True
     compile_fx.fx_codegen_and_compile = timed  # _compile_fx_inner looks it up by name at each call
 
 
@@ -101,14 +105,27 @@ def _whole_run(config) -> bool:
             and [str(a) for a in config.args] in ([], list(testpaths)))
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
+def _over(config) -> tuple[float, float, bool] | None:
+    """(the slow tests' share, the limit, whether this run fails by it); None before any report."""
     shares = config.pluginmanager.get_plugin("suite_time_shares")
     if shares is None or not shares.total:
-        return
+        return None
     share, limit = shares.slow / shares.total, float(config.getini("slow_share"))
-    line = (f"suite time: slow-marked tests {shares.slow:.0f} s of {shares.total:.0f} s of test time, Inductor's "
-            f"cold compiles apart ({share:.0%}; accepted: under {limit:.0%})")
-    terminalreporter.write_line(line)
-    if share >= limit and _whole_run(config):
+    return share, limit, share >= limit and _whole_run(config)
+
+
+def pytest_sessionfinish(session):
+    over = _over(session.config)
+    if over and over[2]:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    over = _over(config)
+    if over is None:
+        return
+    shares = config.pluginmanager.get_plugin("suite_time_shares")
+    terminalreporter.write_line(f"suite time: slow-marked tests {shares.slow:.0f} s of {shares.total:.0f} s of test "
+                                f"time, Inductor's cold compiles apart ({over[0]:.0%}; accepted: under {over[1]:.0%})")
+    if over[2]:
         terminalreporter.write_line("suite time: too much of the run is marked slow: make those tests quicker")
-        terminalreporter._session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,4 +1,5 @@
-"""`torchrun -m mixprec train` on two CPU processes (gloo) against one process."""
+"""`torchrun -m mixprec train` on two CPU processes (gloo) against one process: the commands run on
+tests/rank_pool.py's ranks, in the environment torchrun gives its workers (torchrun itself: test_elastic.py)."""
 
 import json
 
@@ -163,6 +164,7 @@ def test_dcp_checkpoint_from_two_ranks_resumes_on_one_and_on_two(tmp_path, text_
         assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-5 and abs(a["loss"] - c["loss"]) / a["loss"] < 1e-5
 
 
+@pytest.mark.slow  # four runs on two ranks: 9-22 s here
 @pytest.mark.parametrize("preset", ["bf16-kahan", "bf16-sr"])
 def test_bf16_updates_under_fsdp_track_one_process_and_resume_exactly(tmp_path, text_file, preset):
     import shutil

@@ -79,11 +79,11 @@ def test_no_compiled_step_reads_the_device(tmp_path, text_file, preset="fp32"):
         assert torch._dynamo.utils.counters["frames"]["ok"] > 0  # the blocks ran compiled
 
 
-@pytest.mark.slow
 # each distinct step path on two ranks (every preset is counted in one process above): the
 # fused AdamW on FSDP2's shards, FP32 shards as masters with the loss scaler's all-reduced
 # flag, the bf16 kernels, the delayed amaxes' all-reduce, mixprec's AdamW, a microscaled format,
 # DDP's replicated masters
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,presets", [
     ({"parallelism.data_parallel_shard_degree": "2"},
      ["fp32", "fp16-master", "bf16-kahan", "fp8-delayed", "fp8-blockwise", "nvfp4"]),

@@ -75,7 +75,8 @@ class View:
 
     def names(self) -> list[str]:
         shown = [n for n in self.source.names() if n not in self.hidden]
-        return shown + [n for n in self.made if n not in set(shown)]
+        seen = set(shown)
+        return shown + [n for n in self.made if n not in seen]
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shape(name) if name in self.made else self.source.shape(name)

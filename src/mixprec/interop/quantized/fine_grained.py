@@ -82,7 +82,8 @@ class FineGrainedFP8(ScaledWeights):
         for name, scale in self.scales.items():
             shape, grid = folder.shape(name), tuple(folder.shape(scale))
             want = tuple(math.ceil(n / b) for n, b in zip(shape, self.block)) if self.block else None
-            if grid != want if self.block else math.prod(grid) != 1:
+            fits = grid == want if self.block else math.prod(grid) == 1
+            if not fits:
                 raise UserError(f"{key} {folder.path}: {scale!r} is {list(grid)} for a weight of {list(shape)}; "
                                 f"accepted: one scale per {self.block or 'tensor'} block"
                                 f"{f' ({list(want)})' if want else ''}")
