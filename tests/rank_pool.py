@@ -16,9 +16,13 @@ line) still start it."""
 from __future__ import annotations
 
 import atexit
+import faulthandler
+import gc
 import multiprocessing
 import os
 import pickle
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -68,12 +72,14 @@ def _free_port() -> int:
 class _Pool:
     def __init__(self, world: int):
         self.world, self.procs, self.conns = world, [], []
+        self.dir = tempfile.mkdtemp(prefix=f"rank_pool{world}-")
+        self.logs = [f"{self.dir}/{rank}.log" for rank in range(world)]
 
     def start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         for rank in range(self.world):
             mine, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(theirs, rank, self.world, os.getpid()))
+            proc = ctx.Process(target=_serve, args=(theirs, rank, self.world, os.getpid(), self.logs[rank]))
             proc.start()
             self.procs.append(proc)
             self.conns.append(mine)
@@ -90,6 +96,7 @@ class _Pool:
                 proc.kill()
                 proc.join()
         self.procs, self.conns = [], []
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def kill(self) -> None:
         for proc in self.procs:
@@ -100,40 +107,90 @@ class _Pool:
 
     def run(self, kind: str, target, args: list[str], env: dict[str, str],
             timeout: float) -> subprocess.CompletedProcess:
-        if not self.procs:
-            self.start()
-        env = {"MASTER_PORT": str(_free_port()), "TORCHELASTIC_RUN_ID": uuid.uuid4().hex, **env}
-        with tempfile.TemporaryDirectory() as out:
-            for conn in self.conns:
-                conn.send((kind, target, args, env, out, sys.path))
-            codes = self._wait(timeout)
-            stdout = "".join(_read(f"{out}/{r}.out") for r in range(self.world))
-            stderr = "".join(_read(f"{out}/{r}.err") for r in range(self.world))
-        if None in codes:
-            stderr += f"\nrank_pool: ranks {[r for r, c in enumerate(codes) if c is None]} did not finish\n"
-            self.kill()  # a rank left behind may wait in a collective forever
-        failed = any(c != 0 for c in codes)
-        return subprocess.CompletedProcess([kind, target, *args], 1 if failed else 0, stdout, stderr)
+        """One call on every rank. A rank found dead before it took the call (a pool rank can die between
+        calls: gloo's threads outlive a process group) is the pool's failure, not the call's: the pool is
+        started afresh and the call made once more."""
+        for attempt in (1, 2):
+            if not self.procs or not all(p.is_alive() for p in self.procs):
+                self.kill()
+                self.start()
+            fresh = {"MASTER_PORT": str(_free_port()), "TORCHELASTIC_RUN_ID": uuid.uuid4().hex, **env}
+            with tempfile.TemporaryDirectory() as out:
+                try:
+                    for conn in self.conns:
+                        try:
+                            conn.send((kind, target, args, fresh, out, sys.path))
+                        except OSError:
+                            raise _Lost() from None
+                    codes, why = self._wait(timeout)
+                except _Lost:  # a rank died before it took the call
+                    if attempt == 2:
+                        raise RuntimeError(f"rank_pool: a rank died twice before taking a call:\n{self._logs()}")
+                    self.kill()
+                    continue
+                self._dump_stacks([r for r, c in enumerate(codes) if c is None])  # into their call files
+                stdout = "".join(_read(f"{out}/{r}.out") for r in range(self.world))
+                stderr = "".join(_read(f"{out}/{r}.err") for r in range(self.world))
+            if why:
+                stderr += f"\nrank_pool: {why}\n{self._logs()}"
+            if None in codes or any(not p.is_alive() for p in self.procs):
+                self.kill()  # a rank left behind may wait in a collective forever
+            failed = any(c != 0 for c in codes)
+            return subprocess.CompletedProcess([kind, target, *args], 1 if failed else 0, stdout, stderr)
 
-    def _wait(self, timeout: float) -> list[int | None]:
-        """Every rank's exit code; None for a rank that had not finished by the timeout, or within a few
-        seconds of another rank's failure (torchrun's agent would end it then)."""
+    def _wait(self, timeout: float) -> tuple[list[int | None], str]:
+        """Every rank's exit code, and what went wrong in words ("" when nothing did); None for a rank that
+        had not finished by the timeout, or within a few seconds of another rank's failure (torchrun's agent
+        would end it then). Raises _Lost where a rank died before it took the call."""
         codes: list[int | None] = [None] * self.world
+        taken = [False] * self.world
+        why = []
         deadline = time.monotonic() + timeout
         waiting = dict(zip(self.conns, range(self.world)))
         while waiting:
             ready = wait(list(waiting), max(0.0, deadline - time.monotonic()))
             if not ready:
+                late = [r for r, c in enumerate(codes) if c is None]
+                failed = any(c not in (None, 0) for c in codes)
+                why.append(f"ranks {late} did not finish " + ("within 5 s of another rank's failure" if failed
+                                                              else f"within the timeout of {timeout:.0f} s"))
                 break
             for conn in ready:
-                rank = waiting.pop(conn)
+                rank = waiting[conn]
                 try:
-                    codes[rank] = conn.recv()
+                    got = conn.recv()
                 except (EOFError, OSError):  # the process died
-                    codes[rank] = 1
-                if codes[rank] != 0:
+                    self.procs[rank].join(1)
+                    if not taken[rank]:
+                        raise _Lost() from None
+                    got = 1
+                    why.append(f"rank {rank} died during the call (exit code {self.procs[rank].exitcode})")
+                if got == "taken":
+                    taken[rank] = True
+                    continue
+                codes[rank] = got
+                waiting.pop(conn)
+                if got != 0:
                     deadline = min(deadline, time.monotonic() + 5)
-        return codes
+        return codes, "; ".join(why)
+
+    def _dump_stacks(self, ranks: list[int]) -> None:
+        """The Python stacks of these (unfinished) ranks, through faulthandler (registered on SIGUSR1 in
+        _serve)."""
+        for rank in ranks:
+            if self.procs[rank].is_alive():
+                os.kill(self.procs[rank].pid, signal.SIGUSR1)
+        if ranks:
+            time.sleep(1)
+
+    def _logs(self) -> str:
+        """What each rank printed outside its calls (a crash between calls lands here)."""
+        return "".join(f"rank {r}'s own output (last 1500 characters):\n{_read(log)[-1500:]}\n"
+                       for r, log in enumerate(self.logs) if _read(log))
+
+
+class _Lost(Exception):
+    """A rank died before it took a call."""
 
 
 def _read(path: str) -> str:
@@ -149,8 +206,13 @@ class _Exit(BaseException):
         self.code = code
 
 
-def _serve(conn, rank: int, world: int, parent: int) -> None:
-    """A rank: torchrun's worker environment, the imports paid once, then one call after another."""
+def _serve(conn, rank: int, world: int, parent: int, log: str) -> None:
+    """A rank: torchrun's worker environment, its own output kept in `log` (a call's goes to the call's files),
+    the imports paid once, then one call after another."""
+    with open(log, "w") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the pool's view of a hung call
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), ROLE_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
@@ -169,6 +231,7 @@ def _serve(conn, rank: int, world: int, parent: int) -> None:
         message = conn.recv()
         if message is None:
             break
+        conn.send("taken")
         conn.send(_call(rank, *message))
     os._exit(0)  # gloo's threads may abort a finalizing interpreter (mixprec.distributed.parallel)
 
@@ -234,6 +297,7 @@ def _clean() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()  # gloo's finished work objects released now, not by a later call's garbage collection
     if "torch._dynamo" in sys.modules:
         import torch._dynamo
 
