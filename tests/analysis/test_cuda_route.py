@@ -16,7 +16,7 @@ from mixprec.narrow.formats.recipe import RECIPES
 E, N, K, S = 8, 272, 208, 200  # S not a multiple of E, 16 or 128; the weights the most bytes
 
 
-def _key(name: str) -> int:
+def _key(name: str) -> experts.Key:
     r = RECIPES[name]
     salts = tuple(range(E)) if hasattr(r, "element") else ()
     return experts.register(experts.ExpertsGemm("e", Plan(r, r.tiles, torch.bfloat16, (False,) * 3), False, salts))
@@ -33,8 +33,8 @@ def test_the_fp8_experts_hold_no_fp32_copy_of_their_weights_inside(name):
     x, w, offs, dy = _args()
     key = _key(name)
     fp32_weights, fp8_weights = 4 * E * N * K, E * N * K
-    forward = cuda_route.inside_peak(torch.ops.mixprec.experts_mm.default, (x, w, offs, key))
-    backward = cuda_route.inside_peak(torch.ops.mixprec.experts_mm_backward.default, (x, w, offs, dy, key))
+    forward = cuda_route.inside_peak(torch.ops.mixprec.experts_mm.default, (x, w, offs, *key))
+    backward = cuda_route.inside_peak(torch.ops.mixprec.experts_mm_backward.default, (x, w, offs, dy, *key))
     # at least what the route must hold at once: the FP8 weights, the FP8 rows and the bfloat16 output
     assert forward >= fp8_weights + S * K + 2 * S * N, forward
     assert forward < fp32_weights, forward  # and no FP32 (E, N, K) temporary
@@ -46,9 +46,9 @@ def test_inside_peak_is_traced_once_per_shape_and_follows_the_shape():
     x, w, offs, dy = _args()
     key = _key("rowwise")
     op = torch.ops.mixprec.experts_mm.default
-    small = cuda_route.inside_peak(op, (x, w, offs, key))
-    assert cuda_route.inside_peak(op, (x, w, offs, key)) == small
-    assert cuda_route.inside_peak(op, (torch.empty(2 * S, K, dtype=torch.bfloat16), w, offs, key)) > small
+    small = cuda_route.inside_peak(op, (x, w, offs, *key))
+    assert cuda_route.inside_peak(op, (x, w, offs, *key)) == small
+    assert cuda_route.inside_peak(op, (torch.empty(2 * S, K, dtype=torch.bfloat16), w, offs, *key)) > small
 
 
 def test_the_memory_plan_counts_what_the_experts_operators_hold_inside(monkeypatch):

@@ -187,3 +187,34 @@ def test_an_moe_step_runs_no_op_deterministic_cuda_refuses(preset):
             experts.backward(x, w, offs, torch.randn(40, 64).bfloat16(), g)
     assert mode.seen == [], mode.seen
     assert _refused_by_deterministic_cuda(torch.ops.aten.histc.default, (torch.zeros(3),), {})  # the check can fail
+
+
+@pytest.mark.parametrize("preset", ["fp8-rowwise", "mxfp4"])
+def test_compiled_moe_blocks_share_one_graph_and_each_keeps_its_salts(preset, monkeypatch):
+    """Each block compiled on its own (as the trainer compiles them): one graph serves every MoE block (the
+    experts operators' key is the plan's, not the layer's), and each layer's backward still gets its own
+    stochastic-rounding salts (a tensor argument)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from mixprec.narrow.experts import ops
+
+    torch._dynamo.reset()
+    model, policy = built(preset, n_layers=3)
+    counter = CompileCounterWithBackend("aot_eager")
+    for block in model.layers:
+        block.forward = torch.compile(block.forward, backend=counter)
+    seen, backward = [], ops.backward
+
+    def recording(x, weight, offs, dy, g, salts=None):
+        seen.append(None if salts is None else tuple(salts.tolist()))
+        return backward(x, weight, offs, dy, g, salts)
+
+    monkeypatch.setattr(ops, "backward", recording)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with policy.autocast():
+        model(tokens, tokens).backward()
+    torch._dynamo.reset()
+    assert counter.frame_count == 1
+    layers = [block.feed_forward.experts.mixprec_experts for block in model.layers]
+    want = [None] * 6 if preset == "fp8-rowwise" else [g.salts + (0,) for layer in layers for g in layer.gemms]
+    assert sorted(seen, key=str) == sorted(want, key=str) and (preset == "fp8-rowwise" or len(set(seen)) == 6)

@@ -120,8 +120,8 @@ def test_delayed_scaling_is_refused_for_experts():
 def test_operators_opcheck(name):
     x, w, offs, dy = problem(sizes=(5, 0, 9, 2))
     key = experts.register(gemm(name))
-    torch.library.opcheck(torch.ops.mixprec.experts_mm, (x, w, offs, key))
-    torch.library.opcheck(torch.ops.mixprec.experts_mm_backward, (x.detach(), w.detach(), offs, dy, key))
+    torch.library.opcheck(torch.ops.mixprec.experts_mm, (x, w, offs, *key))
+    torch.library.opcheck(torch.ops.mixprec.experts_mm_backward, (x.detach(), w.detach(), offs, dy, *key))
 
 
 @pytest.mark.parametrize("name", ["rowwise", "blockwise"])
@@ -139,17 +139,17 @@ def test_rows_that_arrive_cast_skip_the_cast_with_the_same_bits(name):
     a, b = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
     wa, wb = w.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     want = experts.experts_mm(a, wa, offs, key)
-    got = torch.ops.mixprec.experts_mm_cast_input(b, q.data, q.scale_inv, wb, offs, key)
+    got = torch.ops.mixprec.experts_mm_cast_input(b, q.data, q.scale_inv, wb, offs, key.index)
     want.backward(dy)
     got.backward(dy)
     assert torch.equal(got, want) and torch.equal(b.grad, a.grad) and torch.equal(wb.grad, wa.grad)
     # opcheck's schema test compares inputs with ops torch lacks for FP8: no mutation is checked on the bytes
     before = q.data.view(torch.uint8).clone()
     utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-    torch.library.opcheck(torch.ops.mixprec.experts_mm_cast_input, (b.detach(), q.data, q.scale_inv, wb, offs, key),
+    torch.library.opcheck(torch.ops.mixprec.experts_mm_cast_input, (b.detach(), q.data, q.scale_inv, wb, offs, key.index),
                           test_utils=utils)
     torch.library.opcheck(torch.ops.mixprec.experts_mm_cast_input_backward,
-                          (q.data, q.scale_inv, wb.detach(), offs, dy, key, torch.float32), test_utils=utils)
+                          (q.data, q.scale_inv, wb.detach(), offs, dy, key.index, torch.float32), test_utils=utils)
     assert torch.equal(q.data.view(torch.uint8), before)
     assert experts.takes_cast_input(gemm("tensorwise")) is None and experts.takes_cast_input(gemm("mxfp8")) is None
 

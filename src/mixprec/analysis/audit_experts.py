@@ -35,17 +35,19 @@ def decompose(mode, tracker: FP8Tracker, func, args):
     if func not in (EXPERTS_MM, EXPERTS_MM_BACKWARD):
         return None
     x, weight, offs, *rest = args
-    g = experts.gemm_of(rest[-1])
-    tracker.experts.add(g.name)
-    tracker.in_features[g.name] = x.shape[1]
+    g = experts.gemm_of(rest[-1])  # named by its role: the layer is the module whose pass is running (`hooks`)
+    name = f"{tracker.experts_module}.{g.name}"
+    tracker.experts.add(name)
+    tracker.in_features[name] = x.shape[1]
     before = tracker.module
-    tracker._enter(g.name)
+    tracker._enter(name)
     try:
         with mode:
             if func is EXPERTS_MM:
                 return experts.forward(x, weight, offs, g)
-            tracker.expert_passes[g.name] += 1
-            return experts.backward(x, weight, offs, rest[0], g)
+            tracker.expert_passes[name] += 1
+            dy, salts, _ = rest
+            return experts.backward(x, weight, offs, dy, g, salts)
     finally:
         tracker.module = before
 
@@ -63,10 +65,10 @@ def observe_grouped(tracker: FP8Tracker, func, args, out, backward: bool, seen: 
 
 
 def hooks(tracker: FP8Tracker, model: torch.nn.Module) -> list:
-    """Forward hooks on every experts module that tell the tracker whose forward is running, and
+    """Hooks on every experts module that tell the tracker whose forward (or backward) is running, and
     count the rows each expert receives (its inputs: tokens, the router's top-k ids, their weights)."""
     def enter(module, args, fqn):
-        tracker.module = fqn
+        tracker.module = tracker.experts_module = fqn
         tracker.expert_tokens[fqn] = tracker.expert_tokens.get(fqn, 0) + tokens_per_expert(args[1],
                                                                                                 module.num_experts)
 
@@ -76,6 +78,8 @@ def hooks(tracker: FP8Tracker, model: torch.nn.Module) -> list:
             tracker.experts.add(fqn)
             handles.append(module.register_forward_pre_hook(lambda m, a, fqn=fqn: enter(m, a, fqn)))
             handles.append(module.register_forward_hook(lambda m, a, out: setattr(tracker, "module", None)))
+            handles.append(module.register_full_backward_pre_hook(
+                lambda m, grad_out, fqn=fqn: setattr(tracker, "experts_module", fqn)))
     return handles
 
 

@@ -75,6 +75,7 @@ class FP8Tracker:
         self.outputs: set[torch.dtype] = set()
         # experts projections and modules (mixprec.analysis.audit_experts): recorded apart from the Linear layers
         self.experts: set[str] = set()
+        self.experts_module: str | None = None  # the experts module whose forward (or backward) ran last
         self.experts_forward: dict[str, set[str]] = defaultdict(set)
         self.experts_backward: dict[str, set[tuple]] = defaultdict(set)
         self.expert_passes: dict[str, int] = defaultdict(int)  # backward passes of each experts projection

@@ -2,7 +2,7 @@
 allocate inside an operator whose fake function says only what it returns.
 
     with as_on_cuda(), Opened():                   # mixprec's operators run what they run inside, as CUDA runs it
-        out = torch.ops.mixprec.experts_mm(x, w, offs, key)   # x, w, offs on "meta"
+        out = torch.ops.mixprec.experts_mm(x, w, offs, *key)  # x, w, offs on "meta"; key: ops.register's
     inside_peak(op, args)                          # the most bytes an operator holds at once inside, on CUDA
 
 As CUDA runs it: a function the code compiles there (mixprec.narrow.kernels.cuda_compiled) is one fused kernel, which

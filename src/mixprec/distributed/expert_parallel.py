@@ -46,7 +46,6 @@ import collections
 import contextlib
 import contextvars
 import logging
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -54,7 +53,6 @@ from torch import nn
 
 from mixprec.errors import UserError
 from mixprec.narrow.experts import layer as grouped
-from mixprec.narrow.experts.ops import register
 from mixprec.narrow.formats.recipe import E4M3
 from mixprec.narrow.formats.scaling import quantize
 
@@ -110,7 +108,7 @@ def apply_expert_parallel(model: nn.Module, mesh, dispatch: str = "base", worst_
             p = getattr(experts, name)  # every rank built the same weights: each keeps its own experts, no copy
             setattr(experts, name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None),
                                                 requires_grad=p.requires_grad))
-        _slice_salts(experts.mixprec_experts, rank * local, (rank + 1) * local)
+        experts.mixprec_experts.keep_experts(rank * local, (rank + 1) * local)
         experts.ep = ExpertParallel(group, degree, local, dispatch, worst_load)
     if layers and not worst_load:
         how = "the activations' dtype"
@@ -124,15 +122,6 @@ def apply_expert_parallel(model: nn.Module, mesh, dispatch: str = "base", worst_
                     "FSDP2-sharded over the %d ranks outside each group", degree, local,
                     layers[0].experts.num_experts, len(layers), how, mesh["dp_mod_ep"].size())
     return len(layers)
-
-
-def _slice_salts(layer: grouped.ExpertsLayer, start: int, end: int) -> None:
-    """A narrow experts layer's stochastic-rounding salts cut to this rank's experts: each expert keeps
-    the salt it has without expert parallelism."""
-    if not layer.narrow:
-        return
-    layer.up, layer.down = (register(replace(g, salts=g.salts[start:end]) if g.salts else g)
-                            for g in layer.gemms)
 
 
 class ExpertParallel:

@@ -168,15 +168,15 @@ def convert(model: nn.Module, fqns, plan: Plan) -> dict[str, ExpertsLayer]:
     converted = {}
     for fqn in fqns:
         m = model.get_submodule(fqn)
-        keys = []
+        gemms = []
         for proj in projections(m):
             name = f"{fqn}.{proj}"
             n_experts = getattr(m, proj).shape[0]
             # each expert's part of its stochastic-rounding keys, as an MXLinear's salt is its name's
             salts = tuple(zlib.crc32(f"{name}.{e}".encode()) for e in range(n_experts)) if microscaled else ()
-            keys.append(experts.register(ExpertsGemm(name, plan, bool(m.is_transposed), salts,
-                                                     uses_grouped(plan))))
-        m.mixprec_experts = converted[fqn] = ExpertsLayer(fqn, *keys, plan.compute_dtype)
+            gemms.append(ExpertsGemm(name, plan, bool(m.is_transposed), salts, uses_grouped(plan)))
+        m.mixprec_experts = converted[fqn] = ExpertsLayer(fqn, *gemms, plan.compute_dtype,
+                                                          device if microscaled else "cpu")
         m.mixprec_moves = FollowsMoves(m.mixprec_experts, getattr(m, projections(m)[1]).device)
         _select(m)
     return converted

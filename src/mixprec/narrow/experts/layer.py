@@ -5,13 +5,12 @@ on torch's grouped GEMM (a loop of GEMMs where torch's grouped GEMM does not tak
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
-from mixprec.narrow.experts.ops import (ExpertsGemm, experts_mm, gemm_of, groups, no_autocast, register,
-                                        takes_cast_input)
+from mixprec.narrow.experts.ops import ExpertsGemm, Key, experts_mm, groups, no_autocast, register, takes_cast_input
 from mixprec.narrow.linear.fp8 import linear_class, replan
 from mixprec.narrow.experts.routes import uses_grouped
 
@@ -19,46 +18,59 @@ from mixprec.narrow.experts.routes import uses_grouped
 # ---- an experts module's forward: the routing around the two projections ---------------------------------------
 @dataclass
 class ExpertsLayer:
-    """An experts module's two projections: in a narrow recipe (operator keys of `register`),
-    or on torch's grouped GEMM in the base compute dtype."""
+    """An experts module's two projections: in a narrow recipe (each an ExpertsGemm, known to the operators
+    by its `Key`), or on torch's grouped GEMM in the base compute dtype."""
     fqn: str
-    up: int | None  # the operator key of gate_up_proj (or up_proj); None: the base mode
-    down: int | None
+    up: ExpertsGemm | None  # gate_up_proj (or up_proj) in the recipe; None: the base mode
+    down: ExpertsGemm | None
     # the base mode's compute dtype (the recipe's GEMMs write it too); None: autocast's, else the weights'
     dtype: torch.dtype | None
+    device: str = "cpu"  # where the keys' salts are (the layer's weights, `on`)
+    keys: tuple[Key, Key] | None = field(init=False, default=None)
+
+    def __post_init__(self):
+        if self.narrow:
+            self.keys = (register(self.up, self.device), register(self.down, self.device))
 
     @property
     def gemms(self) -> tuple[ExpertsGemm, ExpertsGemm]:
-        return gemm_of(self.up), gemm_of(self.down)
+        return self.up, self.down
 
     @property
     def narrow(self) -> bool:
         return self.up is not None
 
+    def keep_experts(self, start: int, end: int) -> None:
+        """Experts start:end only (expert parallelism's share of a rank): each keeps the salt it has with
+        every expert here."""
+        if self.narrow and self.up.salts:
+            self.up, self.down = (replace(g, salts=g.salts[start:end]) for g in self.gemms)
+            self.__post_init__()
+
     def on(self, device: str) -> None:
         """Its projections' GEMM routes chosen again for `device` (mixprec.narrow.linear.fp8.replan: said once
-        per plan and device), where they were chosen for another."""
+        per plan and device), where they were chosen for another; its salts moved there."""
         if not self.narrow or device == "meta":
             return
         plans = [replan(g.plan, linear_class(g.plan.recipe), device) for g in self.gemms]
-        if all(p is g.plan for p, g in zip(plans, self.gemms)):
-            return
-        self.up, self.down = (register(ExpertsGemm(g.name, p, g.transposed, g.salts, uses_grouped(p)))
+        self.up, self.down = (g if p is g.plan else replace(g, plan=p, grouped=uses_grouped(p))
                               for g, p in zip(self.gemms, plans))
+        self.device = device
+        self.__post_init__()
 
     def cast_input(self) -> tuple[tuple[int, int], bool] | None:
         """How rows cast for the up projection (tile, power_of_2) go to its GEMMs as they are (`takes_cast_input`)."""
-        return takes_cast_input(gemm_of(self.up)) if self.narrow else None
+        return takes_cast_input(self.up) if self.narrow else None
 
     def up_cast(self, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, x_data: torch.Tensor,
                 x_scale_inv: torch.Tensor) -> torch.Tensor:
         """The up projection on rows x that arrived cast as `cast_input` says (x_data, x_scale_inv): no cast."""
-        return torch.ops.mixprec.experts_mm_cast_input(x, x_data, x_scale_inv, weight, offs, self.up)
+        return torch.ops.mixprec.experts_mm_cast_input(x, x_data, x_scale_inv, weight, offs, self.keys[0].index)
 
     def projections(self, transposed: bool):
         """(up, down): each (x (S, K), weight, offs) -> (S, N)."""
         if self.narrow:
-            return (functools.partial(experts_mm, key=k) for k in (self.up, self.down))
+            return (functools.partial(experts_mm, key=k) for k in self.keys)
         return (functools.partial(base_mm, transposed=transposed, dtype=self.dtype) for _ in range(2))
 
 

@@ -17,7 +17,6 @@ MXLinear run alone, bit for bit, on the CPU (tests/narrow/test_experts.py).
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
@@ -101,16 +100,6 @@ def _keys(dy: torch.Tensor, seg: Segments, salts: torch.Tensor, role: int) -> to
     return mx.mix_key(row_sums.new_zeros(seg.n + 1).index_add_(0, seg.ids, row_sums), salts, role)
 
 
-@functools.lru_cache(maxsize=None)
-def _salts(salts: tuple, device: str) -> torch.Tensor:
-    """(E + 1,) int64: each expert's salt (the dense layer's `salt or 0`), 0 for the rows past offs[-1];
-    copied to the device once, from pinned memory without a wait (not in every step)."""
-    host = torch.tensor([s or 0 for s in salts] + [0], dtype=torch.long)
-    if torch.device(device).type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
 def _index(rows: torch.Tensor, width: torch.Tensor | int, columns: int) -> torch.Tensor:
     """(R, columns) int32: element (r, c)'s index in its own expert's tensor, rows[r] its row there and
     `width` that tensor's padded row length."""
@@ -143,12 +132,19 @@ def forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, g) -> torch.Te
     return out.to(g.plan.compute_dtype)
 
 
-def backward(x, w, offs, dy, g) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx (S, K) in x's dtype, dW (E, N, K) in w's dtype): the dense MXLinear's backward for each expert."""
+def backward(x, w, offs, dy, g, salts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx (S, K) in x's dtype, dW (E, N, K) in w's dtype): the dense MXLinear's backward for each expert.
+    salts: (E + 1,) each expert's (mixprec.narrow.experts.ops.Key); None: 0 for each, as a dense layer's
+    without a salt."""
     r, device = g.plan.recipe, x.device
     (S, K), N = x.shape, dy.shape[1]
     seg = Segments(offs, S)
-    salts = _salts(g.salts, str(device)) if r.stochastic_gradients else None
+    if not r.stochastic_gradients:
+        salts = None
+    elif salts is None:
+        salts = torch.zeros(seg.n + 1, dtype=torch.long, device=device)
+    else:
+        salts = salts.to(device)
     # the input gradient: dy along N per token, W^T along N per expert
     row_key = seg.per_row(_keys(dy, seg, salts, 0))[:, None] if salts is not None else None
     gq = _cast_tokens(r, dy, seg, gradient=True, row_key=row_key)

@@ -1,7 +1,8 @@
 """Grouped experts in a narrow recipe: the GEMMs of a mixture-of-experts layer, every expert
 scaled on its own, by the same recipe objects as a converted Linear.
 
-    out = experts_mm(x, weight, offs, layer)     # x (S, K) sorted by expert, weight (E, N, K)
+    key = register(ExpertsGemm(name, plan, transposed, salts))
+    out = experts_mm(x, weight, offs, key)       # x (S, K) sorted by expert, weight (E, N, K)
 
 `offs` holds the cumulative end of each expert's rows (int32, as torch's grouped GEMMs take
 it: expert e owns rows offs[e-1]:offs[e]); rows past offs[-1] give zeros. Each pass casts
@@ -24,7 +25,9 @@ its own dtype, as a grouped BF16 layer keeps it.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -70,17 +73,47 @@ class ExpertsGemm:
         return experts_mx if self.plan.recipe.granularity is Granularity.MICROSCALED else experts_fp8
 
 
+class Key(NamedTuple):
+    """What the operators take for one layer's projection, their last two arguments (`*key`). `salts`: the
+    layer's own part, a tensor (E + 1,) int64 on the layer's device (each expert's stochastic-rounding salt,
+    0 for the rows past offs[-1]); None where the recipe draws none. `index`: the registry's entry for what
+    the projection computes (its plan, layout and routes, named by its role, gate_up_proj or down_proj), one
+    for every layer of a plan: a compiled model guards on a Python integer's value, and a key of its own per
+    layer would compile each MoE block again (and run those past Dynamo's recompile limit eagerly)."""
+    salts: torch.Tensor | None
+    index: int
+
+
 _GEMMS: list[ExpertsGemm] = []  # the operators take an index into this registry (an operator takes no plan object)
+_INDEX: dict[ExpertsGemm, int] = {}
 
 
-def register(gemm: ExpertsGemm) -> int:
-    """The index an experts projection is known by to the operators."""
-    _GEMMS.append(gemm)
-    return len(_GEMMS) - 1
+def register(gemm: ExpertsGemm, device: str = "cpu") -> Key:
+    """The key a layer's projection is known by to the operators, its salts placed on `device`."""
+    shared = replace(gemm, name=gemm.name.rpartition(".")[2], salts=())
+    if shared not in _INDEX:
+        _INDEX[shared] = len(_GEMMS)
+        _GEMMS.append(shared)
+    return Key(_salts(gemm.salts, device) if gemm.salts else None, _INDEX[shared])
 
 
-def gemm_of(key: int) -> ExpertsGemm:
-    return _GEMMS[key]
+@functools.lru_cache(maxsize=None)
+def _salts(salts: tuple, device: str) -> torch.Tensor:
+    """(E + 1,) int64: each expert's salt (the dense layer's `salt or 0`), 0 for the rows past offs[-1];
+    made on the host once, outside any fake mode (a model built under the memory planner's), and copied to
+    the device from pinned memory without a wait."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        host = torch.tensor([s or 0 for s in salts] + [0], dtype=torch.long)
+        if torch.device(device).type == "cuda":
+            return host.pin_memory().to(device, non_blocking=True)
+        return host.to(device)
+
+
+def gemm_of(index: int) -> ExpertsGemm:
+    """What the projection registered at `index` computes (named by its role: the layer is the caller's)."""
+    return _GEMMS[index]
 
 
 DELAYED = "delayed scaling keeps one amax history per Linear layer and none for grouped experts"
@@ -115,54 +148,62 @@ def forward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, g: Expert
         return g.passes.forward(x, _by_output(weight, g), offs, g)
 
 
-def backward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, dy: torch.Tensor,
-             g: ExpertsGemm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx (S, K) in x's dtype, dW in the weight's layout and dtype): every expert's dense backward, grouped."""
+def backward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, dy: torch.Tensor, g: ExpertsGemm,
+             salts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx (S, K) in x's dtype, dW in the weight's layout and dtype): every expert's dense backward, grouped.
+    salts: the layer's (`Key.salts`); None: g's own."""
+    if g.passes is experts_mx:  # the FP8 recipes round to nearest: no salts
+        extra = (salts if salts is not None or not g.salts else _salts(g.salts, str(x.device)),)
+    else:
+        extra = ()
     with no_autocast(x.device):
-        dx, dw = g.passes.backward(x, _by_output(weight, g), offs, dy.contiguous(), g)
+        dx, dw = g.passes.backward(x, _by_output(weight, g), offs, dy.contiguous(), g, *extra)
     return dx, (dw.transpose(1, 2) if g.transposed else dw)
 
 
+# the forward needs no salts (the recipes round their forward casts to nearest); the operator takes them so
+# that the autograd context holds them for the backward
 @torch.library.custom_op("mixprec::experts_mm", mutates_args=())
-def _experts_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, key: int) -> torch.Tensor:
+def _experts_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, salts: torch.Tensor | None,
+                key: int) -> torch.Tensor:
     return forward(x, weight, offs, gemm_of(key))
 
 
 @_experts_mm.register_fake
-def _(x, weight, offs, key):
+def _(x, weight, offs, salts, key):
     g = gemm_of(key)
     return x.new_empty(x.shape[0], _by_output(weight, g).shape[1], dtype=g.plan.compute_dtype)
 
 
 @torch.library.custom_op("mixprec::experts_mm_backward", mutates_args=())
 def _experts_mm_backward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, dy: torch.Tensor,
-                         key: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return backward(x, weight, offs, dy, gemm_of(key))
+                         salts: torch.Tensor | None, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return backward(x, weight, offs, dy, gemm_of(key), salts)
 
 
 @_experts_mm_backward.register_fake
-def _(x, weight, offs, dy, key):
+def _(x, weight, offs, dy, salts, key):
     return torch.empty_like(x), torch.empty_like(weight)
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, offs, key = inputs
-    ctx.save_for_backward(x, weight, offs)
+    x, weight, offs, salts, key = inputs
+    ctx.save_for_backward(x, weight, offs, salts)
     ctx.key = key
 
 
 def _backward(ctx, dy):
-    x, weight, offs = ctx.saved_tensors
-    dx, dw = torch.ops.mixprec.experts_mm_backward(x, weight, offs, dy, ctx.key)
-    return dx, dw, None, None
+    x, weight, offs, salts = ctx.saved_tensors
+    dx, dw = torch.ops.mixprec.experts_mm_backward(x, weight, offs, dy, salts, ctx.key)
+    return dx, dw, None, None, None
 
 
 _experts_mm.register_autograd(_backward, setup_context=_setup_context)
 
 
-def experts_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, key: int) -> torch.Tensor:
+def experts_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, key: Key) -> torch.Tensor:
     """The experts projection registered as `key` (`register`) on x (S, K), rows sorted by expert."""
-    return torch.ops.mixprec.experts_mm(x, weight, offs, key)
+    return torch.ops.mixprec.experts_mm(x, weight, offs, *key)
 
 
 # ---- a projection whose input arrived cast (expert parallelism's FP8 dispatch) --------------------------------

@@ -118,16 +118,16 @@ class GatheredExperts(torch.Tensor):
         if func is aten.zeros_like.default:  # the weight gradient's buffer
             return torch.zeros(w.shape, dtype=w.dtype, device=w.device)
         if func is torch.ops.mixprec.experts_mm.default:
-            x, _, offs, key = args
+            x, _, offs, _, key = args
             g = experts.gemm_of(key)
             if is_fake(x):  # the memory planner's step: the sizes only (the group sizes have no value to read)
                 return x.new_empty(x.shape[0], w.shape[1], dtype=g.plan.compute_dtype)
             return experts.forward(x, w, offs, g)
         if func is torch.ops.mixprec.experts_mm_backward.default:
-            x, _, offs, dy, key = args
+            x, _, offs, dy, salts, key = args
             if is_fake(x):
                 return torch.empty_like(x), x.new_empty(w.shape, dtype=w.dtype)
-            return experts.backward(x, w, offs, dy, experts.gemm_of(key))
+            return experts.backward(x, w, offs, dy, experts.gemm_of(key), salts)
         if func is torch.ops.mixprec.experts_mm_cast_input.default:  # rows that arrived cast (expert parallel)
             x, x_data, x_scale_inv, _, offs, key = args
             return experts.experts_mm_cast_input(x, x_data, x_scale_inv, w, offs, key)
