@@ -44,6 +44,23 @@ def run_train(folder: Path, source: Path, *extra: str) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
+def once_per_run(tmp_path_factory, name: str, compute) -> dict:
+    """compute(path) writes a JSON file at `path`: done once for the whole run and read by every test worker
+    (pytest-xdist's workers share the run's base temporary folder; one computes while the others wait on its
+    lock), so a long fixture whose results do not depend on the worker is not computed on each."""
+    import os
+
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the parent: this run's, not pytest's
+    path = shared / f"once-{name}.json"
+    with FileLock(f"{path}.lock"):
+        if not path.is_file():
+            compute(path)
+    return json.loads(path.read_text())
+
+
 def kill_9_after(cmd: list[str], saved: Path, timeout: float = 240) -> None:
     """Start `cmd` and SIGKILL it as soon as the file `saved` exists (or it ended, or `timeout`)."""
     import signal

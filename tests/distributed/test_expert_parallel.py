@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint.format_utils  # noqa: F401
 
 import rank_pool
-from conftest import run_train, tiny_args, tiny_qwen3_moe
+from conftest import once_per_run, run_train, tiny_args, tiny_qwen3_moe
 from ep_worker import PEAKS, run
 from mixprec import UserError
 from mixprec.cli import main
@@ -21,9 +21,8 @@ from mixprec.distributed.parallel import ParallelDims
 
 @pytest.fixture(scope="module")
 def layers(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("ep")
-    run(str(folder / "out.json"), str(folder / "store"), 2)
-    return json.loads((folder / "out.json").read_text())
+    return once_per_run(tmp_path_factory, "ep-layers",
+                        lambda path: run(str(path), str(tmp_path_factory.mktemp("ep") / "store"), 2))
 
 
 # an expert sees its rows in one process's order (a stable sort by expert: rank 0's rows, then rank 1's, each in

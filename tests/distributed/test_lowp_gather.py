@@ -3,11 +3,11 @@
 quantising after the gather: bit-identical losses and weights, the bytes on the wire, the
 fallbacks and their log lines, recompute, promotion, DCP resume and compile."""
 
-import json
 
 import pytest
 import torch
 
+from conftest import once_per_run
 from lowp_gather_worker import run
 from mixprec.narrow import RECIPES
 from mixprec.narrow.fsdp.linear import copy_bytes, why_not
@@ -21,9 +21,7 @@ EXACT = ["fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8", "nvfp4", "mxfp
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    path = tmp_path_factory.mktemp("lowp") / "out.json"
-    run(str(path))
-    return json.loads(path.read_text())
+    return once_per_run(tmp_path_factory, "lowp-gather", lambda path: run(str(path)))
 
 
 @pytest.mark.slow
