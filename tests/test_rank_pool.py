@@ -11,6 +11,8 @@ import pytest
 
 import rank_pool
 
+pytestmark = pytest.mark.slow  # each starts (or restarts) a pool's ranks: 10-15 s under a full run
+
 
 def _hello(rank: int) -> None:
     print(f"hello from rank {rank} of {os.environ['WORLD_SIZE']}")
