@@ -235,7 +235,7 @@ class FollowsMoves(nn.Module):
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
-        self.layer.on(self.where.device.type)
+        self.layer.on(str(self.where.device))
         return out
 
 

@@ -48,11 +48,12 @@ class ExpertsLayer:
             self.__post_init__()
 
     def on(self, device: str) -> None:
-        """Its projections' GEMM routes chosen again for `device` (mixprec.narrow.linear.fp8.replan: said once
-        per plan and device), where they were chosen for another; its salts moved there."""
-        if not self.narrow or device == "meta":
+        """Its projections' GEMM routes chosen again for `device`'s type (mixprec.narrow.linear.fp8.replan: said
+        once per plan and device), where they were chosen for another; its salts moved to `device` ("cuda:1")."""
+        kind = torch.device(device).type
+        if not self.narrow or kind == "meta":  # salts stay real: a meta copy could not be moved back
             return
-        plans = [replan(g.plan, linear_class(g.plan.recipe), device) for g in self.gemms]
+        plans = [replan(g.plan, linear_class(g.plan.recipe), kind) for g in self.gemms]
         self.up, self.down = (g if p is g.plan else replace(g, plan=p, grouped=uses_grouped(p))
                               for g, p in zip(self.gemms, plans))
         self.device = device
