@@ -8,7 +8,8 @@ trainer) and torchrun's agent 1.5 s more: most of a small distributed test. A po
 worker, as PyTorch's own MultiProcessTestCase keeps its ranks for a class. Each call gets a fresh process group
 (a new port, a new TORCHELASTIC_RUN_ID, so mixprec.distributed.elastic's store namespace is new), its own
 environment and sys.argv, torch._dynamo reset afterwards, and os._exit turned into a return (mixprec leaves its
-process group that way under torchrun). A rank that fails, or that has not finished within the timeout, ends
+process group that way under torchrun); what a call that exits leaves behind is kept, never freed, as an exiting
+process frees nothing (`_ABANDONED`). A rank that fails, or that has not finished within the timeout, ends
 the pool, as torchrun's agent ends the other workers when one fails: they may be waiting in a collective. The
 next call starts a fresh pool. The tests that need torchrun itself (restarts, rendezvous, a documented command
 line) still start it."""
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
-import gc
 import multiprocessing
 import os
 import pickle
@@ -71,7 +71,7 @@ def _free_port() -> int:
 
 class _Pool:
     def __init__(self, world: int):
-        self.world, self.procs, self.conns = world, [], []
+        self.world, self.procs, self.conns, self.calls = world, [], [], 0
         self.dir = tempfile.mkdtemp(prefix=f"rank_pool{world}-")
         self.logs = [f"{self.dir}/{rank}.log" for rank in range(world)]
 
@@ -103,7 +103,7 @@ class _Pool:
             proc.kill()
         for proc in self.procs:
             proc.join()
-        self.procs, self.conns = [], []
+        self.procs, self.conns, self.calls = [], [], 0
 
     def run(self, kind: str, target, args: list[str], env: dict[str, str],
             timeout: float) -> subprocess.CompletedProcess:
@@ -111,9 +111,10 @@ class _Pool:
         calls: gloo's threads outlive a process group) is the pool's failure, not the call's: the pool is
         started afresh and the call made once more."""
         for attempt in (1, 2):
-            if not self.procs or not all(p.is_alive() for p in self.procs):
+            if not self.procs or not all(p.is_alive() for p in self.procs) or self.calls >= CALLS_PER_POOL:
                 self.kill()
                 self.start()
+            self.calls += 1
             fresh = {"MASTER_PORT": str(_free_port()), "TORCHELASTIC_RUN_ID": uuid.uuid4().hex, **env}
             with tempfile.TemporaryDirectory() as out:
                 try:
@@ -201,6 +202,15 @@ def _read(path: str) -> str:
         return ""
 
 
+# What each call that ended by an exit (os._exit, sys.exit) or an exception left behind, kept whole: the exception
+# holds its frames and their locals, the process group's objects among them (a DDP reducer, gloo's work and
+# threads). A worker that exits frees none of them; freeing them here, when the call unwinds, ran their C++
+# destructors against a process group already destroyed, and one waited for gloo's threads for ever (a rank hung
+# after its call, 2026-11-28). The pool is started afresh every CALLS_PER_POOL calls, which bounds what is kept.
+_ABANDONED: list[BaseException] = []
+CALLS_PER_POOL = 16
+
+
 class _Exit(BaseException):
     def __init__(self, code: int):
         self.code = code
@@ -270,11 +280,14 @@ def _call(rank: int, kind: str, target, args: list[str], env: dict[str, str], ou
             code = 0
         except _Exit as e:
             code = e.code
+            _ABANDONED.append(e)
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except BaseException:
+            _ABANDONED.append(e)
+        except BaseException as e:
             traceback.print_exc()
             code = 1
+            _ABANDONED.append(e)
         finally:
             os._exit = real_exit
             sys.stdout.flush()
@@ -297,7 +310,6 @@ def _clean() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    gc.collect()  # gloo's finished work objects released now, not by a later call's garbage collection
     if "torch._dynamo" in sys.modules:
         import torch._dynamo
 
