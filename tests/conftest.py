@@ -48,14 +48,14 @@ def once_per_run(tmp_path_factory, name: str, compute) -> dict:
     """compute(path) writes a JSON file at `path`: done once for the whole run and read by every test worker
     (pytest-xdist's workers share the run's base temporary folder; one computes while the others wait on its
     lock), so a long fixture whose results do not depend on the worker is not computed on each."""
+    import fcntl
     import os
-
-    from filelock import FileLock
 
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the parent: this run's, not pytest's
     path = shared / f"once-{name}.json"
-    with FileLock(f"{path}.lock"):
+    with open(f"{path}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not path.is_file():
             compute(path)
     return json.loads(path.read_text())
