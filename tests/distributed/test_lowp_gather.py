@@ -3,7 +3,6 @@
 quantising after the gather: bit-identical losses and weights, the bytes on the wire, the
 fallbacks and their log lines, recompute, promotion, DCP resume and compile."""
 
-
 import pytest
 import torch
 

@@ -175,9 +175,11 @@ def convert(model: nn.Module, fqns, plan: Plan) -> dict[str, ExpertsLayer]:
             # each expert's part of its stochastic-rounding keys, as an MXLinear's salt is its name's
             salts = tuple(zlib.crc32(f"{name}.{e}".encode()) for e in range(n_experts)) if microscaled else ()
             gemms.append(ExpertsGemm(name, plan, bool(m.is_transposed), salts, uses_grouped(plan)))
+        where = getattr(m, projections(m)[1]).device
+        # the salts beside the weights; a meta model's on the host until it is materialised (FollowsMoves)
         m.mixprec_experts = converted[fqn] = ExpertsLayer(fqn, *gemms, plan.compute_dtype,
-                                                          device if microscaled else "cpu")
-        m.mixprec_moves = FollowsMoves(m.mixprec_experts, getattr(m, projections(m)[1]).device)
+                                                          "cpu" if where.type == "meta" else str(where))
+        m.mixprec_moves = FollowsMoves(m.mixprec_experts, where)
         _select(m)
     return converted
 

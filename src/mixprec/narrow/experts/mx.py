@@ -17,7 +17,6 @@ MXLinear run alone, bit for bit, on the CPU (tests/narrow/test_experts.py).
 
 from __future__ import annotations
 
-
 import torch
 
 from mixprec.narrow.kernels import cuda_compiled
@@ -143,8 +142,8 @@ def backward(x, w, offs, dy, g, salts: torch.Tensor | None) -> tuple[torch.Tenso
         salts = None
     elif salts is None:
         salts = torch.zeros(seg.n + 1, dtype=torch.long, device=device)
-    else:
-        salts = salts.to(device)
+    else:  # on the layer's device already (ExpertsLayer.on): no copy in the step
+        salts = salts.to(device, non_blocking=True)
     # the input gradient: dy along N per token, W^T along N per expert
     row_key = seg.per_row(_keys(dy, seg, salts, 0))[:, None] if salts is not None else None
     gq = _cast_tokens(r, dy, seg, gradient=True, row_key=row_key)

@@ -100,15 +100,17 @@ def register(gemm: ExpertsGemm, device: str = "cpu") -> Key:
 @functools.lru_cache(maxsize=None)
 def _salts(salts: tuple, device: str) -> torch.Tensor:
     """(E + 1,) int64: each expert's salt (the dense layer's `salt or 0`), 0 for the rows past offs[-1];
-    made on the host once, outside any fake mode (a model built under the memory planner's), and copied to
-    the device from pinned memory without a wait."""
+    made on the host once per layer and device (at conversion and when the layer moves, never in a step),
+    outside any fake mode (a model built under the memory planner's), and copied to an accelerator without a
+    wait (from pinned memory on CUDA)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
         host = torch.tensor([s or 0 for s in salts] + [0], dtype=torch.long)
-        if torch.device(device).type == "cuda":
-            return host.pin_memory().to(device, non_blocking=True)
-        return host.to(device)
+        kind = torch.device(device).type
+        if kind == "cpu":
+            return host
+        return (host.pin_memory() if kind == "cuda" else host).to(device, non_blocking=True)
 
 
 def gemm_of(index: int) -> ExpertsGemm:
